@@ -1,0 +1,119 @@
+"""`conveyor` command line: `conveyor generate` streams a completion (or chats interactively)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from typing import Any
+
+from pipeline.config import EngineConfig
+from pipeline.errors import AdmissionRefused, InvalidRequest
+from pipeline.request import SamplingParams
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    defaults = EngineConfig()
+    parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
+    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--dtype", default=defaults.dtype)
+    parser.add_argument("--block-size", type=int, default=defaults.block_size)
+    parser.add_argument("--num-kv-blocks", type=int, default=None)
+    parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_gib)
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
+                        num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
+                        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+                        max_num_batched_tokens=args.max_num_batched_tokens)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--min-tokens", type=int, default=0)
+    parser.add_argument("--temperature", type=float, default=None)
+    parser.add_argument("--top-p", type=float, default=None)
+    parser.add_argument("--top-k", type=int, default=None)
+    parser.add_argument("--min-p", type=float, default=None)
+    parser.add_argument("--repetition-penalty", type=float, default=None)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(max_tokens=args.max_tokens, min_tokens=args.min_tokens, temperature=args.temperature,
+                          top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                          repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, seed=args.seed, stop=list(args.stop),
+                          ignore_eos=args.ignore_eos)
+
+
+async def _stream(engine: Any, params: SamplingParams, **prompt: Any) -> str:
+    text = []
+    async for delta in engine.generate(params=params, **prompt):
+        sys.stdout.write(delta.text)
+        sys.stdout.flush()
+        text.append(delta.text)
+    sys.stdout.write("\n")
+    return "".join(text)
+
+
+async def generate_main(args: argparse.Namespace) -> int:
+    from pipeline.engine import Engine
+
+    engine = await Engine.create(engine_config(args), progress=lambda m: print(f"[conveyor] {m}", file=sys.stderr))
+    params = sampling_params(args)
+    try:
+        if args.prompt is not None:
+            prompt: dict[str, Any] = ({"prompt": args.prompt} if args.raw or engine.loaded.limits.chat_template is None
+                                      else {"messages": [{"role": "user", "content": args.prompt}]})
+            await _stream(engine, params, **prompt)
+            return 0
+        return await _chat_loop(engine, params)
+    except (InvalidRequest, AdmissionRefused) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    finally:
+        await engine.shutdown()
+
+
+async def _chat_loop(engine: Any, params: SamplingParams) -> int:
+    """Interactive chat on stdin (what `make serve` runs until the HTTP server lands)."""
+    history: list[dict[str, str]] = []
+    print("[conveyor] chat with the model; an empty line or Ctrl-D quits", file=sys.stderr)
+    loop = asyncio.get_running_loop()
+    while True:
+        sys.stdout.write("> ")
+        sys.stdout.flush()
+        line = await loop.run_in_executor(None, sys.stdin.readline)
+        if not line.strip():
+            return 0
+        history.append({"role": "user", "content": line.rstrip("\n")})
+        reply = await _stream(engine, params, messages=history)
+        history.append({"role": "assistant", "content": reply})
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference engine")
+    commands = parser.add_subparsers(dest="command", required=True)
+    gen = commands.add_parser("generate", help="stream a completion to stdout (interactive chat without --prompt)")
+    gen.add_argument("--prompt", default=None)
+    gen.add_argument("--raw", action="store_true", help="complete the prompt as plain text (no chat template)")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    args = parser.parse_args(argv)
+    import uvloop
+
+    if args.command == "generate":
+        return uvloop.run(generate_main(args))
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,32 @@
+"""Engine configuration: one flat dataclass that the CLI, the server and tests fill in."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str | None = None  # HF directory or .gguf path; None: the embedded SmolLM2 GGUF
+    device: str = "cpu"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
+    kv_cache_memory_gib: float = 1.0
+    max_model_len: int | None = None  # None: the model's max positions, capped by the KV pool
+    max_num_seqs: int = 64  # sequences holding a seat (prefilling or decoding) at once
+    max_num_batched_tokens: int = 512  # per-step token budget (decode tokens + prefill chunk)
+    max_waiting_requests: int = 1024
+    max_waiting_tokens: int = 1 << 20
+    stage_queue_size: int = 256  # bound of every stage inbox that is not sized by seats
+    output_channel_cap_bytes: int = 1 << 20  # per-request unread output before it is aborted
+    seed: int | None = None  # seeds request seeds when a request has none (tests)
+
+    def validate(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.max_num_seqs < 1:
+            raise ValueError("max_num_seqs must be at least 1")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
+            raise ValueError("num_kv_blocks must be at least 2 (block 0 is reserved)")

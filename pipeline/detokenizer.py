@@ -1,0 +1,156 @@
+"""Incremental detokenization whose streamed text equals a full decode of the output ids.
+
+Decoding token by token is wrong in two ways: a character's UTF-8 bytes can be split over
+several byte-level BPE tokens (each piece alone decodes to U+FFFD), and decoders treat the first
+token of a decode call specially (SentencePiece-style decoders strip its leading space). So each
+step decodes a short window: a few already-emitted tokens as left context (the "prefix") plus the
+new tokens (the "tail"), and emits only the text past the prefix. Text is released only once it
+cannot change: a trailing run of U+FFFD may be an incomplete UTF-8 sequence, so it is held until a
+later token settles it, or until flush().
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+# Emitted tokens kept as left context. One suffices for the decoders in use (byte-level,
+# Metaspace/Strip, ByteFallback, WordPiece); a few more cost little.
+PREFIX_CONTEXT_TOKENS = 4
+# A held tail longer than this tries to re-anchor the window at a settled split point, which keeps
+# each step's cost bounded even for garbage ids whose decode keeps ending in U+FFFD.
+MAX_HELD_TOKENS = 8
+REANCHOR_ATTEMPTS = 8
+# Characters that must follow a split point before the text left of it is settled: a UTF-8
+# sequence is at most 4 bytes, and every decoded character consumes at least one byte.
+SETTLED_LOOKAHEAD_CHARS = 4
+
+
+class TokenDecoder(Protocol):
+    """What we need from a tokenizer: `tokenizers.Tokenizer` and HF tokenizers both fit."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+
+def _special_token_ids(backend: Any) -> frozenset[int]:
+    """Ids that decode(skip_special_tokens=True) drops; empty if the backend cannot say."""
+    added = getattr(backend, "get_added_tokens_decoder", None)
+    if added is None:
+        return frozenset()
+    return frozenset(int(i) for i, token in added().items() if getattr(token, "special", False))
+
+
+def _trailing_replacement_chars(text: str) -> int:
+    return len(text) - len(text.rstrip(REPLACEMENT_CHAR))
+
+
+@dataclass(slots=True, init=False)
+class IncrementalDetokenizer:
+    """Streams text for generated ids; the joined deltas plus flush() equal
+    `backend.decode(output_ids, skip_special_tokens=...)` for any chunking of the ids.
+
+    `prompt_token_ids` is accepted so callers can pass what they have, but it is deliberately not
+    used as decode context: the reference is the decode of the output ids alone, and left context
+    would change the first token's text (e.g. a Metaspace decoder strips the leading space only of
+    the first token of a decode call). A window that starts at the first output token reproduces
+    the full decode's treatment of that token exactly.
+    """
+
+    backend: TokenDecoder
+    skip_special_tokens: bool
+    _dropped_ids: frozenset[int]  # special ids, removed up front when skipping them
+    _window: list[int]  # prefix (already emitted) + tail (not yet settled)
+    _read: int  # window[:_read] is the prefix
+    _prefix_chars: int  # len(decode(window[:_read]))
+    _tail_emitted: int  # characters of the tail's text already emitted
+    _pieces: list[str]
+    _finished: bool
+
+    def __init__(
+        self,
+        backend: TokenDecoder,
+        prompt_token_ids: Sequence[int] = (),
+        skip_special_tokens: bool = True,
+    ) -> None:
+        self.backend = backend
+        self.skip_special_tokens = skip_special_tokens
+        # Skipped specials must not sit at the window's start: the decoder would then treat the
+        # next real token as "first" (and e.g. strip its space) where the full decode does not.
+        self._dropped_ids = _special_token_ids(backend) if skip_special_tokens else frozenset()
+        self._window, self._read, self._prefix_chars, self._tail_emitted = [], 0, 0, 0
+        self._pieces, self._finished = [], False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        joined = "".join(self._pieces)
+        self._pieces = [joined]
+        return joined
+
+    def push(self, token_ids: Sequence[int]) -> str:
+        """Add generated ids; return the newly settled text ('' while a character is incomplete)."""
+        if self._finished:
+            raise RuntimeError("push() after flush(): the sequence has ended")
+        ids = [int(i) for i in token_ids]
+        if self._dropped_ids:
+            ids = [i for i in ids if i not in self._dropped_ids]
+        if not ids:
+            return ""
+        self._window.extend(ids)
+        text = self._decode(self._window)
+        tail = text[self._prefix_chars :]
+        settled = len(tail) - _trailing_replacement_chars(tail)
+        delta = tail[self._tail_emitted : settled]
+        if settled == len(tail):
+            self._advance()
+        else:
+            self._tail_emitted = max(self._tail_emitted, settled)
+            if len(self._window) - self._read > MAX_HELD_TOKENS:
+                delta += self._reanchor(text)
+        return self._emit(delta)
+
+    def flush(self) -> str:
+        """End of sequence: release held text exactly as the full decode renders it."""
+        if self._finished:
+            return ""
+        self._finished = True
+        if self._read == len(self._window):
+            return ""
+        text = self._decode(self._window)
+        return self._emit(text[self._prefix_chars + self._tail_emitted :])
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+    def _advance(self) -> None:
+        """The whole window is settled: its last tokens become the next step's left context."""
+        self._window = self._window[-PREFIX_CONTEXT_TOKENS:]
+        self._read = len(self._window)
+        self._prefix_chars = len(self._decode(self._window))
+        self._tail_emitted = 0
+
+    def _reanchor(self, text: str) -> str:
+        """Move the window start into a long held tail, at a split point whose left side is settled
+        and decodes independently of the right side; return left-side text not yet emitted."""
+        window = self._window
+        lowest = max(self._read, len(window) - 1 - REANCHOR_ATTEMPTS)
+        for split in range(len(window) - 1, lowest, -1):
+            context = self._decode(window[split - 1 : split])
+            anchored = self._decode(window[split - 1 :])
+            right = anchored[len(context) :]
+            if not anchored.startswith(context) or len(right) < SETTLED_LOOKAHEAD_CHARS:
+                continue
+            if self._decode(window[:split]) + right != text:
+                continue  # the split cuts through a character
+            left_chars = len(text) - len(right)
+            emitted_chars = self._prefix_chars + self._tail_emitted
+            self._window, self._read, self._prefix_chars = window[split - 1 :], 1, len(context)
+            self._tail_emitted = max(0, emitted_chars - left_chars)
+            return text[emitted_chars:left_chars]
+        return ""

@@ -1,0 +1,166 @@
+"""The engine: builds the stage graph from a config and serves generate() / abort() / shutdown().
+
+    generate() ─▶ Intake ─▶ Prefill ─▶ Decode ─▶ Detokenize ─▶ Stream ─▶ OutputChannel ─▶ caller
+                                 ▲        │  (preempted sequences go back to prefill)
+                                 └────────┘
+Prefill and decode share one device through the DeviceExecutor thread and one KV block pool.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from pipeline.config import EngineConfig
+from pipeline.errors import EngineDead
+from pipeline.loading import LoadedModel, load_model
+from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.messages import IntakeItem
+from pipeline.output_channel import OutputChannel
+from pipeline.request import CancelReason, OutputDelta, Request, SamplingParams, new_request_id
+from pipeline.runner.executor import DeviceExecutor
+from pipeline.scheduler import SeatPool, WaitingGauge
+from pipeline.stage import Stage
+from pipeline.stages.decode import DecodeStage
+from pipeline.stages.detokenize import DetokenizeStage
+from pipeline.stages.intake import IntakeStage
+from pipeline.stages.prefill import PrefillStage
+from pipeline.stages.stream import StreamStage
+
+log = logging.getLogger("conveyor.engine")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+        self.config = config
+        self.loaded = loaded
+        self.tokenizer = loaded.tokenizer
+        self.pool = KVBlockPool(loaded.num_blocks, config.block_size)
+        self.seats = SeatPool(config.max_num_seqs)
+        self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
+        self.executor = DeviceExecutor(loaded.runner.execute)
+        seat_bound = config.max_num_seqs + config.stage_queue_size  # never full: see scheduler.py
+        self.stream = StreamStage(config.stage_queue_size)
+        self.detokenize = DetokenizeStage(config.stage_queue_size, tokenizer=self.tokenizer, stream=self.stream)
+        shared = dict(pool=self.pool, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
+        self.decode = DecodeStage(seat_bound, **shared)
+        self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, token_budget=config.max_num_batched_tokens,
+                                    decode=self.decode, **shared)
+        self.decode.prefill = self.prefill
+        self.intake = IntakeStage(config.stage_queue_size, tokenizer=self.tokenizer, limits=loaded.limits,
+                                  waiting_gauge=self.waiting, prefill=self.prefill, seed=config.seed)
+        self.stages: list[Stage] = [self.intake, self.prefill, self.decode, self.detokenize, self.stream]
+        self._live: dict[str, Request] = {}
+        self._channels: dict[str, OutputChannel] = {}
+        self._aborted_before_admission: set[str] = set()
+        self._tasks: list[asyncio.Task[None]] = []
+        self._watchdog: asyncio.Task[None] | None = None
+        self.failure: BaseException | None = None
+
+    @classmethod
+    async def create(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> Engine:
+        """Load the model off the event loop, then start every stage."""
+        config.validate()
+        loaded = await asyncio.to_thread(load_model, config, progress)
+        engine = cls(config, loaded)
+        engine.start()
+        return engine
+
+    def start(self) -> None:
+        self._tasks = [asyncio.create_task(stage.run(), name=f"stage-{stage.name}") for stage in self.stages]
+        self._watchdog = asyncio.create_task(self._watch(), name="engine-watchdog")
+
+    async def _watch(self) -> None:
+        done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for task in done:
+            if not task.cancelled() and task.exception() is not None:
+                self.failure = task.exception()
+                log.error("stage %s failed", task.get_name(), exc_info=self.failure)
+                break
+        error = EngineDead(f"engine stopped: {self.failure!r}" if self.failure else "engine stopped")
+        for channel in self._channels.values():
+            channel.fail(error)
+
+    @property
+    def alive(self) -> bool:
+        return self.failure is None and bool(self._tasks) and not any(t.done() for t in self._tasks)
+
+    async def generate(
+        self,
+        prompt: str | None = None,
+        *,
+        prompt_token_ids: list[int] | None = None,
+        messages: list[dict[str, Any]] | None = None,
+        params: SamplingParams | None = None,
+        request_id: str | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> AsyncIterator[OutputDelta]:
+        """Stream output deltas (one per sample per step, merged if the caller reads slowly).
+
+        Raises InvalidRequest / AdmissionRefused before the first delta. Closing the iterator early
+        cancels the request, which frees its sequences within one step.
+        """
+        if not self.alive:
+            raise EngineDead(f"engine is not running: {self.failure!r}")
+        params = params or SamplingParams()
+        request_id = request_id or new_request_id()
+        channel = OutputChannel(params.n, self.config.output_channel_cap_bytes)
+        self._channels[request_id] = channel
+        item = IntakeItem(request_id, channel, params, prompt, prompt_token_ids, messages,
+                          dict(chat_template_kwargs or {}), on_admitted=self._on_admitted)
+        complete = False
+        try:
+            await self.intake.put(item)
+            while True:
+                batch = await channel.next_batch()
+                if not batch:
+                    complete = True
+                    return
+                for delta in batch:
+                    yield delta
+        finally:
+            self._channels.pop(request_id, None)
+            request = self._live.pop(request_id, None)
+            if request is not None and not complete:
+                request.cancel.cancel(CancelReason.CLIENT_DISCONNECTED)
+
+    def _on_admitted(self, request: Request) -> None:
+        self._live[request.request_id] = request
+        if request.request_id in self._aborted_before_admission:
+            self._aborted_before_admission.discard(request.request_id)
+            request.cancel.cancel(CancelReason.ABORTED)
+
+    def abort(self, request_id: str, reason: CancelReason = CancelReason.ABORTED) -> bool:
+        """Cancel a request; its sequences end and free their blocks at the owning stage's next step."""
+        request = self._live.get(request_id)
+        if request is not None:
+            request.cancel.cancel(reason)
+            return True
+        if request_id in self._channels:
+            self._aborted_before_admission.add(request_id)
+            return True
+        return False
+
+    def stats(self) -> dict[str, Any]:
+        return {
+            "stages": {stage.name: stage.snapshot() for stage in self.stages},
+            "kv_blocks": {"total": self.pool.capacity, "used": self.pool.num_used, "free": self.pool.num_free},
+            "seats": {"capacity": self.seats.capacity, "held": self.seats.held},
+            "waiting": {"requests": self.waiting.requests, "tokens": self.waiting.tokens},
+            "running": len(self.decode.running),
+            "prefilling": len(self.prefill.waiting),
+            "preemptions": self.decode.preemptions,
+            "device_steps": self.executor.steps,
+            "mixed_steps": self.executor.merged_steps,
+        }
+
+    async def shutdown(self) -> None:
+        for request in list(self._live.values()):
+            request.cancel.cancel(CancelReason.SHUTDOWN)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        if self._watchdog is not None:
+            await asyncio.gather(self._watchdog, return_exceptions=True)
+        await asyncio.to_thread(self.executor.shutdown)

@@ -1,0 +1,22 @@
+"""Errors a client can cause or observe; the web layer maps each to an OpenAI error and status."""
+from __future__ import annotations
+
+
+class InvalidRequest(ValueError):
+    """The request cannot be served as given (HTTP 400)."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class AdmissionRefused(RuntimeError):
+    """The engine is at its waiting limits or draining (HTTP 503 with Retry-After)."""
+
+
+class EngineDead(RuntimeError):
+    """A stage failed; the engine no longer serves (HTTP 500/503)."""
+
+
+class RequestFailed(RuntimeError):
+    """A request ended with an error after it was admitted (timeout, output overflow, ...)."""

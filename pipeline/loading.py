@@ -1,0 +1,80 @@
+"""Model loading for the engine: weights, tokenizer, limits, and the KV pool size."""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.config import EngineConfig
+from pipeline.models.config import ModelArchConfig
+from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
+from pipeline.models.registry import build_model
+from pipeline.runner.model_runner import ModelRunner, kv_bytes_per_block
+from pipeline.stages.intake import ModelLimits, generation_defaults
+from pipeline.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class LoadedModel:
+    path: str
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    runner: ModelRunner
+    limits: ModelLimits
+    num_blocks: int
+    dtype: torch.dtype
+    device: torch.device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtypes = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+              "float16": torch.float16, "fp16": torch.float16}
+    if name not in dtypes:
+        raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(dtypes)}")
+    return dtypes[name]
+
+
+def eos_token_ids(tokenizer: Tokenizer, hf_config: dict, generation_config: dict) -> frozenset[int]:
+    """Every eos id the model declares: tokenizer, config.json and generation_config.json."""
+    ids: set[int] = set()
+    for source in (hf_config.get("eos_token_id"), generation_config.get("eos_token_id"), tokenizer.eos_token_id):
+        if isinstance(source, int):
+            ids.add(source)
+        elif isinstance(source, list):
+            ids.update(int(x) for x in source)
+    return frozenset(ids)
+
+
+def load_model(config: EngineConfig, progress: Callable[[str], None] | None = None) -> LoadedModel:
+    say = progress or (lambda message: None)
+    path = resolve_model_path(config.model)
+    device = torch.device(config.device)
+    dtype = resolve_dtype(config.dtype, device)
+    say(f"reading {path}")
+    hf_config = load_hf_config(path)
+    arch = ModelArchConfig.from_hf(hf_config)
+    tokenizer = Tokenizer.from_pretrained(path)
+    generation_config = load_generation_config(path)
+    say(f"loading {arch.model_type} weights ({arch.num_layers} layers) as {dtype} on {device}")
+    model = build_model(arch, iter_weights(path), dtype, device)
+    block_bytes = kv_bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.block_size, dtype)
+    num_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gib * (1 << 30)) // block_bytes)
+    pool_tokens = (num_blocks - 1) * config.block_size
+    max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
+    runner = ModelRunner(model, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                         vocab_size=arch.vocab_size, num_blocks=num_blocks, block_size=config.block_size,
+                         dtype=dtype, device=device)
+    limits = ModelLimits(
+        max_model_len=max_model_len,
+        vocab_size=arch.vocab_size,
+        max_num_seqs=config.max_num_seqs,
+        eos_token_ids=eos_token_ids(tokenizer, hf_config, generation_config),
+        generation_defaults=generation_defaults(generation_config),
+        chat_template=tokenizer.chat_template,
+    )
+    say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
+    return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device)
+

@@ -1,0 +1,156 @@
+"""ModelArchConfig: one normalized view of a HF ``config.json`` for the dense model family.
+
+Reads both the transformers-5 style (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the
+scaling fields) and the legacy style (top-level ``rope_theta`` plus ``rope_scaling`` with ``type`` or
+``rope_type``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+# Scaling fields carried over from a rope dict (everything but the type and theta).
+_ROPE_SCALING_KEYS = (
+    "factor",
+    "original_max_position_embeddings",
+    "low_freq_factor",
+    "high_freq_factor",
+    "beta_fast",
+    "beta_slow",
+    "mscale",
+    "mscale_all_dim",
+    "attention_factor",
+    "truncate",
+)
+
+
+@dataclass(slots=True)
+class ModelArchConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projection biases
+    o_proj_bias: bool = False  # llama/qwen3 `attention_bias` also puts a bias on o_proj; qwen2 does not
+    mlp_bias: bool = False
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rope (qwen3)
+    hidden_act: str = "silu"
+    max_position_embeddings: int = 2048
+    # rope
+    rope_theta: float = 10000.0
+    rope_type: str = "default"
+    rope_scaling: dict[str, Any] = field(default_factory=dict)  # factor, original_max_position_embeddings, ...
+    partial_rotary_factor: float = 1.0
+    rope_interleaved: bool = False  # gptj layout; HF llama/qwen use neox (rotate-half)
+    sliding_window: int | None = None  # recorded; not applied by the dense attention path
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> "ModelArchConfig":
+        """Normalize a HF config dict (``config.json`` contents or ``PretrainedConfig.to_dict()``)."""
+        d = dict(d)
+        # Multimodal wrappers keep the language model under text_config.
+        if "text_config" in d and "hidden_size" not in d:
+            d = {**d["text_config"], "model_type": d["text_config"].get("model_type", d.get("model_type"))}
+        model_type = d.get("model_type")
+        if not model_type:
+            raise ValueError("HF config has no model_type")
+        try:
+            hidden = int(d["hidden_size"])
+            num_heads = int(d["num_attention_heads"])
+            num_layers = int(d["num_hidden_layers"])
+            vocab = int(d["vocab_size"])
+            inter = int(d["intermediate_size"])
+        except KeyError as e:
+            raise ValueError(f"HF config for {model_type!r} lacks required field {e.args[0]!r}") from None
+        num_kv_heads = d.get("num_key_value_heads") or num_heads
+        head_dim = d.get("head_dim") or hidden // num_heads
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
+
+        bias = bool(d.get("attention_bias", False))
+        if model_type == "qwen2":
+            attention_bias, o_proj_bias = True, False
+        else:
+            attention_bias, o_proj_bias = bias, bias
+
+        theta, rope_type, scaling, partial = _parse_rope(d)
+
+        sliding = None
+        if model_type in ("qwen2", "qwen3"):
+            if d.get("use_sliding_window"):
+                sliding = d.get("sliding_window")
+        else:
+            sliding = d.get("sliding_window")
+
+        return cls(
+            model_type=model_type,
+            vocab_size=vocab,
+            hidden_size=hidden,
+            intermediate_size=inter,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=int(num_kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=attention_bias,
+            o_proj_bias=o_proj_bias,
+            mlp_bias=bool(d.get("mlp_bias", False)),
+            qk_norm=model_type == "qwen3",
+            hidden_act=d.get("hidden_act", "silu"),
+            max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            rope_type=rope_type,
+            rope_scaling=scaling,
+            partial_rotary_factor=partial,
+            sliding_window=sliding,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            hf_config=d,
+        )
+
+
+def _parse_rope(d: dict[str, Any]) -> tuple[float, str, dict[str, Any], float]:
+    """-> (rope_theta, rope_type, scaling fields, partial_rotary_factor)."""
+    params = d.get("rope_parameters")
+    legacy = d.get("rope_scaling")
+    if params is not None and not isinstance(params, dict):
+        raise ValueError(f"rope_parameters must be a dict, got {type(params).__name__}")
+    if params and any(isinstance(v, dict) for v in params.values()):
+        raise NotImplementedError("per-layer-type rope_parameters are not supported by the dense model family")
+    merged: dict[str, Any] = {}
+    if isinstance(legacy, dict):
+        merged.update(legacy)
+    if params:
+        merged.update(params)
+    theta = merged.get("rope_theta", d.get("rope_theta", 10000.0))
+    rope_type = merged.get("rope_type") or merged.get("type") or "default"
+    partial = merged.get("partial_rotary_factor", d.get("partial_rotary_factor", 1.0))
+    scaling = {k: merged[k] for k in _ROPE_SCALING_KEYS if k in merged and merged[k] is not None}
+    if rope_type in ("llama3", "yarn", "longrope"):
+        # transformers: the top-level field wins (phi3 style), else the dict's, else max_position_embeddings
+        orig = d.get("original_max_position_embeddings") or scaling.get("original_max_position_embeddings")
+        scaling["original_max_position_embeddings"] = int(orig or d.get("max_position_embeddings", 2048))
+    return float(theta), str(rope_type), scaling, float(partial if partial is not None else 1.0)

@@ -1,0 +1,150 @@
+"""Building blocks of the dense decoder: RMSNorm (optionally fused with the residual add), the SiLU-and-mul MLP
+with a fused gate/up projection, and paged attention with a fused qkv projection."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.kv_cache import write_kv_ref
+from kernels.paged_attention import PagedAttentionPlan, paged_attention_ref
+from pipeline.models.attention import AttentionMetadata
+from pipeline.models.rope import apply_rotary_emb_
+
+
+class RMSNorm(nn.Module):
+    """``forward(x)`` -> normed x; ``forward(x, residual)`` -> (norm(x + residual), x + residual)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.eps = eps
+        self.normalized_shape = (hidden_size,)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+        residual = x + residual
+        return F.rms_norm(residual, self.normalized_shape, self.weight, self.eps), residual
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape[0]}, eps={self.eps}"
+
+
+class MergedLinear(nn.Module):
+    """One ``[sum(out_sizes), in]`` weight that stands for several HF projections (loaded shard by shard)."""
+
+    def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype=None, device=None) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.out_sizes = list(out_sizes)
+        total = sum(out_sizes)
+        self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype, device=device))
+        self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device)) if bias else None
+
+    def shard_range(self, shard: int) -> tuple[int, int]:
+        start = sum(self.out_sizes[:shard])
+        return start, start + self.out_sizes[shard]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+    def extra_repr(self) -> str:
+        return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}"
+
+
+class Embedding(nn.Module):
+    """Token embedding with an uninitialized weight (weights are always loaded)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype=None, device=None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+def Linear(in_features: int, out_features: int, bias: bool = False, dtype=None, device=None) -> MergedLinear:
+    """A plain projection: a MergedLinear of one shard (no init cost; weights are always loaded)."""
+    return MergedLinear(in_features, [out_features], bias, dtype, device)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu",
+                 dtype=None, device=None) -> None:
+        super().__init__()
+        if act != "silu":
+            raise NotImplementedError(f"hidden_act {act!r} is not supported (only silu)")
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias, dtype, device)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = self.gate_up_proj(x)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class PagedAttention(nn.Module):
+    """Fused qkv projection (+bias), optional per-head q/k RMSNorm, rope, KV write, paged attention, o_proj."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+        qk_norm: bool = False,
+        rms_norm_eps: float = 1e-6,
+        is_neox_style: bool = True,
+        dtype=None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+        self.q_size = num_heads * head_dim
+        self.kv_size = num_kv_heads * head_dim
+        self.scale = head_dim**-0.5
+        self.is_neox_style = is_neox_style
+        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, dtype, device)
+        self.o_proj = Linear(self.q_size, hidden_size, o_bias, dtype, device)
+        if qk_norm:
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,  # [T, 1, rotary_dim] from RotaryEmbedding.cos_sin (once per step)
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,  # [2, NB, BS, KVH, D]
+        meta: AttentionMetadata,
+        plan: PagedAttentionPlan | None = None,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)
+        qk_end = self.q_size + self.kv_size
+        if self.q_norm is None:
+            # q and k are adjacent: one in-place rotation covers both.
+            qk = qkv[:, :qk_end].view(T, H + KVH, D)
+            apply_rotary_emb_(qk, cos, sin, self.is_neox_style)
+            q, k = qk[:, :H], qk[:, H:]
+        else:
+            q = self.q_norm(qkv[:, : self.q_size].view(T, H, D))
+            k = self.k_norm(qkv[:, self.q_size : qk_end].view(T, KVH, D))
+            apply_rotary_emb_(q, cos, sin, self.is_neox_style)
+            apply_rotary_emb_(k, cos, sin, self.is_neox_style)
+        v = qkv[:, qk_end:].view(T, KVH, D)
+        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)
+        return self.o_proj(out.reshape(T, self.q_size))

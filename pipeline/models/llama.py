@@ -1,0 +1,169 @@
+"""The dense decoder family over a paged KV cache: Llama, Mistral (= Llama), Qwen2 (qkv bias), Qwen3 (q/k norm)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
+from pipeline.models.attention import AttentionMetadata
+from pipeline.models.config import ModelArchConfig
+from pipeline.models.layers import Embedding, GatedMLP, Linear, PagedAttention, RMSNorm
+from pipeline.models.rope import RotaryEmbedding
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype=None, device=None) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.self_attn = PagedAttention(
+            arch.hidden_size,
+            arch.num_heads,
+            arch.num_kv_heads,
+            arch.head_dim,
+            qkv_bias=arch.attention_bias,
+            o_bias=arch.o_proj_bias,
+            qk_norm=arch.qk_norm,
+            rms_norm_eps=arch.rms_norm_eps,
+            is_neox_style=not arch.rope_interleaved,
+            dtype=dtype,
+            device=device,
+        )
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, arch.hidden_act, dtype, device)
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        plan: PagedAttentionPlan | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, cos, sin, kv_cache, meta, plan)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, arch: ModelArchConfig, dtype=None, device=None) -> None:
+        super().__init__()
+        self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
+        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_layers)])
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.rotary_emb = RotaryEmbedding.from_arch(arch, dtype=dtype, device=device)
+
+
+# HF name pieces fused into one parameter: suffix -> (fused suffix, shard index)
+_FUSED = {
+    "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+    "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+    "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+_IGNORED_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+class LlamaForCausalLM(nn.Module):
+    """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]`` (final norm applied);
+    ``compute_logits(hidden [S, hidden]) -> [S, vocab] float32``."""
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype | None = None, device=None) -> None:
+        super().__init__()
+        if arch.sliding_window is not None and arch.sliding_window < arch.max_position_embeddings:
+            # Windowed attention is not implemented; exact for contexts up to the window.
+            import warnings
+
+            warnings.warn(
+                f"{arch.model_type}: sliding_window={arch.sliding_window} is not applied; "
+                "attention is full-context (exact only up to the window)",
+                stacklevel=2,
+            )
+        self.arch = arch
+        self.model = LlamaModel(arch, dtype, device)
+        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype, device)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        cos, sin = m.rotary_emb.cos_sin(positions)  # shared by all layers
+        plan = plan_paged_attention(meta, kv_caches[0].shape[2])  # gather indices / masks, shared by all layers
+        residual = None
+        for layer, kv_cache in zip(m.layers, kv_caches):
+            x, residual = layer(x, residual, cos, sin, kv_cache, meta, plan)
+        x, _ = m.norm(x, residual)
+        return x
+
+    @torch.no_grad()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.lm_head_weight).float()
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Load tensors given under HF names; fuses q/k/v and gate/up. Returns the HF names loaded.
+
+        Raises KeyError on an unknown name, ValueError on a shape mismatch and on missing tensors.
+        """
+        params = dict(self.named_parameters())
+        # every (parameter, shard) that must be filled, keyed by the HF name that fills it
+        expected: dict[str, tuple[str, int | None]] = {}
+        for pname in params:
+            mod_name, _, leaf = pname.rpartition(".")
+            fused = [(hf, fs, idx) for hf, (fs, idx) in _FUSED.items() if mod_name.endswith("." + fs)]
+            for hf_suffix, fs, idx in fused:
+                expected[f"{mod_name[: -len(fs)]}{hf_suffix}.{leaf}"] = (pname, idx)
+            if not fused:
+                expected[pname] = (pname, None)
+        tied = self.lm_head is None
+        loaded: set[str] = set()
+        unknown: list[str] = []
+        for name, tensor in weights:
+            if _IGNORED_RE.search(name) or (tied and name == "lm_head.weight"):
+                continue
+            target = expected.get(name)
+            if target is None:
+                unknown.append(name)
+                continue
+            pname, shard = target
+            param = params[pname]
+            if shard is None:
+                dst = param.data
+            else:
+                module = self.get_submodule(pname.rpartition(".")[0])
+                start, end = module.shard_range(shard)
+                dst = param.data[start:end]
+            if tuple(tensor.shape) != tuple(dst.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+            dst.copy_(tensor)
+            loaded.add(name)
+        if unknown:
+            shown = ", ".join(unknown[:10]) + (f" ... (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")
+            raise KeyError(f"{self.arch.model_type}: unknown weight names: {shown}")
+        missing = sorted(set(expected) - loaded)
+        if missing:
+            shown = ", ".join(missing[:10]) + (f" ... (+{len(missing) - 10} more)" if len(missing) > 10 else "")
+            raise ValueError(f"{self.arch.model_type}: missing weights: {shown}")
+        return loaded

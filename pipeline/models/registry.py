@@ -1,0 +1,42 @@
+"""Model registry keyed by HF ``model_type``; ``build_model`` constructs and loads a model."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pipeline.models.config import ModelArchConfig
+from pipeline.models.llama import LlamaForCausalLM
+
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "llama": LlamaForCausalLM,
+    "mistral": LlamaForCausalLM,
+    "qwen2": LlamaForCausalLM,
+    "qwen3": LlamaForCausalLM,
+}
+
+
+def get_model_class(model_type: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
+        ) from None
+
+
+def build_model(
+    arch: ModelArchConfig,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+) -> nn.Module:
+    """Construct directly on ``device``/``dtype``, load HF-named weights, eval mode, gradients off."""
+    cls = get_model_class(arch.model_type)
+    model = cls(arch, dtype=dtype, device=device)
+    model.load_weights(weights)
+    model.eval()
+    model.requires_grad_(False)
+    return model

@@ -1,0 +1,218 @@
+"""The per-step batch of sampling rows: built on the host once per step, read on the device.
+
+Each row is one token to pick for one sequence (a decode step, the first token after prefill, or
+one position of a speculative verify). `SamplingBatch.from_rows` turns the rows' parameters into
+device tensors once, and records host-side flags (`all_greedy`, `top_k_max`, ...) so the logits
+pipeline can skip whole steps without a device sync.
+
+Neutral values encode "off": temperature 1, top_k disabled, top_p 1, min_p 0, penalties 1/0/0.
+Greedy rows (temperature < GREEDY_EPS) get neutral temperature and filters: their token is the
+argmax of the penalized/biased logits, which top-k/top-p/min-p could not change anyway.
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from pipeline.request import SamplingParams
+
+GREEDY_EPS = 1e-5  # temperatures below this are greedy: dividing by them would overflow the logits
+_MASK64 = (1 << 64) - 1
+_MASK32 = (1 << 32) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def rng_key(seed: int, counter: int) -> int:
+    """The 64-bit key of one row's noise. Nothing but (seed, counter) feeds a draw, so a row picks
+    the same token alone or in any batch, at any position."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (counter & _MASK64))
+
+
+@dataclass(slots=True)
+class SamplingRow:
+    """One token to pick for one sequence."""
+
+    params: SamplingParams  # resolved by the engine; None fields still mean neutral
+    prompt_token_ids: Sequence[int]  # list or np.ndarray; for the repetition penalty
+    output_token_ids: Sequence[int]  # generated so far; for penalties and min_tokens
+    eos_token_ids: frozenset[int]  # suppressed while len(output) < min_tokens, unless ignore_eos
+    seed: int  # per-sequence seed (the engine draws one when the request has none)
+    counter: int  # RNG counter: the output position of the token being picked
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Device tensors for one step of S rows over a vocabulary of V.
+
+    `*_rows` index tensors name the rows a filter touches; None means every row.
+    """
+
+    num_rows: int
+    vocab_size: int
+    device: torch.device
+    # temperature [S] float32, 1.0 for greedy and neutral rows
+    temperature: Tensor
+    any_temperature: bool
+    # random rows: indices [R] and their noise keys [R, 2] (low, high 32 bits of rng_key)
+    random_rows: Tensor
+    rng_keys: Tensor
+    num_random: int
+    # top-k: k [Rk] int64 for the rows in top_k_rows; top_k_max == 0 means no row filters
+    top_k: Tensor
+    top_k_rows: Tensor | None
+    top_k_max: int
+    # top-p: p [Rp] float32; top_p_sort_k > 0 when every top-p row also has top-k (sort only that many)
+    top_p: Tensor
+    top_p_rows: Tensor | None
+    any_top_p: bool
+    top_p_sort_k: int
+    # min-p [S] float32, 0.0 = off
+    min_p: Tensor
+    any_min_p: bool
+    # penalties [S] float32 and their per-step token statistics [S, V] (None when unused)
+    repetition_penalty: Tensor
+    presence_penalty: Tensor
+    frequency_penalty: Tensor
+    seen_mask: Tensor | None  # bool: token occurs in prompt or output (repetition penalty rows)
+    output_counts: Tensor | None  # float32: occurrences in the output (presence/frequency rows)
+    # sparse edits: logit_bias (indices [2, N], values [N]) and min_tokens suppression ([2, M])
+    bias_index: Tensor | None
+    bias_values: Tensor | None
+    suppress_index: Tensor | None
+    # logprobs: per-row count on the host (-1 = none asked), max over rows (None = no row asked)
+    num_logprobs: np.ndarray
+    max_num_logprobs: int | None
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.num_random == 0
+
+    @property
+    def any_top_k(self) -> bool:
+        return self.top_k_max > 0
+
+    @property
+    def any_penalties(self) -> bool:
+        return self.seen_mask is not None or self.output_counts is not None
+
+    @classmethod
+    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
+        """One pass over the rows on the host, then one small host->device copy per tensor."""
+        num_rows, vocab = len(rows), vocab_size
+        temperature, min_p = [1.0] * num_rows, [0.0] * num_rows
+        rep, presence, frequency = [1.0] * num_rows, [0.0] * num_rows, [0.0] * num_rows
+        random_rows: list[int] = []
+        rng_keys: list[tuple[int, int]] = []
+        top_k_rows: list[int] = []
+        top_k: list[int] = []
+        top_p_rows: list[int] = []
+        top_p: list[float] = []
+        top_p_sort_k: list[int] = []  # per top-p row: its k, or 0 when it has no top-k
+        seen_ids: list[tuple[int, Sequence[int]]] = []
+        counted_ids: list[tuple[int, Sequence[int]]] = []
+        bias: list[tuple[int, int, float]] = []
+        suppress: list[tuple[int, int]] = []
+        num_logprobs = np.full(num_rows, -1, dtype=np.int64)
+
+        for i, row in enumerate(rows):
+            p = row.params
+            t = 1.0 if p.temperature is None else float(p.temperature)
+            if t >= GREEDY_EPS:
+                temperature[i] = t
+                random_rows.append(i)
+                key = rng_key(row.seed, row.counter)
+                rng_keys.append((key & _MASK32, key >> 32))
+                k = p.top_k or 0
+                has_k = 0 < k < vocab
+                if has_k:
+                    top_k_rows.append(i)
+                    top_k.append(k)
+                if p.top_p is not None and p.top_p < 1.0:
+                    top_p_rows.append(i)
+                    top_p.append(float(p.top_p))
+                    top_p_sort_k.append(k if has_k else 0)
+                if p.min_p:
+                    min_p[i] = float(p.min_p)
+            if p.repetition_penalty is not None and p.repetition_penalty != 1.0:
+                rep[i] = float(p.repetition_penalty)
+                seen_ids += [(i, row.prompt_token_ids), (i, row.output_token_ids)]
+            if p.presence_penalty or p.frequency_penalty:
+                presence[i], frequency[i] = float(p.presence_penalty), float(p.frequency_penalty)
+                counted_ids.append((i, row.output_token_ids))
+            # Ids outside [0, V) cannot be sampled, so biasing or suppressing them is a no-op;
+            # the intake rejects bad logit_bias ids for the client.
+            for tok, value in (p.logit_bias or {}).items():
+                if 0 <= int(tok) < vocab:
+                    bias.append((i, int(tok), float(value)))
+            if len(row.output_token_ids) < p.min_tokens:
+                # ignore_eos: eos does not end the sequence, so there is nothing to hold back.
+                stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | row.eos_token_ids
+                suppress += [(i, tok) for tok in sorted(stops) if 0 <= tok < vocab]
+            if p.logprobs is not None:
+                num_logprobs[i] = p.logprobs
+
+        def f32(values: list[float]) -> Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
+
+        def i64(values: Sequence[int] | Sequence[Sequence[int]]) -> Tensor:
+            return torch.tensor(values, dtype=torch.int64, device=device)
+
+        def subset(indices: list[int]) -> Tensor | None:
+            return None if len(indices) == num_rows else i64(indices)
+
+        any_top_p = bool(top_p_rows)
+        return cls(
+            num_rows=num_rows,
+            vocab_size=vocab,
+            device=torch.device(device),
+            temperature=f32(temperature),
+            any_temperature=any(t != 1.0 for t in temperature),
+            random_rows=i64(random_rows),
+            rng_keys=i64(rng_keys).view(-1, 2),
+            num_random=len(random_rows),
+            top_k=i64(top_k),
+            top_k_rows=subset(top_k_rows),
+            top_k_max=max(top_k, default=0),
+            top_p=f32(top_p),
+            top_p_rows=subset(top_p_rows),
+            any_top_p=any_top_p,
+            top_p_sort_k=max(top_p_sort_k) if any_top_p and min(top_p_sort_k) > 0 else 0,
+            min_p=f32(min_p),
+            any_min_p=any(min_p),
+            repetition_penalty=f32(rep),
+            presence_penalty=f32(presence),
+            frequency_penalty=f32(frequency),
+            seen_mask=_token_counts(seen_ids, num_rows, vocab, device) > 0 if seen_ids else None,
+            output_counts=_token_counts(counted_ids, num_rows, vocab, device) if counted_ids else None,
+            bias_index=i64([b[:2] for b in bias]).T if bias else None,
+            bias_values=f32([b[2] for b in bias]) if bias else None,
+            suppress_index=i64(suppress).T if suppress else None,
+            num_logprobs=num_logprobs,
+            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        )
+
+
+def _token_counts(
+    ids_by_row: list[tuple[int, Sequence[int]]], num_rows: int, vocab_size: int, device: torch.device
+) -> Tensor:
+    """[S, V] float32 occurrence counts: one scatter_add over all ids shifted by row * V.
+
+    Rebuilt each step from the token lists; a device-resident buffer updated incrementally is the
+    next step if profiling shows this on long prompts.
+    """
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
+    parts = [np.asarray(ids, dtype=np.int64) + row * vocab_size for row, ids in ids_by_row if len(ids)]
+    if parts:
+        flat = torch.from_numpy(np.concatenate(parts)).to(device)
+        counts.scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
+    return counts.view(num_rows, vocab_size)

@@ -1,0 +1,62 @@
+"""What a stage asks the device to do in one step, and what comes back.
+
+A plan is a snapshot: the stage copies block ids and tokens into it, so the executor thread never
+reads state that the event loop may change while the step runs. Plans from several stages that are
+waiting at the same time are concatenated into one forward (a mixed prefill + decode step).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pipeline.runner.sampling_batch import SamplingRow
+from pipeline.runner.sampler import SamplerOutput
+
+
+@dataclass(slots=True)
+class ScheduledChunk:
+    token_ids: list[int]  # new tokens fed this step (a prompt chunk, or one decode token)
+    start_pos: int  # position of token_ids[0]; K/V of positions < start_pos are already cached
+    block_ids: list[int]  # covers start_pos + len(token_ids) tokens
+    rows: list[SamplingRow]  # tokens to pick from the chunk's last position (0, 1 or n)
+
+
+@dataclass(slots=True)
+class StepPlan:
+    chunks: list[ScheduledChunk]
+
+    @property
+    def num_rows(self) -> int:
+        return sum(len(c.rows) for c in self.chunks)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+def merge_plans(plans: list[StepPlan]) -> StepPlan:
+    return StepPlan([chunk for plan in plans for chunk in plan.chunks])
+
+
+def split_output(output: SamplerOutput, plans: list[StepPlan]) -> list[SamplerOutput]:
+    """Hand each merged plan back the rows it asked for, in order."""
+    parts: list[SamplerOutput] = []
+    start = 0
+    for plan in plans:
+        stop = start + plan.num_rows
+        parts.append(slice_output(output, start, stop))
+        start = stop
+    return parts
+
+
+def slice_output(output: SamplerOutput, start: int, stop: int) -> SamplerOutput:
+    def cut(array: np.ndarray | None) -> np.ndarray | None:
+        return None if array is None else array[start:stop]
+
+    return SamplerOutput(
+        token_ids=output.token_ids[start:stop],
+        logprobs=cut(output.logprobs),
+        top_ids=cut(output.top_ids),
+        top_logprobs=cut(output.top_logprobs),
+    )

@@ -1,0 +1,105 @@
+"""One sample of a request as the device stages see it: its tokens, its KV blocks, its progress.
+
+A Sequence is owned by exactly one stage at a time (prefill while its prompt is computed, decode
+while it generates) and moves between them inside messages; nobody else mutates it.
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+from pipeline.request import CANCEL_FINISH_REASON, FinishReason, Request
+
+_seq_ids = itertools.count(1)
+_MASK63 = (1 << 63) - 1
+
+
+def mix_seed(seed: int, salt: int) -> int:
+    """splitmix64-style mix: a child's seed from the request seed and its index."""
+    z = (seed + 0x9E3779B97F4A7C15 * (salt + 1)) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
+    return (z ^ (z >> 31)) & _MASK63
+
+
+@dataclass(slots=True)
+class Sequence:
+    request: Request
+    index: int  # which of the request's n samples
+    token_ids: list[int]  # prompt followed by generated tokens
+    seed: int
+    num_samples: int = 1  # rows to sample when the prompt completes (n for a fresh parent, else 1)
+    num_computed: int = 0  # tokens whose K/V sit in this sequence's blocks
+    block_ids: list[int] = field(default_factory=list)
+    seq_id: int = field(default_factory=lambda: next(_seq_ids))
+    finish_reason: FinishReason | None = None
+    preemptions: int = 0
+
+    @classmethod
+    def from_request(cls, request: Request) -> Sequence:
+        seed = request.params.seed if request.params.seed is not None else 0
+        return cls(
+            request=request,
+            index=0,
+            token_ids=list(request.prompt_token_ids),
+            seed=mix_seed(seed, 0),
+            num_samples=request.params.n,
+        )
+
+    def fork(self, index: int, shared_blocks: list[int], block_size: int) -> Sequence:
+        """A sibling sample that shares the prompt's full blocks and recomputes only the partial tail.
+
+        Sharing only full blocks means no block is ever written by two sequences, so there is no
+        copy-on-write: the tail (< block_size tokens) is cheap to recompute in the sibling's first step.
+        """
+        return Sequence(
+            request=self.request,
+            index=index,
+            token_ids=self.token_ids[: self.num_prompt_tokens],
+            seed=mix_seed(self.request.params.seed or 0, index),
+            num_computed=len(shared_blocks) * block_size,
+            block_ids=shared_blocks,
+        )
+
+    @property
+    def arrival(self) -> tuple[int, int]:
+        """FCFS key: the request's arrival, then the sample index."""
+        return (self.request.arrival_seq, self.index)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.request.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens whose K/V still have to be computed (1 while decoding)."""
+        return len(self.token_ids) - self.num_computed
+
+    def cancel_reason(self) -> FinishReason | None:
+        """The finish reason if this sample's request (or the sample alone) was cancelled."""
+        flag = self.request.cancel
+        if flag.reason is not None:
+            return CANCEL_FINISH_REASON[flag.reason]
+        if self.index in flag.children:
+            return FinishReason.STOP  # a stop string matched downstream
+        return None
+
+    def append_token(self, token_id: int) -> FinishReason | None:
+        """Record a sampled token and say whether it ends the sequence."""
+        self.token_ids.append(token_id)
+        params = self.request.params
+        if token_id in params.stop_token_ids:
+            return FinishReason.STOP
+        if not params.ignore_eos and token_id in self.request.eos_token_ids:
+            return FinishReason.STOP
+        if len(self.token_ids) >= self.request.max_total_tokens:
+            return FinishReason.LENGTH
+        return None

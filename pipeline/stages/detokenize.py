@@ -1,0 +1,108 @@
+"""The detokenize stage: token ids become text deltas, stop strings are applied with hold-back.
+
+Per sample it keeps an incremental detokenizer (output equals a full decode of the same ids) and a
+stop-string matcher. A stop-string match ends the sample's output here and sets the sample's cancel
+flag, so the stage that owns the sequence frees it at its next step (stopping is not hiding).
+State for a sample is dropped when its owner reports the sequence finished.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.messages import StepTokens
+from pipeline.request import FinishReason, OutputDelta, Request, TokenLogprob
+from pipeline.stage import Stage
+from pipeline.stop_strings import StopStringMatcher
+from pipeline.tokenizer import Tokenizer
+
+
+@dataclass(slots=True)
+class SampleText:
+    detokenizer: IncrementalDetokenizer
+    stops: StopStringMatcher | None
+    done: bool = False  # the final delta went out (a stop string may end output before the sequence)
+
+
+class DetokenizeStage(Stage[StepTokens]):
+    name = "detokenize"
+
+    def __init__(self, inbox_size: int, *, tokenizer: Tokenizer, stream: Stage) -> None:
+        super().__init__(inbox_size)
+        self.tokenizer = tokenizer
+        self.stream = stream
+        self.samples: dict[tuple[str, int], SampleText] = {}
+
+    async def run(self) -> None:
+        while True:
+            messages = [await self.receive(), *self.receive_ready()]
+            started = time.monotonic()
+            deltas: list[tuple[Request, OutputDelta]] = []
+            for message in messages:
+                self._process(message, deltas)
+            self.record(started, sum(len(m.requests) for m in messages), len(deltas))
+            if deltas:
+                await self.stream.put(deltas)
+
+    def _state(self, request: Request, index: int) -> SampleText:
+        key = (request.request_id, index)
+        state = self.samples.get(key)
+        if state is None:
+            params = request.params
+            state = SampleText(
+                IncrementalDetokenizer(self.tokenizer.backend, request.prompt_token_ids, params.skip_special_tokens),
+                StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
+            )
+            self.samples[key] = state
+        return state
+
+    def _process(self, message: StepTokens, out: list[tuple[Request, OutputDelta]]) -> None:
+        tokens = message.token_ids.tolist()
+        for r, request in enumerate(message.requests):
+            index = message.indices[r]
+            owner_finish = message.finish[r]
+            state = self._state(request, index)
+            if state.done:
+                if owner_finish is not None:
+                    del self.samples[(request.request_id, index)]
+                continue
+            token = tokens[r]
+            text = state.detokenizer.push([token]) if token >= 0 else ""
+            finish = owner_finish
+            if finish is not None:
+                text += state.detokenizer.flush()
+            if state.stops is not None:
+                text, matched = state.stops.feed(text)
+                if matched:
+                    if finish is None:
+                        request.cancel.cancel_child(index)  # reaches decode at its next step
+                    finish = FinishReason.STOP
+                elif finish is not None:
+                    text += state.stops.flush()
+            delta = OutputDelta(
+                request_id=request.request_id,
+                index=index,
+                text=text,
+                token_ids=[token] if token >= 0 else [],
+                logprobs=self._logprobs(message, r, request) if token >= 0 else None,
+                finish_reason=finish,
+                error=request.cancel.message or "request failed" if finish is FinishReason.ERROR else None,
+                prompt_token_count=len(request.prompt_token_ids),
+                output_token_count=message.output_counts[r],
+            )
+            out.append((request, delta))
+            if finish is not None:
+                state.done = True
+                if owner_finish is not None:
+                    del self.samples[(request.request_id, index)]
+
+    @staticmethod
+    def _logprobs(message: StepTokens, r: int, request: Request) -> list[TokenLogprob] | None:
+        k = request.params.logprobs
+        if k is None or message.logprobs is None:
+            return None
+        top: list[tuple[int, float]] = []
+        if k and message.top_ids is not None and message.top_logprobs is not None:
+            top = list(zip(message.top_ids[r, :k].tolist(), message.top_logprobs[r, :k].tolist()))
+        return [TokenLogprob(int(message.token_ids[r]), float(message.logprobs[r]), top)]

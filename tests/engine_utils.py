@@ -1,0 +1,62 @@
+"""Helpers for driving an Engine in tests: start it, collect whole outputs, check for leaks."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.config import EngineConfig
+from pipeline.engine import Engine
+from pipeline.request import FinishReason, OutputDelta, TokenLogprob
+
+
+@dataclass
+class Sample:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    deltas: list[OutputDelta] = field(default_factory=list)
+
+
+def config_for(model_dir: Path | str, **overrides: Any) -> EngineConfig:
+    settings: dict[str, Any] = dict(model=str(model_dir), block_size=4, num_kv_blocks=512, max_num_seqs=16,
+                                    max_num_batched_tokens=256, seed=1234)
+    settings.update(overrides)
+    return EngineConfig(**settings)
+
+
+async def collect(engine: Engine, **kwargs: Any) -> list[Sample]:
+    samples: dict[int, Sample] = {}
+    async for delta in engine.generate(**kwargs):
+        sample = samples.setdefault(delta.index, Sample())
+        sample.text += delta.text
+        sample.token_ids.extend(delta.token_ids)
+        sample.deltas.append(delta)
+        if delta.logprobs:
+            sample.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            assert sample.finish_reason is None, "a sample finished twice"
+            sample.finish_reason = delta.finish_reason
+    return [samples[i] for i in sorted(samples)]
+
+
+async def settle(engine: Engine) -> None:
+    """Wait until every stage is idle (finished sequences are released one step after a stop)."""
+    import asyncio
+
+    for _ in range(1000):
+        stats = engine.stats()
+        if stats["running"] == 0 and stats["prefilling"] == 0 and all(
+                s["inbox_depth"] == 0 for s in stats["stages"].values()):
+            return
+        await asyncio.sleep(0)  # yield to the stages; this is not a timing assumption
+    raise AssertionError(f"engine did not settle: {engine.stats()}")
+
+
+def assert_no_leaks(engine: Engine) -> None:
+    stats = engine.stats()
+    assert stats["kv_blocks"]["used"] == 0, stats
+    assert stats["seats"]["held"] == 0, stats
+    assert stats["waiting"] == {"requests": 0, "tokens": 0}, stats
+    assert engine.detokenize.samples == {}, "detokenizer state leaked"

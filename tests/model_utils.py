@@ -1,0 +1,242 @@
+"""Test helpers for the dense model family: tiny transformers configs/models, converting them to Conveyor
+models, and driving a Conveyor model over a paged KV cache (prefill, chunked prefill, batches, greedy decode).
+
+transformers is test-only: it is imported lazily inside the helpers that need it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kernels.kv_cache import allocate_kv_cache
+from pipeline.models.attention import AttentionMetadata, build_attention_metadata
+from pipeline.models.config import ModelArchConfig
+from pipeline.models.registry import build_model
+
+SMOLLM2_VOCAB = 49152  # the SmolLM2 tokenizer's vocab size, so tiny models can share its tokenizer
+
+_CONFIG_CLASSES = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+    "qwen3": "Qwen3Config",
+}
+
+
+def tiny_config(model_type: str, **overrides):
+    """A tiny transformers config: hidden 64, 2 layers, 4 heads, 2 KV heads (GQA), intermediate 128,
+    vocab 49152, eager attention. ``overrides`` are config kwargs (e.g. ``rope_parameters={...}``,
+    ``tie_word_embeddings=True``, ``num_hidden_layers=3``)."""
+    import transformers
+
+    try:
+        cls = getattr(transformers, _CONFIG_CLASSES[model_type])
+    except KeyError:
+        raise ValueError(f"no tiny config for {model_type!r}; known: {sorted(_CONFIG_CLASSES)}") from None
+    kwargs = dict(
+        vocab_size=SMOLLM2_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=1024,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=None,
+    )
+    if model_type == "mistral":
+        kwargs["sliding_window"] = None
+    kwargs.update(overrides)
+    cfg = cls(**kwargs)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+def make_tiny_hf_model(model_type: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """A tiny random transformers CausalLM (eager attention, eval). Every parameter is drawn from ``seed``
+    (norm weights around 1, biases non-zero) so that logits are well separated and biases/norms matter."""
+    from transformers import AutoModelForCausalLM
+
+    cfg = tiny_config(model_type, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="eager", dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            elif name.endswith("embed_tokens.weight"):
+                p.copy_(torch.randn(p.shape, generator=gen))
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * torch.randn(p.shape, generator=gen))
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return model.to(dtype).eval()
+
+
+def arch_of(hf_model) -> ModelArchConfig:
+    return ModelArchConfig.from_hf(hf_model.config.to_dict())
+
+
+def conveyor_from_hf(hf_model, dtype: torch.dtype = torch.float32, device="cpu"):
+    """Build the Conveyor model for a transformers model, from its state_dict (HF names)."""
+    return build_model(arch_of(hf_model), hf_model.state_dict().items(), dtype=dtype, device=device)
+
+
+@torch.no_grad()
+def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int = 0) -> tuple[torch.Tensor, list[int]]:
+    """transformers reference: (logits at every prompt position [L, V] float32, greedy continuation)."""
+    from transformers import DynamicCache
+
+    ids = torch.tensor([list(prompt)], dtype=torch.long)
+    cache = DynamicCache(config=hf_model.config)
+    out = hf_model(input_ids=ids, past_key_values=cache, use_cache=True)
+    prompt_logits = out.logits[0].float()
+    generated: list[int] = []
+    nxt = int(prompt_logits[-1].argmax())
+    for i in range(max_new_tokens):
+        generated.append(nxt)
+        if i + 1 == max_new_tokens:
+            break
+        out = hf_model(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
+        nxt = int(out.logits[0, -1].argmax())
+    return prompt_logits, generated
+
+
+@dataclass
+class PagedRun:
+    prompt_logits: list[torch.Tensor]  # per sequence: [prompt_len, V] float32
+    generated: list[list[int]]  # per sequence: greedy tokens
+    decode_logits: list[list[torch.Tensor]]  # per sequence: the [V] logits each generated token was taken from
+    block_tables: list[list[int]]
+    kv_caches: list[torch.Tensor]
+    step_kinds: list[str] = field(default_factory=list)  # "decode" | "prefill" | "mixed" per forward step
+
+
+def _chunk_sizes(chunks: int | Sequence[int] | None, n: int) -> list[int]:
+    """Split a prompt of n tokens into chunks (sizes cycled; None = one chunk)."""
+    if chunks is None:
+        return [n]
+    sizes = [chunks] if isinstance(chunks, int) else list(chunks)
+    out, i = [], 0
+    while sum(out) < n:
+        out.append(min(sizes[i % len(sizes)], n - sum(out)))
+        i += 1
+    return out
+
+
+def allocate_blocks(
+    lengths: Sequence[int], block_size: int, num_blocks: int | None = None, shuffle: bool = True, seed: int = 0
+) -> tuple[list[list[int]], int]:
+    """Non-contiguous block tables covering each length, from a shuffled pool. -> (tables, num_blocks)."""
+    need = [math.ceil(n / block_size) for n in lengths]
+    total = num_blocks if num_blocks is not None else sum(need) + 3
+    if total < sum(need):
+        raise ValueError(f"{total} blocks cannot hold {sum(need)}")
+    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist() if shuffle else list(range(total))
+    tables, i = [], 0
+    for k in need:
+        tables.append(order[i : i + k])
+        i += k
+    return tables, total
+
+
+def make_step_metadata(
+    query_lens: Sequence[int], seq_lens: Sequence[int], block_tables: Sequence[Sequence[int]], block_size: int
+) -> AttentionMetadata:
+    return build_attention_metadata(query_lens, seq_lens, block_tables, block_size)
+
+
+@torch.no_grad()
+def run_paged(
+    model,
+    token_ids_per_seq: Sequence[Sequence[int]],
+    max_new_tokens: int = 0,
+    *,
+    block_size: int = 4,
+    chunks: int | Sequence[int] | None = None,
+    batched: bool = True,
+    shuffle_blocks: bool = True,
+    num_blocks: int | None = None,
+    seed: int = 0,
+    kv_dtype: torch.dtype | None = None,
+) -> PagedRun:
+    """Prefill (optionally chunked) then greedy decode, over a freshly allocated paged KV cache.
+
+    batched=True runs all sequences in the same steps: each step holds the next prompt chunk of every sequence
+    still prefilling and one decode token of every other unfinished sequence, so mixed lengths give mixed
+    prefill+decode steps and the tail is decode-only. batched=False runs the sequences one after another.
+    """
+    arch: ModelArchConfig = model.arch
+    prompts = [list(p) for p in token_ids_per_seq]
+    tables, nb = allocate_blocks(
+        [len(p) + max_new_tokens for p in prompts], block_size, num_blocks, shuffle_blocks, seed
+    )
+    dtype = kv_dtype or model.model.embed_tokens.weight.dtype
+    kv_caches = allocate_kv_cache(arch.num_layers, nb, block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    n = len(prompts)
+    plans = [_chunk_sizes(chunks, len(p)) for p in prompts]
+    tokens = [list(p) for p in prompts]
+    computed = [0] * n
+    chunk_idx = [0] * n
+    prompt_logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    generated: list[list[int]] = [[] for _ in range(n)]
+    decode_logits: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    kinds: list[str] = []
+
+    def unfinished(b: int) -> bool:
+        return computed[b] < len(prompts[b]) or len(generated[b]) < max_new_tokens
+
+    groups = [list(range(n))] if batched else [[b] for b in range(n)]
+    for group in groups:
+        while True:
+            active = [b for b in group if unfinished(b)]
+            if not active:
+                break
+            ids, pos, qlens, slens, prefilling = [], [], [], [], []
+            for b in active:
+                if computed[b] < len(prompts[b]):
+                    q = plans[b][chunk_idx[b]]
+                    chunk_idx[b] += 1
+                    prefilling.append(True)
+                else:
+                    q = 1
+                    prefilling.append(False)
+                start = computed[b]
+                ids += tokens[b][start : start + q]
+                pos += list(range(start, start + q))
+                qlens.append(q)
+                slens.append(start + q)
+            meta = build_attention_metadata(qlens, slens, [tables[b] for b in active], block_size)
+            kinds.append("decode" if not any(prefilling) else ("prefill" if all(prefilling) else "mixed"))
+            hidden = model(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), kv_caches, meta)
+            qsl = meta.query_start_loc_host
+            for i, b in enumerate(active):
+                if prefilling[i]:
+                    logits = model.compute_logits(hidden[qsl[i] : qsl[i + 1]])
+                    prompt_logits[b].append(logits)
+                    last = logits[-1]
+                else:
+                    last = model.compute_logits(hidden[qsl[i + 1] - 1 : qsl[i + 1]])[0]
+                computed[b] += qlens[i]
+                if computed[b] >= len(prompts[b]) and len(generated[b]) < max_new_tokens:
+                    nxt = int(last.argmax())
+                    generated[b].append(nxt)
+                    decode_logits[b].append(last)
+                    tokens[b].append(nxt)
+    return PagedRun(
+        prompt_logits=[torch.cat(pl) for pl in prompt_logits],
+        generated=generated,
+        decode_logits=decode_logits,
+        block_tables=tables,
+        kv_caches=kv_caches,
+        step_kinds=kinds,
+    )

