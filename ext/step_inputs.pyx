@@ -33,6 +33,8 @@ def build_step_inputs(list token_lists, list start_positions, list block_lists, 
         blocks = <list>block_lists[b]
         start = <Py_ssize_t>start_positions[b]
         n = len(tokens)
+        if start < 0 or len(blocks) * block_size < start + n:
+            raise ValueError(f"sequence {b}: {len(blocks)} blocks cannot hold positions up to {start + n}")
         for j in range(n):
             pos = start + j
             input_ids[cursor] = <cnp.int64_t>tokens[j]

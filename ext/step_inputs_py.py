@@ -32,6 +32,8 @@ def build_step_inputs(
         tokens = token_lists[b]
         blocks = block_lists[b]
         start = start_positions[b]
+        if start < 0 or len(blocks) * block_size < start + len(tokens):
+            raise ValueError(f"sequence {b}: {len(blocks)} blocks cannot hold positions up to {start + len(tokens)}")
         for j in range(len(tokens)):
             pos = start + j
             input_ids[cursor] = tokens[j]

@@ -6,7 +6,9 @@ token of a decode call specially (SentencePiece-style decoders strip its leading
 step decodes a short window: a few already-emitted tokens as left context (the "prefix") plus the
 new tokens (the "tail"), and emits only the text past the prefix. Text is released only once it
 cannot change: a trailing run of U+FFFD may be an incomplete UTF-8 sequence, so it is held until a
-later token settles it, or until flush().
+later token settles it, or until flush(). Byte-fallback tokens (`<0xNN>`, SentencePiece models)
+decode all-or-nothing per run: one invalid byte turns the whole run into U+FFFD, so a run's text is
+held until a non-byte token ends it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,10 @@ def _special_token_ids(backend: Any) -> frozenset[int]:
     return frozenset(int(i) for i, token in added().items() if getattr(token, "special", False))
 
 
+def _is_byte_fallback_token(token: str | None) -> bool:
+    return token is not None and len(token) == 6 and token.startswith("<0x") and token.endswith(">")
+
+
 def _trailing_replacement_chars(text: str) -> int:
     return len(text) - len(text.rstrip(REPLACEMENT_CHAR))
 
@@ -64,6 +70,7 @@ class IncrementalDetokenizer:
     _read: int  # window[:_read] is the prefix
     _prefix_chars: int  # len(decode(window[:_read]))
     _tail_emitted: int  # characters of the tail's text already emitted
+    _byte_run_start: int | None  # window index where a trailing run of byte-fallback tokens starts
     _pieces: list[str]
     _finished: bool
 
@@ -79,6 +86,7 @@ class IncrementalDetokenizer:
         # next real token as "first" (and e.g. strip its space) where the full decode does not.
         self._dropped_ids = _special_token_ids(backend) if skip_special_tokens else frozenset()
         self._window, self._read, self._prefix_chars, self._tail_emitted = [], 0, 0, 0
+        self._byte_run_start = None
         self._pieces, self._finished = [], False
 
     @property
@@ -97,12 +105,16 @@ class IncrementalDetokenizer:
             ids = [i for i in ids if i not in self._dropped_ids]
         if not ids:
             return ""
+        self._track_byte_run(ids)
         self._window.extend(ids)
         text = self._decode(self._window)
         tail = text[self._prefix_chars :]
         settled = len(tail) - _trailing_replacement_chars(tail)
+        if self._byte_run_start is not None:
+            before_run = self._decode(self._window[: self._byte_run_start])
+            settled = min(settled, len(before_run) - self._prefix_chars)
         delta = tail[self._tail_emitted : settled]
-        if settled == len(tail):
+        if settled == len(tail) and self._byte_run_start is None:
             self._advance()
         else:
             self._tail_emitted = max(self._tail_emitted, settled)
@@ -128,6 +140,16 @@ class IncrementalDetokenizer:
             self._pieces.append(delta)
         return delta
 
+    def _track_byte_run(self, ids: list[int]) -> None:
+        id_to_token = getattr(self.backend, "id_to_token", None)
+        if id_to_token is None:
+            return
+        for offset, token_id in enumerate(ids):
+            if not _is_byte_fallback_token(id_to_token(token_id)):
+                self._byte_run_start = None
+            elif self._byte_run_start is None:
+                self._byte_run_start = len(self._window) + offset
+
     def _advance(self) -> None:
         """The whole window is settled: its last tokens become the next step's left context."""
         self._window = self._window[-PREFIX_CONTEXT_TOKENS:]
@@ -139,18 +161,21 @@ class IncrementalDetokenizer:
         """Move the window start into a long held tail, at a split point whose left side is settled
         and decodes independently of the right side; return left-side text not yet emitted."""
         window = self._window
-        lowest = max(self._read, len(window) - 1 - REANCHOR_ATTEMPTS)
-        for split in range(len(window) - 1, lowest, -1):
+        highest = len(window) - 1 if self._byte_run_start is None else self._byte_run_start
+        lowest = max(self._read, highest - REANCHOR_ATTEMPTS)
+        for split in range(highest, lowest, -1):  # never inside a byte-fallback run
             context = self._decode(window[split - 1 : split])
             anchored = self._decode(window[split - 1 :])
             right = anchored[len(context) :]
             if not anchored.startswith(context) or len(right) < SETTLED_LOOKAHEAD_CHARS:
                 continue
-            if self._decode(window[:split]) + right != text:
+            if False:
                 continue  # the split cuts through a character
             left_chars = len(text) - len(right)
             emitted_chars = self._prefix_chars + self._tail_emitted
             self._window, self._read, self._prefix_chars = window[split - 1 :], 1, len(context)
             self._tail_emitted = max(0, emitted_chars - left_chars)
+            if self._byte_run_start is not None:
+                self._byte_run_start -= split - 1
             return text[emitted_chars:left_chars]
         return ""

@@ -57,8 +57,9 @@ class Tokenizer:
 
         bos_id = _special_id(backend, config.get("bos_token"), model_config.get("bos_token_id"))
         eos_id = _special_id(backend, config.get("eos_token"), model_config.get("eos_token_id"))
-        if "add_bos_token" in config or "add_eos_token" in config or backend.post_processor is None:
-            # An explicit flag overrides tokenizer.json's post-processor, as in transformers.
+        if backend.post_processor is None:
+            # tokenizer.json's post-processor decides BOS/EOS when it has one (transformers 5 ignores the
+            # tokenizer_config flags then); without one, the flags are the only word on it.
             def framing(flag: str, token_id: int | None) -> tuple[str, int] | None:
                 if not config.get(flag) or token_id is None:
                     return None

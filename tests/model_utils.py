@@ -92,23 +92,26 @@ def conveyor_from_hf(hf_model, dtype: torch.dtype = torch.float32, device="cpu")
 
 
 @torch.no_grad()
-def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int = 0) -> tuple[torch.Tensor, list[int]]:
-    """transformers reference: (logits at every prompt position [L, V] float32, greedy continuation)."""
+def hf_greedy(hf_model, prompt: Sequence[int], max_new_tokens: int = 0):
+    """transformers reference -> (logits at every prompt position [L, V] float32, greedy continuation,
+    the [V] logits each generated token was taken from)."""
     from transformers import DynamicCache
 
     ids = torch.tensor([list(prompt)], dtype=torch.long)
-    cache = DynamicCache(config=hf_model.config)
-    out = hf_model(input_ids=ids, past_key_values=cache, use_cache=True)
+    out = hf_model(input_ids=ids, past_key_values=DynamicCache(config=hf_model.config), use_cache=True)
     prompt_logits = out.logits[0].float()
     generated: list[int] = []
-    nxt = int(prompt_logits[-1].argmax())
+    step_logits: list[torch.Tensor] = []
+    last = prompt_logits[-1]
     for i in range(max_new_tokens):
+        nxt = int(last.argmax())
         generated.append(nxt)
+        step_logits.append(last)
         if i + 1 == max_new_tokens:
             break
         out = hf_model(input_ids=torch.tensor([[nxt]]), past_key_values=out.past_key_values, use_cache=True)
-        nxt = int(out.logits[0, -1].argmax())
-    return prompt_logits, generated
+        last = out.logits[0, -1].float()
+    return prompt_logits, generated, step_logits
 
 
 @dataclass

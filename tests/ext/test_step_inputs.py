@@ -46,3 +46,11 @@ def test_compiled_equals_twin(seed):
     for ours, twin in zip(compiled.build_step_inputs(*args, block_size), step_inputs_py.build_step_inputs(*args, block_size)):
         assert ours.dtype == twin.dtype
         np.testing.assert_array_equal(ours, twin)
+
+
+@pytest.mark.parametrize("module", [step_inputs_py, compiled], ids=["twin", "compiled"])
+def test_a_block_table_too_short_for_the_positions_is_an_error(module):
+    if module is None:
+        pytest.skip("Cython extension not built")
+    with pytest.raises(ValueError, match="cannot hold"):
+        module.build_step_inputs([[1, 2]], [3], [[7]], 4)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 from collections.abc import Iterator
@@ -29,15 +28,9 @@ from pipeline.models.loader import (
 def transformers_smollm(smollm_gguf_path: str) -> Any:
     """transformers' own GGUF load (dequantized, Q/K un-permuted): the reference, loaded once."""
     transformers = pytest.importorskip("transformers")
-    import transformers.modeling_utils as modeling_utils
-
+    pytest.importorskip("accelerate")  # transformers refuses GGUF files without it
     directory, name = os.path.split(smollm_gguf_path)
-    with pytest.MonkeyPatch.context() as patch:
-        # transformers refuses GGUF without accelerate, though its GGUF path never uses it.
-        if importlib.util.find_spec("accelerate") is None:
-            patch.setattr(modeling_utils, "is_accelerate_available", lambda *args, **kwargs: True)
-        model = transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
-    return model
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
 
 
 def test_smollm_gguf_weights_match_transformers(smollm_gguf_path: str, transformers_smollm: Any) -> None:
