@@ -94,3 +94,12 @@ def hf_gguf_tokenizer(smollm_gguf_path: str) -> Any:
     transformers = pytest.importorskip("transformers")
     directory, name = os.path.split(smollm_gguf_path)
     return transformers.AutoTokenizer.from_pretrained(directory, gguf_file=name)
+
+
+@pytest.fixture(scope="session")
+def hf_gguf_model(smollm_gguf_path: str) -> Any:
+    """transformers' own load of the embedded GGUF (dequantized, Q/K un-permuted), fp32: loaded once."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")  # transformers refuses GGUF files without it
+    directory, name = os.path.split(smollm_gguf_path)
+    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()

@@ -74,12 +74,13 @@ class DetokenizeStage(Stage[StepTokens]):
                 text += state.detokenizer.flush()
             if state.stops is not None:
                 text, matched = state.stops.feed(text)
+                if not matched and finish is not None:  # the end releases held-back text
+                    text += state.stops.flush()
+                    matched = state.stops.matched is not None
                 if matched:
                     if finish is None:
                         request.cancel.cancel_child(index)  # reaches decode at its next step
                     finish = FinishReason.STOP
-                elif finish is not None:
-                    text += state.stops.flush()
             delta = OutputDelta(
                 request_id=request.request_id,
                 index=index,

@@ -13,6 +13,15 @@ from kernels.paged_attention import (
 from pipeline.models.attention import build_attention_metadata
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny shapes: one intra-op thread is as fast and immune to spin-wait stalls on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def naive_attention(q, keys, values, seq_len, scale):
     """Dense reference for one sequence in float64: q [ql, H, D] at positions seq_len-ql..seq_len-1 over
     keys/values [seq_len, KVH, D]; query head h reads KV head h // group; causal."""

@@ -2,8 +2,6 @@
 fp32 logits at every prompt position, and 32 greedy tokens through the paged KV cache and the engine."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
@@ -20,10 +18,8 @@ PROMPT = "<|im_start|>user\nWrite a Python function that adds two numbers.<|im_e
 
 
 @pytest.fixture(scope="module")
-def hf_model(smollm_gguf_path):
-    transformers = pytest.importorskip("transformers")
-    directory, name = os.path.split(smollm_gguf_path)
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+def hf_model(hf_gguf_model):
+    return hf_gguf_model
 
 
 @pytest.fixture(scope="module")

@@ -8,6 +8,16 @@ from pipeline.models.config import ModelArchConfig
 from pipeline.models.registry import MODEL_REGISTRY, build_model
 from tests.model_utils import arch_of, conveyor_from_hf, hf_greedy, make_tiny_hf_model, run_paged
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny shapes: one intra-op thread is as fast and immune to spin-wait stalls on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 VOCAB = 49152
 NEW_TOKENS = 32
 

@@ -25,12 +25,9 @@ from pipeline.models.loader import (
 
 
 @pytest.fixture(scope="module")
-def transformers_smollm(smollm_gguf_path: str) -> Any:
-    """transformers' own GGUF load (dequantized, Q/K un-permuted): the reference, loaded once."""
-    transformers = pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")  # transformers refuses GGUF files without it
-    directory, name = os.path.split(smollm_gguf_path)
-    return transformers.AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32)
+def transformers_smollm(hf_gguf_model: Any) -> Any:
+    """transformers' own GGUF load (dequantized, Q/K un-permuted): the reference, loaded once per session."""
+    return hf_gguf_model
 
 
 def test_smollm_gguf_weights_match_transformers(smollm_gguf_path: str, transformers_smollm: Any) -> None:

@@ -7,6 +7,16 @@ from pipeline.models.config import ModelArchConfig
 from pipeline.models.rope import RotaryEmbedding, apply_rotary_emb_, compute_inv_freq
 from tests.model_utils import tiny_config
 
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    """Tiny shapes: one intra-op thread is as fast and immune to spin-wait stalls on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 ROPE_VARIANTS = {
     "default": {"rope_type": "default", "rope_theta": 10000.0},
     "default_theta": {"rope_type": "default", "rope_theta": 500000.0},
