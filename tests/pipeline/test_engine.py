@@ -304,3 +304,25 @@ def test_chat_messages_use_the_template(tiny_model_dir):
 
     via_chat, direct = run_async(main())
     assert via_chat == direct
+
+
+def test_a_reader_that_stops_reading_is_aborted_alone(tiny_model_dir):
+    async def main():
+        engine = await Engine.create(config_for(tiny_model_dir, output_channel_cap_bytes=64))
+        try:
+            stalled = engine.generate(prompt_token_ids=prompts(1, seed=51)[0], params=greedy(300))
+            await stalled.__anext__()  # then never read again until the others are done
+            others = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=greedy(12))
+                                            for p in prompts(4, seed=52)])
+            await settle(engine)
+            tail = [d async for d in stalled]
+            await settle(engine)
+            assert_no_leaks(engine)
+            return others, tail
+        finally:
+            await engine.shutdown()
+
+    others, tail = run_async(main())
+    assert all(len(o[0].token_ids) == 12 for o in others)
+    assert tail[-1].finish_reason is FinishReason.ERROR and "output buffer" in tail[-1].error
+    assert sum(len(d.token_ids) for d in tail) < 299  # it was stopped, not run to max_tokens
