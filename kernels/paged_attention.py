@@ -5,12 +5,13 @@ keys of sequence b at position p live at slot ``block_tables[b, p // block_size]
 Query ``[T, H, D]`` holds the step's new tokens concatenated by sequence (``meta.query_start_loc``); the new
 tokens of sequence b sit at positions ``seq_lens[b] - q_len .. seq_lens[b] - 1`` and a token at position p
 attends to cached keys ``0..p``. GQA: ``H = KVH * group``, query head h reads KV head ``h // group``.
-Scores, softmax and the weighted sum run in float32; the output has the query's dtype.
+Softmax and accumulation run in float32; the output has the query's dtype.
 
 Entry points (a Triton kernel with the same signature can sit beside each):
   - ``paged_attention_ref``: dispatch on ``meta.is_decode_only``;
   - ``paged_decode_attention_ref``: decode-only batch, padded to ``max_seq_len``, one batched masked computation;
-  - ``paged_prefill_attention_ref``: any varlen batch (prefill, chunked prefill, mixed), per sequence.
+  - ``paged_prefill_attention_ref``: any varlen batch (prefill, chunked prefill, mixed): the single-token
+    sequences of the step go through the batched decode computation, the others one sequence at a time.
 
 ``plan_paged_attention(meta, block_size)`` builds the gather indices and masks once per step; pass the plan to
 every layer's call (it is rebuilt per call when omitted).
@@ -18,12 +19,20 @@ every layer's call (it is rebuilt per call when omitted).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
-# Bound on the fp32 score tile [H, q_tile, S] of the per-sequence path (elements).
-_SCORE_TILE_ELEMS = 1 << 24
+
+@dataclass(slots=True)
+class DecodeGroup:
+    """Sequences with a single new token, attended together: keys gathered padded to ``max_len``."""
+
+    rows: torch.Tensor | None  # [Bd] int64 token rows of the step (None: every row, in order)
+    max_len: int  # Ld = the longest context in the group
+    gather_slots: torch.Tensor  # [Bd * Ld] int64 slots of positions 0..Ld-1 (padding -> a valid slot)
+    attend_mask: torch.Tensor | None  # [Bd, 1, 1, Ld] bool, True where p < seq_len; None when none is padded
 
 
 @dataclass(slots=True)
@@ -32,13 +41,12 @@ class PagedAttentionPlan:
 
     block_size: int
     is_decode_only: bool
-    # decode-only: slots of positions 0..max_seq_len-1 of every sequence, flattened [B * L] (padding -> a valid slot)
-    gather_slots: torch.Tensor | None = None
-    # decode-only: [B, 1, 1, L] bool, True at padding (p >= seq_len); None when no sequence is padded
-    pad_mask: torch.Tensor | None = None
-    # per-sequence path: slots of positions 0..S_b-1 per sequence, and [q_len, S_b] bool masks (True = masked)
-    seq_slots: list[torch.Tensor] | None = None
-    causal_masks: list[torch.Tensor | None] | None = None
+    decode: DecodeGroup | None = None
+    # multi-token sequences: batch index, slots of positions 0..S_b-1, and the [q_len, S_b] bool mask
+    # (True = attend) of a chunk after a cached prefix (None when the whole context is new: plain causal)
+    seq_index: list[int] = field(default_factory=list)
+    seq_slots: list[torch.Tensor] = field(default_factory=list)
+    attend_masks: list[torch.Tensor | None] = field(default_factory=list)
 
 
 def _positions_to_slots(block_tables: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -48,31 +56,54 @@ def _positions_to_slots(block_tables: torch.Tensor, length: int, block_size: int
     return blocks * block_size + (pos % block_size)
 
 
+def _decode_group(
+    block_tables: torch.Tensor, seq_lens: torch.Tensor, seq_lens_host: list[int], block_size: int, rows
+) -> DecodeGroup:
+    L = max(seq_lens_host)
+    slots = _positions_to_slots(block_tables, L, block_size)
+    attend = None
+    if any(s != L for s in seq_lens_host):
+        pos = torch.arange(L, device=slots.device)
+        attend = (pos[None, :] < seq_lens[:, None].to(torch.int64)).view(len(seq_lens_host), 1, 1, L)
+    return DecodeGroup(rows, L, slots.reshape(-1), attend)
+
+
 def plan_paged_attention(meta, block_size: int) -> PagedAttentionPlan:
     """Build the step's gather indices and masks (once per step; no device sync)."""
     B = len(meta.seq_lens_host)
-    L = meta.max_seq_len
-    slots = _positions_to_slots(meta.block_tables[:B], L, block_size)  # [B, L]
+    tables = meta.block_tables[:B]
     if meta.is_decode_only:
-        pad_mask = None
-        if any(s != L for s in meta.seq_lens_host):
-            pos = torch.arange(L, device=slots.device)
-            pad_mask = (pos[None, :] >= meta.seq_lens[:, None].to(torch.int64)).view(B, 1, 1, L)
-        return PagedAttentionPlan(block_size, True, gather_slots=slots.reshape(-1), pad_mask=pad_mask)
+        group = _decode_group(tables, meta.seq_lens, meta.seq_lens_host, block_size, None)
+        return PagedAttentionPlan(block_size, True, decode=group)
     qsl = meta.query_start_loc_host
-    seq_slots: list[torch.Tensor] = []
-    masks: list[torch.Tensor | None] = []
-    for b in range(B):
-        S = meta.seq_lens_host[b]
-        ql = qsl[b + 1] - qsl[b]
-        seq_slots.append(slots[b, :S])
-        if ql <= 1:
-            masks.append(None)  # a single (last) query sees every cached key
-        else:
-            i = torch.arange(ql, device=slots.device)[:, None]
-            j = torch.arange(S, device=slots.device)[None, :]
-            masks.append(j > i + (S - ql))
-    return PagedAttentionPlan(block_size, False, seq_slots=seq_slots, causal_masks=masks)
+    plan = PagedAttentionPlan(block_size, False)
+    single = [b for b in range(B) if qsl[b + 1] - qsl[b] == 1]
+    if single:
+        device = meta.seq_lens.device
+        idx = torch.tensor(single, dtype=torch.int64, device=device)
+        rows = torch.tensor([qsl[b] for b in single], dtype=torch.int64, device=device)
+        plan.decode = _decode_group(
+            tables.index_select(0, idx),
+            meta.seq_lens.index_select(0, idx),
+            [meta.seq_lens_host[b] for b in single],
+            block_size,
+            rows,
+        )
+    multi = [b for b in range(B) if qsl[b + 1] - qsl[b] > 1]
+    if multi:
+        slots = _positions_to_slots(tables, max(meta.seq_lens_host[b] for b in multi), block_size)
+        for b in multi:
+            S = meta.seq_lens_host[b]
+            ql = qsl[b + 1] - qsl[b]
+            plan.seq_index.append(b)
+            plan.seq_slots.append(slots[b, :S])
+            if ql == S:
+                plan.attend_masks.append(None)
+            else:
+                i = torch.arange(ql, device=slots.device)[:, None]
+                j = torch.arange(S, device=slots.device)[None, :]
+                plan.attend_masks.append(j <= i + (S - ql))
+    return plan
 
 
 def paged_attention_ref(
@@ -87,6 +118,25 @@ def paged_attention_ref(
     return paged_prefill_attention_ref(query, kv_cache_layer, meta, scale, plan)
 
 
+def _attend_decode_group(query: torch.Tensor, kv_cache_layer: torch.Tensor, group: DecodeGroup, scale: float):
+    """query [Bd, H, D], one token per sequence at its last position -> [Bd, H, D]. Inputs are upcast to
+    float32, so scores, softmax and the weighted sum run in float32."""
+    _, nb, bs, kvh, d = kv_cache_layer.shape
+    B, H, _ = query.shape
+    L = group.max_len
+    kv = kv_cache_layer.view(2, nb * bs, kvh * d).index_select(1, group.gather_slots)
+    kv = kv.view(2, B, L, kvh, d).transpose(2, 3).float()  # [2, B, KVH, L, D]
+    out = F.scaled_dot_product_attention(
+        query.unsqueeze(2).float(),  # [B, H, 1, D]
+        kv[0],
+        kv[1],
+        attn_mask=group.attend_mask,
+        scale=scale,
+        enable_gqa=H != kvh,
+    )  # [B, H, 1, D]
+    return out.view(B, H, d).to(query.dtype)
+
+
 def paged_decode_attention_ref(
     query: torch.Tensor,  # [B, H, D], one new token per sequence
     kv_cache_layer: torch.Tensor,
@@ -95,22 +145,9 @@ def paged_decode_attention_ref(
     plan: PagedAttentionPlan | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Decode-only batch: gather every sequence's keys padded to max_seq_len; one masked batched attention."""
-    _, nb, bs, kvh, d = kv_cache_layer.shape
     if plan is None or not plan.is_decode_only:
-        plan = plan_paged_attention(meta, bs)
-    B, H, _ = query.shape
-    L = meta.max_seq_len
-    g = H // kvh
-    kv = kv_cache_layer.view(2, nb * bs, kvh * d).index_select(1, plan.gather_slots).view(2, B, L, kvh, d)
-    k = kv[0].permute(0, 2, 3, 1).float()  # [B, KVH, D, L]
-    v = kv[1].transpose(1, 2).float()  # [B, KVH, L, D]
-    q = query.reshape(B, kvh, g, d).float()
-    scores = torch.matmul(q, k).mul_(scale)  # [B, KVH, G, L]
-    if plan.pad_mask is not None:
-        scores.masked_fill_(plan.pad_mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    out = torch.matmul(probs, v)  # [B, KVH, G, D]
-    return out.view(B, H, d).to(query.dtype)
+        plan = plan_paged_attention(meta, kv_cache_layer.shape[2])
+    return _attend_decode_group(query, kv_cache_layer, plan.decode, scale)
 
 
 def paged_prefill_attention_ref(
@@ -120,39 +157,43 @@ def paged_prefill_attention_ref(
     scale: float,
     plan: PagedAttentionPlan | None = None,
 ) -> torch.Tensor:  # [T, H, D]
-    """Any varlen batch (prefill chunks with a cached prefix, decode tokens mixed in): one sequence at a time."""
+    """Any varlen batch (prefill chunks after a cached prefix, decode tokens mixed in).
+
+    Single-token sequences go through the batched decode computation; each multi-token sequence gathers its keys
+    through its block table and runs torch's fused scaled_dot_product_attention (float32 accumulation and
+    softmax for bf16 inputs): plain causal when its whole context is new, a causal-with-offset mask after a
+    cached prefix.
+    """
     _, nb, bs, kvh, d = kv_cache_layer.shape
-    if plan is None or plan.seq_slots is None:
+    if plan is None or plan.is_decode_only:
         plan = plan_paged_attention(_as_varlen(meta), bs)
     T, H, _ = query.shape
-    g = H // kvh
-    flat = kv_cache_layer.view(2, nb * bs, kvh * d)
     out = torch.empty(T, H, d, dtype=query.dtype, device=query.device)
+    group = plan.decode
+    if group is not None:  # rows is set: a varlen plan names the single-token rows
+        out.index_copy_(0, group.rows, _attend_decode_group(query.index_select(0, group.rows), kv_cache_layer,
+                                                             group, scale))
+    flat = kv_cache_layer.view(2, nb * bs, kvh * d)
     qsl = meta.query_start_loc_host
-    for b, S in enumerate(meta.seq_lens_host):
+    for b, slots, mask in zip(plan.seq_index, plan.seq_slots, plan.attend_masks):
         q0, q1 = qsl[b], qsl[b + 1]
-        ql = q1 - q0
-        if ql == 0:
-            continue
-        kv = flat.index_select(1, plan.seq_slots[b]).view(2, S, kvh, d)
-        k = kv[0].permute(1, 2, 0).unsqueeze(1).float()  # [KVH, 1, D, S]
-        v = kv[1].transpose(0, 1).unsqueeze(1).float()  # [KVH, 1, S, D]
-        mask = plan.causal_masks[b]
-        tile = max(1, _SCORE_TILE_ELEMS // (H * S))
-        for t0 in range(0, ql, tile):
-            t1 = min(ql, t0 + tile)
-            q = query[q0 + t0 : q0 + t1].view(t1 - t0, kvh, g, d).permute(1, 2, 0, 3).float()  # [KVH, G, q, D]
-            scores = torch.matmul(q, k).mul_(scale)  # [KVH, G, q, S]
-            if mask is not None:
-                scores.masked_fill_(mask[t0:t1], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            o = torch.matmul(probs, v)  # [KVH, G, q, D]
-            out[q0 + t0 : q0 + t1] = o.permute(2, 0, 1, 3).reshape(t1 - t0, H, d)
+        S = slots.shape[0]
+        kv = flat.index_select(1, slots).view(2, S, kvh, d).transpose(1, 2).to(query.dtype)  # [2, KVH, S, D]
+        o = F.scaled_dot_product_attention(
+            query[q0:q1].transpose(0, 1).unsqueeze(0),  # [1, H, ql, D]
+            kv[0].unsqueeze(0),
+            kv[1].unsqueeze(0),
+            attn_mask=mask,
+            is_causal=mask is None,
+            scale=scale,
+            enable_gqa=H != kvh,
+        )  # [1, H, ql, D]
+        out[q0:q1] = o[0].transpose(0, 1)
     return out
 
 
 def _as_varlen(meta):
-    """The metadata viewed as a general varlen batch (so the per-sequence path can plan a decode batch too)."""
+    """The metadata viewed as a general varlen batch (so the varlen path can plan a decode-only batch too)."""
     if not meta.is_decode_only:
         return meta
     from copy import copy

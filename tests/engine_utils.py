@@ -41,16 +41,20 @@ async def collect(engine: Engine, **kwargs: Any) -> list[Sample]:
     return [samples[i] for i in sorted(samples)]
 
 
-async def settle(engine: Engine) -> None:
-    """Wait until every stage is idle (finished sequences are released one step after a stop)."""
+async def settle(engine: Engine, timeout_s: float = 60.0) -> None:
+    """Wait until every stage is idle: a sequence ended by a stop string is released at its owner's
+    next step, which may still be running on the device thread. Polls the condition; the deadline
+    only turns a hang into a failure."""
     import asyncio
+    import time
 
-    for _ in range(1000):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
         stats = engine.stats()
         if stats["running"] == 0 and stats["prefilling"] == 0 and all(
                 s["inbox_depth"] == 0 for s in stats["stages"].values()):
             return
-        await asyncio.sleep(0)  # yield to the stages; this is not a timing assumption
+        await asyncio.sleep(0.001)
     raise AssertionError(f"engine did not settle: {engine.stats()}")
 
 

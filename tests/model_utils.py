@@ -144,7 +144,10 @@ def allocate_blocks(
     total = num_blocks if num_blocks is not None else sum(need) + 3
     if total < sum(need):
         raise ValueError(f"{total} blocks cannot hold {sum(need)}")
-    order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist() if shuffle else list(range(total))
+    if shuffle:
+        order = torch.randperm(total, generator=torch.Generator().manual_seed(seed)).tolist()
+    else:
+        order = list(range(total))
     tables, i = [], 0
     for k in need:
         tables.append(order[i : i + k])

@@ -13,6 +13,38 @@ from pipeline.models.attention import AttentionMetadata
 from pipeline.models.rope import apply_rotary_emb_
 
 
+def _probe_onednn_linear():
+    """oneDNN's linear (the op inductor uses on CPU): about 2x faster than F.linear's MKL path for fp32 on CPU
+    (same results up to summation order). None where unavailable."""
+    try:
+        op = torch.ops.mkldnn._linear_pointwise
+        if not torch.backends.mkldnn.is_available():
+            return None
+        x, w, b = torch.randn(2, 8), torch.randn(4, 8), torch.randn(4)
+        if not torch.allclose(op(x, w, b, "none", [], ""), F.linear(x, w, b), atol=1e-5):
+            return None
+        return op
+    except (AttributeError, RuntimeError):
+        return None
+
+
+_ONEDNN_LINEAR = _probe_onednn_linear()
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, routed to oneDNN for contiguous 2-D float32 inputs on CPU (inference only: no autograd)."""
+    if (
+        _ONEDNN_LINEAR is not None
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.dim() == 2
+        and x.is_contiguous()
+        and not (torch.is_grad_enabled() and weight.requires_grad)
+    ):
+        return _ONEDNN_LINEAR(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
+
+
 class RMSNorm(nn.Module):
     """``forward(x)`` -> normed x; ``forward(x, residual)`` -> (norm(x + residual), x + residual)."""
 
@@ -48,7 +80,7 @@ class MergedLinear(nn.Module):
         return start, start + self.out_sizes[shard]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}"

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import re
+import warnings
 from collections.abc import Iterable
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
 from pipeline.models.attention import AttentionMetadata
 from pipeline.models.config import ModelArchConfig
-from pipeline.models.layers import Embedding, GatedMLP, Linear, PagedAttention, RMSNorm
+from pipeline.models.layers import Embedding, GatedMLP, Linear, PagedAttention, RMSNorm, linear
 from pipeline.models.rope import RotaryEmbedding
 
 
@@ -84,8 +84,6 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         if arch.sliding_window is not None and arch.sliding_window < arch.max_position_embeddings:
             # Windowed attention is not implemented; exact for contexts up to the window.
-            import warnings
-
             warnings.warn(
                 f"{arch.model_type}: sliding_window={arch.sliding_window} is not applied; "
                 "attention is full-context (exact only up to the window)",
@@ -93,7 +91,9 @@ class LlamaForCausalLM(nn.Module):
             )
         self.arch = arch
         self.model = LlamaModel(arch, dtype, device)
-        self.lm_head = None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype, device)
+        self.lm_head = (
+            None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype, device)
+        )
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -119,7 +119,7 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return F.linear(hidden, self.lm_head_weight).float()
+        return linear(hidden, self.lm_head_weight).float()
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

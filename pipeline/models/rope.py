@@ -45,7 +45,8 @@ def compute_inv_freq(
         return _llama3_inv_freq(base, dim, scaling), 1.0
     if rope_type == "yarn":
         return _yarn_inv_freq(base, dim, scaling, max_position_embeddings)
-    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    supported = ", ".join(SUPPORTED_ROPE_TYPES)
+    raise NotImplementedError(f"rope_type {rope_type!r} is not supported (supported: {supported})")
 
 
 def _llama3_inv_freq(base: float, dim: int, scaling: dict[str, Any]) -> torch.Tensor:
@@ -110,7 +111,9 @@ def _yarn_inv_freq(
     return inv_freq, float(attention_factor)
 
 
-def apply_rotary_emb_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool = True) -> torch.Tensor:
+def apply_rotary_emb_(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool = True
+) -> torch.Tensor:
     """Rotate ``x [T, N, D]`` in place (the first ``cos.shape[-1]`` dims of each head); returns x.
 
     ``cos``/``sin`` are ``[T, 1, rotary_dim]`` from ``RotaryEmbedding.cos_sin``: cos repeated to full width and

@@ -3,7 +3,6 @@ import math
 import pytest
 import torch
 
-import kernels.paged_attention as pa
 from kernels.paged_attention import (
     paged_attention_ref,
     paged_decode_attention_ref,
@@ -86,7 +85,7 @@ def test_decode_fast_path_matches_dense(group, block_size):
     assert meta.is_decode_only
     scale = 0.3
     plan = plan_paged_attention(meta, block_size)
-    assert plan.is_decode_only and plan.pad_mask is not None
+    assert plan.is_decode_only and plan.decode.attend_mask is not None
     out = paged_decode_attention_ref(query, cache, meta, scale, plan)
     ref = expected(query, meta, dk, dv, scale)
     torch.testing.assert_close(out.double(), ref, atol=1e-5, rtol=1e-5)
@@ -98,7 +97,7 @@ def test_decode_fast_path_matches_dense(group, block_size):
 def test_decode_single_sequence_needs_no_mask():
     query, cache, meta, dk, dv = make_case([1], [23], block_size=4)
     plan = plan_paged_attention(meta, 4)
-    assert plan.pad_mask is None
+    assert plan.decode.attend_mask is None
     out = paged_attention_ref(query, cache, meta, 0.25, plan)
     torch.testing.assert_close(out.double(), expected(query, meta, dk, dv, 0.25), atol=1e-5, rtol=1e-5)
 
@@ -110,6 +109,7 @@ def test_decode_single_sequence_needs_no_mask():
         ([5], [14]),  # chunk after a cached prefix
         ([3, 1, 8, 1], [3, 20, 12, 2]),  # mixed prefill + decode
         ([4, 6], [11, 6]),
+        ([1, 5, 1, 1, 7], [9, 5, 30, 2, 12]),  # decode tokens of different lengths around prefill chunks
     ],
 )
 @pytest.mark.parametrize("group", [1, 2, 4])
@@ -120,11 +120,15 @@ def test_varlen_path_matches_dense(q_lens, seq_lens, group):
     torch.testing.assert_close(out.double(), expected(query, meta, dk, dv, 0.35), atol=1e-5, rtol=1e-5)
 
 
-def test_varlen_query_tiling(monkeypatch):
-    monkeypatch.setattr(pa, "_SCORE_TILE_ELEMS", 4 * 13 * 3)  # 3 query rows per tile
-    query, cache, meta, dk, dv = make_case([11, 2], [13, 5], group=2, block_size=4)
-    out = paged_attention_ref(query, cache, meta, 0.3)
-    torch.testing.assert_close(out.double(), expected(query, meta, dk, dv, 0.3), atol=1e-5, rtol=1e-5)
+def test_mixed_plan_groups_single_token_sequences():
+    query, cache, meta, dk, dv = make_case([1, 5, 1, 1, 7], [9, 5, 30, 2, 12], block_size=4)
+    plan = plan_paged_attention(meta, 4)
+    assert not plan.is_decode_only
+    assert plan.decode.rows.tolist() == [0, 6, 7] and plan.decode.max_len == 30
+    assert plan.decode.attend_mask.shape == (3, 1, 1, 30)
+    assert plan.seq_index == [1, 4]
+    assert plan.attend_masks[0] is None  # whole context new: plain causal
+    assert plan.attend_masks[1].shape == (7, 12) and plan.attend_masks[1][0].sum() == 6
 
 
 @pytest.mark.parametrize("decode", [True, False])
