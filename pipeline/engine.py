@@ -32,14 +32,15 @@ log = logging.getLogger("conveyor.engine")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, executor: DeviceExecutor) -> None:
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         self.pool = KVBlockPool(loaded.num_blocks, config.block_size)
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
-        self.executor = DeviceExecutor(loaded.runner.execute)
+        self.executor = executor
+        executor.bind(loaded.runner.execute)
         seat_bound = config.max_num_seqs + config.stage_queue_size  # never full: see scheduler.py
         self.stream = StreamStage(config.stage_queue_size)
         self.detokenize = DetokenizeStage(config.stage_queue_size, tokenizer=self.tokenizer, stream=self.stream)
@@ -60,10 +61,15 @@ class Engine:
 
     @classmethod
     async def create(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> Engine:
-        """Load the model off the event loop, then start every stage."""
+        """Load the model on the device thread (off the event loop), then start every stage."""
         config.validate()
-        loaded = await asyncio.to_thread(load_model, config, progress)
-        engine = cls(config, loaded)
+        executor = DeviceExecutor()
+        try:
+            loaded = await executor.call(lambda: load_model(config, progress))
+        except BaseException:
+            await asyncio.to_thread(executor.shutdown)
+            raise
+        engine = cls(config, loaded, executor)
         engine.start()
         return engine
 

@@ -1,0 +1,194 @@
+"""Prometheus metrics for GET /metrics (DESIGN.md "Observability").
+
+Two sources: per-request observations pushed by the HTTP layer (counters and histograms kept here),
+and engine state pulled from `Engine.stats()` at scrape time by a custom collector, so the engine
+never imports prometheus_client and the numbers are never stale. Every series is named
+`conveyor_*` and carries a `model_name` label.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
+from prometheus_client.registry import Collector
+from prometheus_client.utils import floatToGoString
+
+log = logging.getLogger("conveyor.metrics")
+
+# 1 ms .. 60 s: fast GPU token gaps at the low end, slow CPU prompts and long generations at the top.
+REQUEST_LATENCY_BUCKETS: tuple[float, ...] = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 0.75,
+    1.0, 2.5, 5.0, 10.0, 20.0, 30.0, 60.0,
+)
+FINISH_REASONS: tuple[str, ...] = ("stop", "length", "abort", "error", "tool_calls")
+# Label values must stay a small fixed set: free-text refusal messages would explode cardinality.
+ADMISSION_REASONS: tuple[str, ...] = ("waiting_requests", "waiting_tokens", "draining", "other")
+
+# (snapshot key, metric suffix, help) for the per-stage histograms in `Stage.snapshot()`.
+_STAGE_HISTOGRAMS: tuple[tuple[str, str, str], ...] = (
+    ("queue_wait_s", "queue_wait_seconds", "Time a message waited in the stage inbox."),
+    ("service_time_s", "service_time_seconds", "Time the stage spent on one step."),
+    ("batch_size", "batch_size", "Messages handled per stage step."),
+)
+
+
+def admission_reason(exc: BaseException) -> str:
+    """Map an AdmissionRefused message to an ADMISSION_REASONS label (messages: intake.py, scheduler.py)."""
+    text = str(exc)
+    if "shutting down" in text:
+        return "draining"
+    if "waiting requests" in text:
+        return "waiting_requests"
+    if "waiting prompt tokens" in text:
+        return "waiting_tokens"
+    return "other"
+
+
+def _label(value: Any) -> str:
+    """Enum members (FinishReason is a str Enum) must export their wire value, not 'FinishReason.STOP'."""
+    return str(getattr(value, "value", value))
+
+
+def cumulative_buckets(buckets: Mapping[str, int]) -> list[tuple[str, float]]:
+    """Per-bucket counts (stage.Histogram, with a "+Inf" overflow bucket) to Prometheus `le` buckets.
+
+    stage.Histogram uses bisect_left, so a value equal to a bound lands in that bound's bucket:
+    exactly Prometheus' `le` semantics; only the running sum is needed.
+    """
+    ordered = sorted(buckets.items(), key=lambda kv: float(kv[0]))  # float("+Inf") == inf sorts last
+    out: list[tuple[str, float]] = []
+    running = 0
+    for bound, count in ordered:
+        running += count
+        out.append((floatToGoString(float(bound)), float(running)))
+    if not out or not math.isinf(float(ordered[-1][0])):
+        out.append(("+Inf", float(running)))
+    return out
+
+
+class EngineStatsCollector(Collector):
+    """Turns one `Engine.stats()` dict into metric families on every scrape."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self._engine_stats = engine_stats
+        self._model = model_name
+
+    def collect(self) -> Iterable[Metric]:
+        try:
+            stats = self._engine_stats()
+        except Exception:  # a dead or stopping engine must not break /metrics for the request series
+            log.warning("engine stats unavailable for /metrics", exc_info=True)
+            return []
+        return list(self._families(stats))
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        family = GaugeMetricFamily(f"conveyor_{name}", doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        family = CounterMetricFamily(f"conveyor_{name}", doc, labels=["model_name"])
+        family.add_metric([self._model], value)
+        return family
+
+    def _families(self, stats: Mapping[str, Any]) -> Iterable[Metric]:
+        kv = stats["kv_blocks"]
+        yield self._gauge("num_requests_running", "Sequences in the decode batch.", stats["running"])
+        yield self._gauge("num_requests_prefilling", "Sequences waiting for or in prefill.", stats["prefilling"])
+        yield self._gauge("num_requests_waiting", "Admitted requests not yet started.", stats["waiting"]["requests"])
+        yield self._gauge("waiting_prompt_tokens", "Prompt tokens of waiting requests.", stats["waiting"]["tokens"])
+        yield self._gauge("kv_blocks_used", "KV cache blocks in use.", kv["used"])
+        yield self._gauge("kv_blocks_total", "KV cache blocks in the pool.", kv["total"])
+        ratio = kv["used"] / kv["total"] if kv["total"] else 0.0
+        yield self._gauge("kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", ratio)
+        yield self._gauge("seats_held", "Sequence seats held.", stats["seats"]["held"])
+        yield self._gauge("seats_capacity", "Sequence seats in all (max_num_seqs).", stats["seats"]["capacity"])
+        yield self._counter("preemptions", "Sequences preempted back to prefill.", stats["preemptions"])
+        yield self._counter("device_steps", "Device executor steps.", stats["device_steps"])
+        yield self._counter("mixed_steps", "Device steps that merged prefill and decode work.", stats["mixed_steps"])
+        yield from self._stage_families(stats["stages"])
+
+    def _stage_families(self, stages: Mapping[str, Mapping[str, Any]]) -> Iterable[Metric]:
+        labels = ["model_name", "stage"]
+        items_in = CounterMetricFamily("conveyor_stage_items_in", "Messages put into the stage inbox.", labels=labels)
+        items_out = CounterMetricFamily("conveyor_stage_items_out", "Items the stage produced.", labels=labels)
+        depth = GaugeMetricFamily("conveyor_stage_inbox_depth", "Messages waiting in the stage inbox.", labels=labels)
+        histograms = {key: HistogramMetricFamily(f"conveyor_stage_{suffix}", doc, labels=labels)
+                      for key, suffix, doc in _STAGE_HISTOGRAMS}
+        for stage, snap in stages.items():
+            values = [self._model, stage]
+            items_in.add_metric(values, snap["items_in"])
+            items_out.add_metric(values, snap["items_out"])
+            depth.add_metric(values, snap["inbox_depth"])
+            for key, family in histograms.items():
+                family.add_metric(values, cumulative_buckets(snap[key]["buckets"]), snap[key]["sum"])
+        yield from (items_in, items_out, depth, *histograms.values())
+
+
+class ServerMetrics:
+    """Owns a private CollectorRegistry (never the global one, so tests and several servers don't collide)."""
+
+    def __init__(self, engine_stats: Callable[[], dict[str, Any]], model_name: str) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry(auto_describe=False)  # engine_stats is only called on scrape
+        reg, m = self.registry, ["model_name"]
+        self._requests = Counter("conveyor_requests", "Finished requests by finish_reason.",
+                                 [*m, "finish_reason"], registry=reg)
+        self._prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of finished requests.",
+                                      m, registry=reg).labels(model_name)
+        self._generation_tokens = Counter("conveyor_generation_tokens", "Generated tokens of finished requests.",
+                                          m, registry=reg).labels(model_name)
+        self._ttft = self._histogram("time_to_first_token_seconds",
+                                     "Arrival to first generated token, queueing and prefill included.")
+        self._itl = self._histogram("inter_token_latency_seconds", "Time between consecutive generated tokens.")
+        self._e2e = self._histogram("e2e_request_latency_seconds", "Arrival to the last byte of the response.")
+        self._rejections = Counter("conveyor_admission_rejections", "Requests refused with 503 at admission.",
+                                   [*m, "reason"], registry=reg)
+        for reason in FINISH_REASONS:  # pre-create so rate() sees 0 before the first event
+            self._requests.labels(model_name, reason)
+        for reason in ADMISSION_REASONS:
+            self._rejections.labels(model_name, reason)
+        reg.register(EngineStatsCollector(engine_stats, model_name))
+
+    def _histogram(self, name: str, doc: str) -> Any:
+        return Histogram(f"conveyor_{name}", doc, ["model_name"], registry=self.registry,
+                         buckets=REQUEST_LATENCY_BUCKETS).labels(self.model_name)
+
+    def request_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int,
+                         ttft_s: float | None, e2e_s: float) -> None:
+        """One call per finished request (per choice set, not per choice). ttft_s None: no token was produced."""
+        self._requests.labels(self.model_name, _label(finish_reason)).inc()
+        self._prompt_tokens.inc(max(0, prompt_tokens))
+        self._generation_tokens.inc(max(0, generation_tokens))
+        if ttft_s is not None:
+            self._ttft.observe(ttft_s)
+        self._e2e.observe(e2e_s)
+
+    def inter_token_latency(self, seconds: float, tokens: int = 1) -> None:
+        """The gap before a streamed delta that carries `tokens` new tokens.
+
+        Records `tokens` observations of seconds/tokens, so the histogram counts token gaps (not deltas)
+        and its mean is the per-token latency even when a slow reader got several tokens merged.
+        """
+        if tokens <= 0:
+            return
+        per_token = seconds / tokens
+        for _ in range(tokens):
+            self._itl.observe(per_token)
+
+    def admission_rejected(self, reason: str) -> None:
+        """A 503 from admission limits or draining; unknown reasons count as "other" (see admission_reason)."""
+        label = _label(reason)
+        self._rejections.labels(self.model_name, label if label in ADMISSION_REASONS else "other").inc()
+
+    def render(self) -> tuple[bytes, str]:
+        """(body, content_type) for GET /metrics.
+
+        The content type carries a charset, which aiohttp's `content_type=` argument rejects: send it
+        as `web.Response(body=body, headers={"Content-Type": content_type})`.
+        """
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
