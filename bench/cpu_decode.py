@@ -68,13 +68,13 @@ async def engine_bench(new_tokens: int, concurrency: int, dtype: str) -> dict:
         await engine.shutdown()
 
 
-def transformers_bench(new_tokens: int, concurrency: int) -> dict:
+def transformers_bench(new_tokens: int, concurrency: int, dtype: torch.dtype) -> dict:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = embedded_model_path()
     directory, name = os.path.split(path)
     tokenizer = AutoTokenizer.from_pretrained(directory, gguf_file=name)
-    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(directory, gguf_file=name, dtype=dtype).eval()
     encode = lambda p: tokenizer.apply_chat_template([{"role": "user", "content": p}],  # noqa: E731
                                                      add_generation_prompt=True, return_tensors="pt",
                                                      return_dict=True)
@@ -122,12 +122,18 @@ def main() -> None:
         "date": time.strftime("%Y-%m-%d"),
         "new_tokens": args.new_tokens,
         "conveyor": asyncio.run(engine_bench(args.new_tokens, args.concurrency, args.dtype)),
+        "notes": "decode tok/s = (tokens - 1) / (time from first to last token); transformers: generate() "
+                 "greedy, prefill time (a 1-token generate) subtracted; concurrent = 16 requests at once "
+                 "(transformers: one left-padded batch)",
     }
+    report["conveyor"]["dtype"] = args.dtype
     if not args.skip_transformers:
-        report["transformers"] = transformers_bench(args.new_tokens, args.concurrency)
-        report["batch1_speedup"] = report["conveyor"]["batch1_decode_tok_s"] / report["transformers"]["batch1_decode_tok_s"]
         key = f"concurrent{args.concurrency}_output_tok_s"
-        report["concurrent_speedup"] = report["conveyor"][key] / report["transformers"][key]
+        for name, dtype in (("float32", torch.float32), ("bfloat16", torch.bfloat16)):
+            peer = transformers_bench(args.new_tokens, args.concurrency, dtype)
+            peer["batch1_speedup"] = report["conveyor"]["batch1_decode_tok_s"] / peer["batch1_decode_tok_s"]
+            peer["concurrent_speedup"] = report["conveyor"][key] / peer[key]
+            report[f"transformers_{name}"] = peer
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

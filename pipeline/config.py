@@ -8,7 +8,7 @@ from dataclasses import dataclass
 class EngineConfig:
     model: str | None = None  # HF directory or .gguf path; None: the embedded SmolLM2 GGUF
     device: str = "cpu"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    dtype: str = "auto"  # auto: bfloat16 on CUDA and on CPUs with native bf16, else float32
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_gib
     kv_cache_memory_gib: float = 1.0

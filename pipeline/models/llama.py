@@ -12,7 +12,18 @@ from torch import nn
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
 from pipeline.models.attention import AttentionMetadata
 from pipeline.models.config import ModelArchConfig
-from pipeline.models.layers import Embedding, GatedMLP, Linear, PagedAttention, RMSNorm, linear
+from pipeline.models.layers import (
+    Embedding,
+    GatedMLP,
+    Linear,
+    MergedLinear,
+    PagedAttention,
+    RMSNorm,
+    can_prepack,
+    linear,
+    packed_linear,
+    prepack_weight,
+)
 from pipeline.models.rope import RotaryEmbedding
 
 
@@ -94,6 +105,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = (
             None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype, device)
         )
+        self.lm_head_packed: torch.Tensor | None = None  # tied lm_head, packed by prepack()
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -119,7 +131,20 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear(hidden, self.lm_head_weight).float()
+        if self.lm_head is not None:
+            return self.lm_head(hidden).float()
+        if self.lm_head_packed is not None:
+            return packed_linear(hidden, self.lm_head_packed, None).float()
+        return linear(hidden, self.model.embed_tokens.weight).float()
+
+    def prepack(self) -> None:
+        """Prepack every projection for oneDNN (CPU). A tied lm_head gets its own packed copy, since
+        the embedding lookup still needs the plain table."""
+        for module in self.modules():
+            if isinstance(module, MergedLinear):
+                module.prepack()
+        if self.lm_head is None and can_prepack(self.model.embed_tokens.weight):
+            self.lm_head_packed = prepack_weight(self.model.embed_tokens.weight)
 
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

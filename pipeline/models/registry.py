@@ -32,11 +32,17 @@ def build_model(
     weights: Iterable[tuple[str, torch.Tensor]],
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
+    prepack: bool = True,
 ) -> nn.Module:
-    """Construct directly on ``device``/``dtype``, load HF-named weights, eval mode, gradients off."""
+    """Construct directly on ``device``/``dtype``, load HF-named weights, eval mode, gradients off.
+
+    On CPU the projections are then prepacked for oneDNN (prepack=False keeps plain weights, e.g. to
+    inspect them); the serving path and the parity tests both use the packed path."""
     cls = get_model_class(arch.model_type)
     model = cls(arch, dtype=dtype, device=device)
     model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
+    if prepack and torch.device(device).type == "cpu":
+        model.prepack()
     return model

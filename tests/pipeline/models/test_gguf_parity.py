@@ -53,3 +53,22 @@ def test_engine_greedy_equals_transformers(smollm_gguf_path, prompt_ids, referen
             await engine.shutdown()
 
     assert run_async(main()) == reference[1]
+
+
+def test_engine_bfloat16_tracks_float32(smollm_gguf_path, prompt_ids):
+    """The CPU default on bf16-capable machines: same answer as fp32 for the first tokens."""
+    async def main():
+        from pipeline.engine import Engine
+
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        outputs = []
+        for dtype in ("float32", "bfloat16"):
+            engine = await Engine.create(config_for(smollm_gguf_path, dtype=dtype, block_size=16, num_kv_blocks=64))
+            try:
+                outputs.append((await collect(engine, prompt_token_ids=prompt_ids, params=params))[0].token_ids)
+            finally:
+                await engine.shutdown()
+        return outputs
+
+    fp32, bf16 = run_async(main())
+    assert bf16[:4] == fp32[:4]

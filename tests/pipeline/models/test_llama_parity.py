@@ -126,7 +126,7 @@ def test_unchunked_batched_prefill_then_decode_batch(tiny_llama):
 def test_bfloat16_runs_and_tracks_fp32(tiny_llama):
     hf, model = tiny_llama
     model_bf16 = conveyor_from_hf(hf, dtype=torch.bfloat16)
-    assert model_bf16.model.layers[0].self_attn.qkv_proj.weight.dtype == torch.bfloat16
+    assert model_bf16.model.embed_tokens.weight.dtype == torch.bfloat16
     ids = prompt(19, seed=8)
     ref = run_paged(model, [ids], 0).prompt_logits[0]
     run = run_paged(model_bf16, [ids], 4)
@@ -157,10 +157,30 @@ def test_load_weights_errors(tiny_llama):
 def test_tied_model_needs_no_lm_head():
     hf = make_tiny_hf_model("qwen3", tie_word_embeddings=True)
     sd = {k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"}
-    model = build_model(arch_of(hf), sd.items())
+    model = build_model(arch_of(hf), sd.items(), prepack=False)
     assert model.lm_head is None
     assert model.lm_head_weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     assert not any(p.requires_grad for p in model.parameters()) and not model.training
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("tied", [False, True])
+def test_prepacked_projections_equal_plain_ones(dtype, tied):
+    from pipeline.models.layers import can_prepack
+
+    hf = make_tiny_hf_model("qwen2", tie_word_embeddings=tied)
+    sd = hf.state_dict().items()
+    plain = build_model(arch_of(hf), sd, dtype=dtype, prepack=False)
+    packed = build_model(arch_of(hf), sd, dtype=dtype)
+    if not can_prepack(plain.model.embed_tokens.weight):
+        pytest.skip("oneDNN prepacking is not available for this dtype here")
+    assert packed.model.layers[0].self_attn.qkv_proj.packed is not None
+    ids = prompt(13, seed=3)
+    ref, out = run_paged(plain, [ids], 6), run_paged(packed, [ids], 6)
+    tol = dict(atol=2e-4, rtol=1e-4) if dtype == torch.float32 else dict(atol=0.1, rtol=0.05)
+    torch.testing.assert_close(out.prompt_logits[0], ref.prompt_logits[0], **tol)
+    if dtype == torch.float32:
+        assert out.generated == ref.generated
 
 
 def test_unsupported_model_type_lists_supported():
@@ -171,8 +191,9 @@ def test_unsupported_model_type_lists_supported():
 
 
 def test_fused_weights_are_concatenated_projections(tiny_llama):
-    hf, model = tiny_llama
+    hf, _ = tiny_llama
     sd = hf.state_dict()
+    model = build_model(arch_of(hf), sd.items(), prepack=False)
     attn = model.model.layers[1].self_attn
     qkv = torch.cat([sd[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
     assert torch.equal(attn.qkv_proj.weight, qkv)
