@@ -22,7 +22,7 @@ build-ext: $(STAMP)
 	$(PY) setup.py -q build_ext --inplace
 
 serve: $(STAMP)
-	$(VENV)/bin/conveyor generate
+	$(VENV)/bin/conveyor serve
 
 test: $(STAMP)
 	$(PY) -m pytest tests

@@ -1,8 +1,9 @@
-"""`conveyor` command line: `conveyor generate` streams a completion (or chats interactively)."""
+"""`conveyor` command line: `serve` (the OpenAI HTTP API) and `generate` (stream to stdout / chat)."""
 from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import sys
 from typing import Any
 
@@ -99,9 +100,41 @@ async def _chat_loop(engine: Any, params: SamplingParams) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
+async def serve_main(args: argparse.Namespace) -> int:
+    from web.app import ServerSettings
+    from web.serve import run_server
+
+    config = engine_config(args)
+    config.max_waiting_requests = args.max_waiting_requests
+    config.max_waiting_tokens = args.max_waiting_tokens
+    config.chat_template = args.chat_template
+    names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
+                              request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes)
+    return await run_server(config, settings, args.host, args.port, args.drain_timeout)
+
+
+def add_serve_parser(commands: argparse._SubParsersAction) -> None:
+    defaults = EngineConfig()
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--served-model-name", action="append", default=None,
+                       help="name(s) clients use for the model (default: the model path, or the embedded name)")
+    serve.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests)
+    serve.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens)
+    serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")
+    serve.add_argument("--drain-timeout", type=float, default=30.0, help="seconds SIGTERM waits for requests")
+    serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
+    serve.add_argument("--chat-template", default=None, help="a chat template file overriding the model's")
+    serve.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    add_engine_args(serve)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="conveyor", description="Conveyor LLM inference engine")
     commands = parser.add_subparsers(dest="command", required=True)
+    add_serve_parser(commands)
     gen = commands.add_parser("generate", help="stream a completion to stdout (interactive chat without --prompt)")
     gen.add_argument("--prompt", default=None)
     gen.add_argument("--raw", action="store_true", help="complete the prompt as plain text (no chat template)")
@@ -112,6 +145,9 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "generate":
         return uvloop.run(generate_main(args))
+    if args.command == "serve":
+        logging.basicConfig(level=logging.INFO, format="[conveyor] %(levelname)s %(name)s: %(message)s")
+        return uvloop.run(serve_main(args))
     return 2
 
 

@@ -20,6 +20,8 @@ class EngineConfig:
     stage_queue_size: int = 256  # bound of every stage inbox that is not sized by seats
     output_channel_cap_bytes: int = 1 << 20  # per-request unread output before it is aborted
     seed: int | None = None  # seeds request seeds when a request has none (tests)
+    chat_template: str | None = None  # a template file (or the template itself) overriding the model's
+    wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from pipeline.config import EngineConfig
-from pipeline.errors import EngineDead
+from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.messages import IntakeItem
 from pipeline.output_channel import OutputChannel
+from pipeline.prompt import PromptRenderer
 from pipeline.request import CancelReason, OutputDelta, Request, SamplingParams, new_request_id
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.scheduler import SeatPool, WaitingGauge
@@ -49,12 +51,16 @@ class Engine:
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, token_budget=config.max_num_batched_tokens,
                                     decode=self.decode, **shared)
         self.decode.prefill = self.prefill
-        self.intake = IntakeStage(config.stage_queue_size, tokenizer=self.tokenizer, limits=loaded.limits,
+        self.renderer = PromptRenderer(self.tokenizer, loaded.limits.chat_template, loaded.limits.vocab_size)
+        self.intake = IntakeStage(config.stage_queue_size, renderer=self.renderer, limits=loaded.limits,
                                   waiting_gauge=self.waiting, prefill=self.prefill, seed=config.seed)
         self.stages: list[Stage] = [self.intake, self.prefill, self.decode, self.detokenize, self.stream]
         self._live: dict[str, Request] = {}
         self._channels: dict[str, OutputChannel] = {}
         self._aborted_before_admission: set[str] = set()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self.draining = False
         self._tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self.failure: BaseException | None = None
@@ -110,9 +116,14 @@ class Engine:
         if not self.alive:
             raise EngineDead(f"engine is not running: {self.failure!r}")
         params = params or SamplingParams()
+        if self.draining:
+            raise AdmissionRefused("the server is shutting down")
         request_id = request_id or new_request_id()
+        if request_id in self._channels:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
         channel = OutputChannel(params.n, self.config.output_channel_cap_bytes)
         self._channels[request_id] = channel
+        self._drained.clear()
         item = IntakeItem(request_id, channel, params, prompt, prompt_token_ids, messages,
                           dict(chat_template_kwargs or {}), on_admitted=self._on_admitted)
         complete = False
@@ -127,6 +138,8 @@ class Engine:
                     yield delta
         finally:
             self._channels.pop(request_id, None)
+            if not self._channels:
+                self._drained.set()
             request = self._live.pop(request_id, None)
             if request is not None and not complete:
                 request.cancel.cancel(CancelReason.CLIENT_DISCONNECTED)
@@ -147,6 +160,40 @@ class Engine:
             self._aborted_before_admission.add(request_id)
             return True
         return False
+
+    @property
+    def num_requests(self) -> int:
+        """Requests between generate() and their last delta (admitted or not yet)."""
+        return len(self._channels)
+
+    def begin_drain(self) -> None:
+        """Stop admitting: new requests get AdmissionRefused; in-flight ones go on."""
+        self.draining = True
+        self.intake.draining = True
+
+    async def wait_drained(self, timeout_s: float) -> bool:
+        """True when every in-flight request finished within the timeout."""
+        try:
+            await asyncio.wait_for(self._drained.wait(), timeout_s)
+            return True
+        except TimeoutError:
+            return False
+
+    def health(self) -> str | None:
+        """None when healthy, else why not (stopped, draining, or a device step that hangs)."""
+        if not self.alive:
+            return f"engine stopped: {self.failure!r}" if self.failure else "engine stopped"
+        if self.draining:
+            return "draining"
+        busy_since = self.executor.busy_since
+        if busy_since is not None and time.monotonic() - busy_since > self.config.wedged_step_s:
+            return f"a device step has been running for {time.monotonic() - busy_since:.0f}s"
+        return None
+
+    def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
+                 add_special_tokens: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        return self.renderer.token_ids(prompt=prompt, messages=messages, chat_template_kwargs=chat_template_kwargs,
+                                       add_special_tokens=add_special_tokens)
 
     def stats(self) -> dict[str, Any]:
         return {

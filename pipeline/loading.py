@@ -1,6 +1,7 @@
 """Model loading for the engine: weights, tokenizer, limits, and the KV pool size."""
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -87,8 +88,20 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         max_num_seqs=config.max_num_seqs,
         eos_token_ids=eos_token_ids(tokenizer, hf_config, generation_config),
         generation_defaults=generation_defaults(generation_config),
-        chat_template=tokenizer.chat_template,
+        chat_template=chat_template_override(config.chat_template) or tokenizer.chat_template,
     )
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device)
 
+
+
+def chat_template_override(value: str | None) -> str | None:
+    """--chat-template: a path to a template file, or the template text itself."""
+    if value is None:
+        return None
+    if os.path.isfile(value):
+        with open(value, encoding="utf-8") as handle:
+            return handle.read()
+    if "{" not in value:
+        raise FileNotFoundError(f"chat template file not found: {value}")
+    return value

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -46,6 +47,7 @@ class DeviceExecutor:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self.steps = 0
         self.merged_steps = 0
+        self.busy_since: float | None = None  # monotonic start of the job running now (health checks)
         self._thread.start()
 
     def bind(self, execute: Callable[[StepPlan], SamplerOutput]) -> None:
@@ -75,8 +77,10 @@ class DeviceExecutor:
             job = pending.pop(0) if pending else self._jobs.get()
             if job is _STOP:
                 return
+            self.busy_since = time.monotonic()
             if isinstance(job, _Call):
                 self._run_call(job)
+                self.busy_since = None
                 continue
             steps = [job]
             while True:  # take every plan already waiting: they run as one forward
@@ -90,6 +94,7 @@ class DeviceExecutor:
                     pending.append(more)
                     break
             self._run_steps(steps)  # type: ignore[arg-type]
+            self.busy_since = None
 
     @staticmethod
     def _run_call(job: _Call) -> None:

@@ -11,13 +11,12 @@ import random
 import time
 from dataclasses import dataclass, fields, replace
 
-from pipeline.chat_template import render_chat_template
 from pipeline.errors import AdmissionRefused, InvalidRequest
 from pipeline.messages import IntakeItem
+from pipeline.prompt import PromptRenderer
 from pipeline.request import Request, SamplingParams
 from pipeline.scheduler import WaitingGauge
 from pipeline.stage import Stage
-from pipeline.tokenizer import Tokenizer
 
 # generation_config.json keys that may supply request defaults (as vLLM reads them)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -40,10 +39,10 @@ def generation_defaults(generation_config: dict) -> dict[str, float]:
 class IntakeStage(Stage[IntakeItem]):
     name = "intake"
 
-    def __init__(self, inbox_size: int, *, tokenizer: Tokenizer, limits: ModelLimits,
+    def __init__(self, inbox_size: int, *, renderer: PromptRenderer, limits: ModelLimits,
                  waiting_gauge: WaitingGauge, prefill: Stage, seed: int | None = None) -> None:
         super().__init__(inbox_size)
-        self.tokenizer = tokenizer
+        self.renderer = renderer
         self.limits = limits
         self.waiting_gauge = waiting_gauge
         self.prefill = prefill
@@ -91,30 +90,7 @@ class IntakeStage(Stage[IntakeItem]):
         )
 
     def tokenize(self, item: IntakeItem) -> list[int]:
-        forms = sum(x is not None for x in (item.prompt, item.prompt_token_ids, item.messages))
-        if forms != 1:
-            raise InvalidRequest("give exactly one of prompt, prompt token ids or messages")
-        if item.messages is not None:
-            template = self.limits.chat_template
-            if template is None:
-                raise InvalidRequest("this model has no chat template; send a plain prompt", "messages")
-            if not item.messages:
-                raise InvalidRequest("messages must not be empty", "messages")
-            kwargs = dict(item.chat_template_kwargs)
-            kwargs.setdefault("add_generation_prompt", True)
-            try:
-                text = render_chat_template(template, item.messages, bos_token=self.tokenizer.bos_token or "",
-                                            eos_token=self.tokenizer.eos_token or "", **kwargs)
-            except ValueError as exc:  # TemplateError is a ValueError
-                raise InvalidRequest(f"chat template error: {exc}", "messages") from exc
-            ids = self.tokenizer.encode(text, add_special_tokens=False)
-        elif item.prompt is not None:
-            ids = self.tokenizer.encode(item.prompt)
-        else:
-            ids = list(item.prompt_token_ids or [])
-            bad = [t for t in ids if not 0 <= t < self.limits.vocab_size]
-            if bad:
-                raise InvalidRequest(f"token ids out of range [0, {self.limits.vocab_size}): {bad[:5]}", "prompt")
+        ids = self.renderer.token_ids(item.prompt, item.prompt_token_ids, item.messages, item.chat_template_kwargs)
         if not ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         if len(ids) >= self.limits.max_model_len:

@@ -1,0 +1,257 @@
+"""POST /v1/chat/completions and /v1/completions: one engine request each, streamed as SSE or
+collected into one response.
+
+A client that disconnects cancels its handler (aiohttp handler_cancellation); closing the engine's
+stream then cancels the request, which frees its sequences within one step. --request-timeout
+aborts the request with a clear error.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from aiohttp import web
+
+from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogprob
+from web.app import STATE, ServerState, json_response, read_json
+from web.protocol import (SSE_DONE, APIError, chat_chunk, chat_choice, chat_completion, chat_delta_choice,
+                          chat_logprobs, chat_usage_chunk, completion_choice, completion_chunk, completion_logprobs,
+                          completion_response, completion_usage_chunk, new_chat_id, new_completion_id,
+                          parse_chat_request, parse_completion_request, sse_event, usage)
+
+
+@dataclass(slots=True)
+class Choice:
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    output_tokens: int = 0
+    text_offset: int = 0  # characters sent so far (completions logprobs offsets)
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Tracker:
+    """Per-request timing and token accounting for /metrics and usage."""
+
+    arrival: float
+    prompt_tokens: int = 0
+    first_token: float | None = None
+    last_delta: float | None = None
+    choices: dict[int, Choice] = field(default_factory=dict)
+
+    def observe(self, state: ServerState, delta: OutputDelta) -> Choice:
+        now = time.monotonic()
+        if delta.token_ids:
+            if self.first_token is None:
+                self.first_token = now
+            elif self.last_delta is not None:
+                state.metrics.inter_token_latency(now - self.last_delta, len(delta.token_ids))
+            self.last_delta = now
+        self.prompt_tokens = delta.prompt_token_count
+        choice = self.choices.setdefault(delta.index, Choice())
+        choice.output_tokens = max(choice.output_tokens, delta.output_token_count)
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+            choice.error = delta.error
+        return choice
+
+    @property
+    def completion_tokens(self) -> int:
+        return sum(c.output_tokens for c in self.choices.values())
+
+    def finish(self, state: ServerState, cancelled: bool) -> None:
+        reasons = [c.finish_reason for c in self.choices.values() if c.finish_reason is not None]
+        reason = "abort" if cancelled or not reasons else reasons[0].value
+        ttft = None if self.first_token is None else self.first_token - self.arrival
+        state.metrics.request_finished(reason, self.prompt_tokens, self.completion_tokens, ttft,
+                                       time.monotonic() - self.arrival)
+
+
+class Endpoint:
+    """What differs between chat and completions: how deltas and the final answer are shaped."""
+
+    def __init__(self, state: ServerState, model: str, include_usage: bool, want_logprobs: bool) -> None:
+        self.state = state
+        self.model = model
+        self.include_usage = include_usage
+        self.want_logprobs = want_logprobs
+        self.created = int(time.time())
+        tokenizer = state.ready_engine().tokenizer
+        self.token_text = lambda t: tokenizer.decode([t], skip_special_tokens=False)
+
+    def opening(self, n: int) -> list[dict]:
+        return []
+
+    def chunk(self, delta: OutputDelta, choice: Choice) -> dict | None:
+        raise NotImplementedError
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        raise NotImplementedError
+
+    def response(self, tracker: Tracker) -> dict:
+        raise NotImplementedError
+
+
+class ChatEndpoint(Endpoint):
+    def __init__(self, *args: Any) -> None:
+        super().__init__(*args)
+        self.id = new_chat_id()
+
+    def opening(self, n: int) -> list[dict]:
+        return [chat_chunk(self.id, self.created, self.model, [chat_delta_choice(i, role="assistant", content="")],
+                           include_usage=self.include_usage) for i in range(n)]
+
+    def chunk(self, delta: OutputDelta, choice: Choice) -> dict | None:
+        logprobs = chat_logprobs(delta.logprobs, self.token_text) if self.want_logprobs and delta.logprobs else None
+        if not delta.text and logprobs is None and delta.finish_reason is None:
+            return None
+        part = chat_delta_choice(delta.index, content=delta.text if delta.text or delta.finish_reason is None else None,
+                                 logprobs=logprobs, finish_reason=delta.finish_reason)
+        return chat_chunk(self.id, self.created, self.model, [part], include_usage=self.include_usage)
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return chat_usage_chunk(self.id, self.created, self.model, usage_)
+
+    def response(self, tracker: Tracker) -> dict:
+        choices = []
+        for index in sorted(tracker.choices):
+            c = tracker.choices[index]
+            logprobs = chat_logprobs(c.logprobs, self.token_text) if self.want_logprobs else None
+            choices.append(chat_choice(index, "".join(c.text), c.finish_reason, logprobs=logprobs))
+        return chat_completion(self.id, self.created, self.model, choices,
+                               usage(tracker.prompt_tokens, tracker.completion_tokens))
+
+
+class CompletionEndpoint(Endpoint):
+    def __init__(self, *args: Any, echo_text: str = "") -> None:
+        super().__init__(*args)
+        self.id = new_completion_id()
+        self.echo_text = echo_text
+
+    def _text(self, delta: OutputDelta, choice: Choice) -> str:
+        """The echoed prompt precedes each choice's first text."""
+        if self.echo_text and not choice.text_offset and not choice.text:
+            return self.echo_text + delta.text
+        return delta.text
+
+    def chunk(self, delta: OutputDelta, choice: Choice) -> dict | None:
+        text = self._text(delta, choice)
+        logprobs = None
+        if self.want_logprobs and delta.logprobs:
+            logprobs = completion_logprobs(delta.logprobs, self.token_text, choice.text_offset)
+        choice.text_offset += len(text)
+        if not text and logprobs is None and delta.finish_reason is None:
+            return None
+        part = completion_choice(delta.index, text, delta.finish_reason, logprobs=logprobs)
+        return completion_chunk(self.id, self.created, self.model, [part], include_usage=self.include_usage)
+
+    def usage_chunk(self, usage_: dict) -> dict:
+        return completion_usage_chunk(self.id, self.created, self.model, usage_)
+
+    def response(self, tracker: Tracker) -> dict:
+        choices = []
+        for index in sorted(tracker.choices):
+            c = tracker.choices[index]
+            text = self.echo_text + "".join(c.text)
+            logprobs = completion_logprobs(c.logprobs, self.token_text, len(self.echo_text)) \
+                if self.want_logprobs else None
+            choices.append(completion_choice(index, text, c.finish_reason, logprobs=logprobs))
+        return completion_response(self.id, self.created, self.model, choices,
+                                   usage(tracker.prompt_tokens, tracker.completion_tokens))
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrival = time.monotonic()
+    parsed = parse_chat_request(await read_json(request))
+    endpoint = ChatEndpoint(state, state.model_name(parsed.model), parsed.include_usage, parsed.logprobs)
+    stream = state.ready_engine().generate(messages=parsed.messages, params=parsed.params, request_id=endpoint.id,
+                                           chat_template_kwargs=parsed.chat_template_kwargs)
+    return await serve(request, stream, endpoint, parsed.stream, parsed.params.n, arrival)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    state = request.app[STATE]
+    arrival = time.monotonic()
+    parsed = parse_completion_request(await read_json(request))
+    engine = state.ready_engine()
+    echo = ""
+    if parsed.echo:
+        echo = parsed.prompt_text if parsed.prompt_text is not None else engine.tokenizer.decode(
+            parsed.prompt_token_ids or [], skip_special_tokens=False)
+    endpoint = CompletionEndpoint(state, state.model_name(parsed.model), parsed.include_usage,
+                                  parsed.logprobs is not None, echo_text=echo)
+    stream = engine.generate(parsed.prompt_text, prompt_token_ids=parsed.prompt_token_ids, params=parsed.params,
+                             request_id=endpoint.id)
+    return await serve(request, stream, endpoint, parsed.stream, parsed.params.n, arrival)
+
+
+async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoint: Endpoint, streaming: bool,
+                n: int, arrival: float) -> web.StreamResponse:
+    state = endpoint.state
+    tracker = Tracker(arrival)
+    response: web.StreamResponse | None = None
+    completed = False
+    timeout_s = state.settings.request_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            first = await anext(stream)  # admission and validation errors surface here, before any byte
+            if streaming:
+                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                       "Cache-Control": "no-cache"})
+                await response.prepare(request)
+                await _stream(response, first, stream, endpoint, tracker, n)
+            else:
+                _collect(state, first, tracker)
+                async for delta in stream:
+                    _collect(state, delta, tracker)
+            completed = True
+    except TimeoutError:
+        state.ready_engine().abort(endpoint.id, CancelReason.TIMEOUT)
+        error = APIError(504, f"the request timed out after {timeout_s:g}s", "timeout")
+        if response is None:
+            raise error from None
+        await response.write(sse_event(error.body()))
+        await response.write(SSE_DONE)
+        completed = True
+    except ConnectionResetError:
+        pass  # the client went away mid-stream; closing the stream below cancels the request
+    finally:
+        await stream.aclose()
+        tracker.finish(state, cancelled=not completed)
+    if response is not None:
+        await response.write_eof()
+        return response
+    failed = [c.error for c in tracker.choices.values() if c.finish_reason is FinishReason.ERROR]
+    if failed:
+        raise APIError(500, failed[0] or "the request failed", "server_error")
+    return json_response(endpoint.response(tracker))
+
+
+def _collect(state: ServerState, delta: OutputDelta, tracker: Tracker) -> None:
+    choice = tracker.observe(state, delta)
+    choice.text.append(delta.text)
+    if delta.logprobs:
+        choice.logprobs.extend(delta.logprobs)
+
+
+async def _stream(response: web.StreamResponse, first: OutputDelta, stream: AsyncIterator[OutputDelta],
+                  endpoint: Endpoint, tracker: Tracker, n: int) -> None:
+    for chunk in endpoint.opening(n):
+        await response.write(sse_event(chunk))
+    delta: OutputDelta | None = first
+    while delta is not None:
+        choice = tracker.observe(endpoint.state, delta)
+        chunk = endpoint.chunk(delta, choice)
+        if chunk is not None:
+            await response.write(sse_event(chunk))
+        if delta.finish_reason is not None and delta.error:
+            await response.write(sse_event(APIError(500, delta.error, "server_error").body()))
+        delta = await anext(stream, None)
+    if endpoint.include_usage:
+        await response.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens))))
+    await response.write(SSE_DONE)
