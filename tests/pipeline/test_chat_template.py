@@ -186,3 +186,32 @@ def test_strftime_now_dict_and_generation_block() -> None:
     year, as_dict, from_keys, generation = rendered.split("|")
     assert year.isdigit() and len(year) == 4
     assert (as_dict, from_keys, generation) == ('{"a": 1}', '{"k": null}', "kept")
+
+
+THINKING_TEMPLATE = (
+    "{%- if documents %}{{ '<|im_start|>system\\nSources:\\n' }}"
+    "{%- for doc in documents %}{{ '[' ~ loop.index ~ '] ' ~ doc.title ~ ': ' ~ doc.text ~ '\\n' }}{%- endfor %}"
+    "{{ '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{{ '<|im_start|>' ~ message.role ~ '\\n' ~ message.content ~ '<|im_end|>\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{%- if enable_thinking is defined and enable_thinking is false %}{{ '<think>\\n\\n</think>\\n\\n' }}{%- endif %}"
+    "{%- endif %}"
+)
+DOCUMENTS = [{"title": "Rivers", "text": "Rivers flow downhill."}, {"title": "Seas", "text": "Seas are salty."}]
+
+
+@pytest.mark.parametrize("enable_thinking", [None, True, False])
+@pytest.mark.parametrize("documents", [None, DOCUMENTS], ids=["no-docs", "docs"])
+def test_thinking_switch_and_documents_match_transformers(
+    hf_gguf_tokenizer: Any, enable_thinking: bool | None, documents: list[dict[str, str]] | None
+) -> None:
+    kwargs: dict[str, Any] = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    conversation = [{"role": "user", "content": "Summarize."}]
+    expected = hf_gguf_tokenizer.apply_chat_template(
+        conversation, chat_template=THINKING_TEMPLATE, documents=documents, tokenize=False,
+        add_generation_prompt=True, **kwargs,
+    )
+    ours = render_chat_template(THINKING_TEMPLATE, conversation, documents=documents, **kwargs)
+    assert ours == expected
+    assert ("<think>" in ours) == (enable_thinking is False)

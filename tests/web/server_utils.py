@@ -23,6 +23,7 @@ class LiveServer:
         self.config = config_for(model_dir, **config)
         self.settings = settings or ServerSettings(served_model_names=["tiny"])
         self.url = ""
+        self.engine: Engine | None = None  # owned by the server thread; tests only poke test hooks on it
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -54,7 +55,7 @@ class LiveServer:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
         state = ServerState(self.settings, ServerMetrics(lambda: state.engine.stats() if state.engine else {}, "tiny"))
-        state.engine = await Engine.create(self.config)
+        state.engine = self.engine = await Engine.create(self.config)
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
