@@ -38,11 +38,13 @@ def rms_norm_ref(
 def _rms_norm_kernel(
     x_ptr, res_ptr, out_ptr, res_out_ptr, w_ptr,
     inner, n_cols, eps,
-    x_s0, x_s1, r_s0, r_s1, o_s0, o_s1, ro_s0, ro_s1,
+    x_s0, x_s1, r_s0, r_s1,
     HAS_RESIDUAL: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):
-    """One program per row; rows are addressed as (i, j) of a [A, B, N] view so strided 3-D views need no copy."""
+    """One program per row; row = (i, j) of a [A, B, N] view, so strided 3-D views need no copy.
+
+    The outputs are contiguous: row ``i * inner + j`` starts at ``row * n_cols``."""
     row = tl.program_id(0).to(tl.int64)
     i = row // inner
     j = row % inner
@@ -53,26 +55,25 @@ def _rms_norm_kernel(
         r = tl.load(res_ptr + i * r_s0 + j * r_s1 + cols, mask=mask, other=0.0)
         # round the sum to the residual dtype first, as the torch add does, and normalize that rounded value
         x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + i * ro_s0 + j * ro_s1 + cols, x, mask=mask)
+        tl.store(res_out_ptr + row * n_cols + cols, x, mask=mask)
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, axis=0) / n_cols
     rstd = 1.0 / tl.sqrt(mean_sq + eps)
     w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     y = xf * rstd * w
-    tl.store(out_ptr + i * o_s0 + j * o_s1 + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + row * n_cols + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _as_3d(t: torch.Tensor) -> torch.Tensor:
-    """[..., N] -> [A, B, N] without copying where possible (last dim made contiguous)."""
+def _rows(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """``(t', s0, s1)`` addressing row (i, j) of ``t`` seen as [A, B, N] at ``i*s0 + j*s1``, without views
+    (this runs per call: host overhead matters); only >3-D inputs are reshaped."""
     if t.stride(-1) != 1:
         t = t.contiguous()
-    if t.dim() == 1:
-        return t.view(1, 1, -1)
-    if t.dim() == 2:
-        return t.unsqueeze(1)
+    if t.dim() > 3:
+        t = t.reshape(-1, t.shape[-2], t.shape[-1])
     if t.dim() == 3:
-        return t
-    return t.reshape(-1, t.shape[-2], t.shape[-1])
+        return t, t.stride(0), t.stride(1)
+    return t, (t.stride(0) if t.dim() == 2 else 0), 0
 
 
 def _num_warps(block: int) -> int:
@@ -89,26 +90,20 @@ def rms_norm_triton(
         raise ValueError(f"weight shape {tuple(weight.shape)} does not match the last dim {n}")
     if residual is not None and residual.shape != x.shape:
         raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
-    weight = weight.contiguous()
-    x3 = _as_3d(x)
-    rows = x3.shape[0] * x3.shape[1]
-    out_dtype = torch.promote_types(x.dtype, residual.dtype) if residual is not None else x.dtype
+    out_dtype = x.dtype if residual is None else torch.promote_types(x.dtype, residual.dtype)
     out = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-    o3 = _as_3d(out)
-    if residual is not None:
-        r3 = _as_3d(residual)
-        new_residual = torch.empty(x.shape, dtype=out_dtype, device=x.device)
-        ro3 = _as_3d(new_residual)
-    else:
-        r3 = ro3 = o3  # never read or written (HAS_RESIDUAL=False)
+    new_residual = None if residual is None else torch.empty(x.shape, dtype=out_dtype, device=x.device)
+    xr, x_s0, x_s1 = _rows(x)
+    inner = xr.shape[-2] if xr.dim() == 3 else 1
+    rows = xr.numel() // n if n else 0
     if rows == 0:
         return out if residual is None else (out, new_residual)
+    rr, r_s0, r_s1 = _rows(residual) if residual is not None else (xr, 0, 0)
     block = triton.next_power_of_2(n)
     _rms_norm_kernel[(rows,)](
-        x3, r3, o3, ro3, weight,
-        x3.shape[1], n, eps,
-        x3.stride(0), x3.stride(1), r3.stride(0), r3.stride(1),
-        o3.stride(0), o3.stride(1), ro3.stride(0), ro3.stride(1),
+        xr, rr, out, new_residual if residual is not None else out, weight.contiguous(),
+        inner, n, eps,
+        x_s0, x_s1, r_s0, r_s1,
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block,
         num_warps=_num_warps(block),

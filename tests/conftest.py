@@ -1,13 +1,16 @@
 """Suite-wide fixtures: tiny random HF model directories (with the SmolLM2 tokenizer) for engine tests.
 
-Kernels run under the Triton interpreter on CPU, so TRITON_INTERPRET is set before anything imports
-triton.
+Without CUDA, Triton kernels run under the interpreter, so TRITON_INTERPRET is set before anything
+imports triton (importing torch does not); on a GPU machine they compile for real.
 """
 from __future__ import annotations
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import asyncio  # noqa: E402
 import json  # noqa: E402
@@ -16,7 +19,6 @@ from pathlib import Path  # noqa: E402
 from typing import Any, TypeVar  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 
 from pipeline.embedded import embedded_model_path  # noqa: E402
 

@@ -1,0 +1,68 @@
+"""Pick the implementation of each per-layer op: Triton on CUDA, the torch reference elsewhere.
+
+``use_triton(device)`` is the single switch: True for a CUDA device when triton imports and
+``CONVEYOR_DISABLE_TRITON`` is not ``"1"`` (read at call time, so tests and debugging can flip it). Both paths
+have the same semantics, including ``write_kv`` skipping padding slots (< 0).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels import triton_norm
+from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
+from kernels.triton_norm import rms_norm_ref, rms_norm_triton
+from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
+
+
+def triton_available() -> bool:
+    """Whether triton imported (CPU-only torch installs may lack it; the kernel modules then import without it)."""
+    return triton_norm.triton is not None
+
+
+def use_triton(device: torch.device | str) -> bool:
+    """True when the ops on ``device`` should run the Triton kernels."""
+    if torch.device(device).type != "cuda":
+        return False
+    if os.environ.get("CONVEYOR_DISABLE_TRITON") == "1":
+        return False
+    return triton_available()
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """``norm(x)`` or ``(norm(x + residual), x + residual)``; see ``kernels/triton_norm.py``."""
+    if use_triton(x.device):
+        return rms_norm_triton(x, weight, eps, residual)
+    return rms_norm_ref(x, weight, eps, residual)
+
+
+def apply_rotary_(
+    q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool = True
+) -> None:
+    """Rotate q and k in place; see ``kernels/triton_rope.py``."""
+    if use_triton(q.device):
+        apply_rotary_triton_(q, k, cos, sin, is_neox_style)
+    else:
+        apply_rotary_ref_(q, k, cos, sin, is_neox_style)
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of a fused ``[..., 2*I]`` projection; see ``kernels/triton_activation.py``."""
+    if use_triton(gate_up.device):
+        return silu_and_mul_triton(gate_up)
+    return silu_and_mul_ref(gate_up)
+
+
+def write_kv(
+    key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write K/V at their slots, skipping slots < 0; see ``kernels/triton_kv_cache.py``."""
+    if use_triton(kv_cache_layer.device):
+        write_kv_triton(key, value, kv_cache_layer, slot_mapping)
+    else:
+        write_kv_padded_ref(key, value, kv_cache_layer, slot_mapping)

@@ -1,0 +1,350 @@
+"""Paged attention over the block KV cache: Triton kernels, same contract as ``kernels.paged_attention``.
+
+Both kernels walk keys through ``meta.block_tables`` in tiles of BLOCK_N positions (any block_size), score them
+with ``tl.dot`` and keep an online softmax in float32 (base-2 exponent, ``scale * log2(e)`` folded in). GQA: one
+program serves all ``group`` query heads of one KV head, so every K/V tile is loaded once per group.
+
+* Decode (one new token per sequence) is flash-decoding: grid ``(B, KVH, num_splits)``; the query heads of a KV
+  head are the rows of the Q tile (padded to 16 for ``tl.dot``). Each sequence's context is cut on the device into
+  ``num_splits`` equal parts (rounded up to BLOCK_N), each part writes a normalized partial output and its
+  log-sum-exp, and a small reduce kernel combines them. ``decode_num_splits`` picks the count from the batch
+  shape; with one split the kernel writes the output directly and no reduce runs.
+* Varlen prefill (chunks after a cached prefix, decode tokens mixed in): grid ``(T // BLOCK_Q + B, KVH)``; a tile
+  packs BLOCK_Q tokens x group heads into BLOCK_M rows. Program -> (sequence, tile) is a device-side binary search
+  over ``query_start_loc`` (sequence b owns virtual tiles from ``qsl[b] // BLOCK_Q + b``; spare ones exit), so no
+  host-built index travels per step and the launch depends only on (T, B): CUDA-graph friendly. Keys visible
+  to every row of a tile run unmasked; only the diagonal tiles apply the causal mask.
+
+``plan`` may be a ``TritonAttentionPlan`` (forced split count / tile sizes, e.g. in tests); anything else (such as
+the torch reference's plan) is ignored, since the launch choices are a little host arithmetic.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+
+    _jit = triton.jit
+except ImportError:  # CPU-only installs: the module still imports; the kernels are never launched
+    triton = tl = None
+
+    def _jit(fn):
+        return fn
+
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
+LOG2E = 1.4426950408889634
+MIN_SPLIT_TOKENS = 256  # a decode split below this many keys costs more in partial writes + reduce than it saves
+MAX_SPLITS = 64
+WAVES = 2  # decode aims at this many programs per SM
+
+
+@dataclass(frozen=True, slots=True)
+class TritonAttentionPlan:
+    """Launch choices; None takes the heuristic. Shared by all layers of a step."""
+
+    num_splits: int | None = None  # decode KV partitions per sequence
+    decode_block_n: int | None = None  # keys per decode tile
+    prefill_block_m: int | None = None  # rows (tokens x group heads) per prefill tile
+    prefill_block_n: int | None = None  # keys per prefill tile
+
+
+def _pow2(n: int, least: int = 16) -> int:
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=8)
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # H100 SXM: the target the heuristic is written for
+
+
+def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
+    """Splits per sequence: enough (sequence, KV head, split) programs for WAVES waves over the SMs, but no split
+    under MIN_SPLIT_TOKENS keys; 1 (no reduce kernel) when B * KVH already fills the GPU or contexts are short."""
+    want = -(-WAVES * num_sms // max(1, num_seqs * num_kv_heads))
+    cap = -(-max_seq_len // MIN_SPLIT_TOKENS)
+    return max(1, min(want, cap, MAX_SPLITS))
+
+
+def _dtype_choices(cache: torch.Tensor) -> tuple[bool, str]:
+    """(compute tl.dot in fp32, input precision): fp32 under the interpreter and for fp32 caches (ieee, not tf32)."""
+    fp32 = INTERPRET or cache.dtype == torch.float32
+    return fp32, "ieee" if fp32 else "tf32"
+
+
+@_jit
+def _attend_tile(
+    q, acc, m_i, l_i, k_base, v_base, bt_row, n0, kv_end, pos, dims, dim_ok,
+    stride_kb, stride_kt, qk_scale,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDED: tl.constexpr, CAUSAL: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    """One online-softmax step over keys n0..n0+BLOCK_N-1 (masked to < kv_end and/or <= pos per row)."""
+    offs_n = n0 + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < kv_end
+    if BOUNDED:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+        kv_mask = n_ok[:, None] & dim_ok[None, :]
+    else:
+        blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
+        kv_mask = dim_ok[None, :]
+    kv_off = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
+    k = tl.load(k_base + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+    s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
+    if BOUNDED:
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+    if CAUSAL:
+        s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: each program's first tile has a key every row may see
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    v = tl.load(v_base + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        v = v.to(tl.float32)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    return acc, m_new, l_i
+
+
+@_jit
+def _decode_split_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
+    qk_scale, num_splits,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    seq_len = tl.load(seq_lens_ptr + b)
+    split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * split_len
+    end = tl.minimum(start + split_len, seq_len)
+
+    rows = tl.arange(0, G_PAD)
+    dims = tl.arange(0, D_PAD)
+    row_ok = rows < GROUP
+    dim_ok = dims < HEAD_DIM
+    heads = kvh * GROUP + rows
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+
+    acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
+    m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([G_PAD], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_kh
+    for i in range(0, tl.cdiv(end - start, BLOCK_N)):  # no iteration for an empty split (start >= seq_len)
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, bt_row, start + i * BLOCK_N, end, rows, dims, dim_ok,
+            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, False, DOT_FP32, PRECISION,
+        )
+    l_safe = tl.where(l_i > 0, l_i, 1.0)
+    out = acc / l_safe[:, None]
+    if DIRECT:
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    else:
+        part = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [B, H, splits] row-major
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], out, mask=q_mask)
+        lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@_jit
+def _decode_reduce_kernel(
+    part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+):
+    """Combine one (sequence, head)'s split partials: weights 2^(lse_j - max lse); empty splits weigh 0."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D_PAD)
+    base = (b * tl.num_programs(1) + h) * num_splits
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty (seq_len >= 1): the max is finite
+    used = lse > float("-inf")
+    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
+@_jit
+def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest b with qsl[b] // BLOCK_Q + b <= tile (binary search over the device query_start_loc)."""
+    lo = tile * 0
+    hi = lo + num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        go_right = tl.load(qsl_ptr + mid) // BLOCK_Q + mid <= tile
+        lo = tl.where(go_right, mid + 1, lo)
+        hi = tl.where(go_right, hi, mid)
+    return lo - 1
+
+
+@_jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs,
+    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q)
+    q_begin = tl.load(qsl_ptr + b)
+    q_len = tl.load(qsl_ptr + b + 1) - q_begin
+    tok0 = (tile - (q_begin // BLOCK_Q + b)) * BLOCK_Q  # first token of the tile, within the sequence
+    if tok0 >= q_len:
+        return
+    seq_len = tl.load(seq_lens_ptr + b)
+    ctx = seq_len - q_len  # cached prefix: token t sits at position ctx + t
+
+    rows = tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, D_PAD)
+    tok = tok0 + rows // GROUP  # row = token * GROUP + head-in-group
+    heads = kvh * GROUP + rows % GROUP
+    row_ok = (rows < BLOCK_Q * GROUP) & (tok < q_len)
+    dim_ok = dims < HEAD_DIM
+    q_mask = row_ok[:, None] & dim_ok[None, :]
+    q_off = (q_begin + tok)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    else:
+        q = q.to(k_ptr.dtype.element_ty)
+    pos = ctx + tok
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_kh
+    kv_end = ctx + tl.minimum(tok0 + BLOCK_Q, q_len)  # one past the tile's last position
+    full = (ctx + tok0 + 1) // BLOCK_N  # tiles of keys every row of the tile may see
+    for i in range(0, full):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, bt_row, i * BLOCK_N, kv_end, pos, dims, dim_ok,
+            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, False, False, DOT_FP32, PRECISION,
+        )
+    for i in range(full, tl.cdiv(kv_end, BLOCK_N)):
+        acc, m_i, l_i = _attend_tile(
+            q, acc, m_i, l_i, k_base, v_base, bt_row, i * BLOCK_N, kv_end, pos, dims, dim_ok,
+            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, True, DOT_FP32, PRECISION,
+        )
+    out = acc / l_i[:, None]
+    o_off = (q_begin + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+def _check(query: torch.Tensor, kv_cache_layer: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
+    _, _, _, kvh, d = kv_cache_layer.shape
+    if query.shape[-1] != d or query.shape[1] % kvh or d > 256:
+        raise ValueError(f"query {tuple(query.shape)} does not fit cache {tuple(kv_cache_layer.shape)}")
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    return query, kvh, query.shape[1] // kvh, d
+
+
+def paged_decode_attention_triton(
+    query: torch.Tensor,  # [B, H, D], one new token per sequence
+    kv_cache_layer: torch.Tensor,  # [2, NB, BS, KVH, D]
+    meta,
+    scale: float,
+    plan: TritonAttentionPlan | None = None,
+) -> torch.Tensor:  # [B, H, D]
+    """Decode-only batch, split-KV (flash-decoding) with a reduce kernel when there is more than one split."""
+    query, kvh, group, d = _check(query, kv_cache_layer)
+    plan = plan if isinstance(plan, TritonAttentionPlan) else TritonAttentionPlan()
+    B, H, _ = query.shape
+    d_pad = _pow2(d)
+    block_n = _pow2(plan.decode_block_n or (64 if d_pad <= 128 else 32))  # tl.dot needs >= 16
+    splits = plan.num_splits or decode_num_splits(B, kvh, meta.max_seq_len, _num_sms(query.device))
+    out = torch.empty_like(query)
+    direct = splits == 1
+    part_acc = query.new_empty(0 if direct else B * H * splits * d_pad, dtype=torch.float32)
+    part_lse = query.new_empty(0 if direct else B * H * splits, dtype=torch.float32)
+    fp32, precision = _dtype_choices(kv_cache_layer)
+    k, v = kv_cache_layer[0], kv_cache_layer[1]
+    _decode_split_kernel[(B, kvh, splits)](
+        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, scale * LOG2E, splits,
+        query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
+        BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, num_warps=4, num_stages=2,
+    )
+    if not direct:
+        _decode_reduce_kernel[(B, H)](
+            part_acc, part_lse, out, splits, out.stride(0), out.stride(1),
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=_pow2(splits, 2), num_warps=4,
+        )
+    return out
+
+
+def prefill_tile_sizes(head_dim: int, group: int, plan: TritonAttentionPlan | None = None) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, num_warps): 128x64 up to head_dim 128, 64x32 for 256 (registers)."""
+    d_pad = _pow2(head_dim)
+    block_m = (plan and plan.prefill_block_m) or (128 if d_pad <= 128 else 64)
+    block_n = (plan and plan.prefill_block_n) or (64 if d_pad <= 128 else 32)
+    warps = 4 if d_pad <= 64 else 8
+    return max(_pow2(block_m), _pow2(group)), _pow2(block_n), warps  # powers of two, >= 16 for tl.dot
+
+
+def paged_prefill_attention_triton(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache_layer: torch.Tensor,
+    meta,
+    scale: float,
+    plan: TritonAttentionPlan | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Any varlen batch: causal attention of each sequence's new tokens over its cached keys 0..p."""
+    query, kvh, group, d = _check(query, kv_cache_layer)
+    plan = plan if isinstance(plan, TritonAttentionPlan) else None
+    T, B = query.shape[0], meta.num_seqs
+    block_m, block_n, warps = prefill_tile_sizes(d, group, plan)
+    block_q = block_m // group
+    out = torch.empty_like(query)
+    fp32, precision = _dtype_choices(kv_cache_layer)
+    k, v = kv_cache_layer[0], kv_cache_layer[1]
+    _prefill_kernel[(T // block_q + B, kvh)](
+        query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale * LOG2E, B,
+        query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=d, D_PAD=_pow2(d), GROUP=group, BLOCK_SIZE=kv_cache_layer.shape[2],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_FP32=fp32, PRECISION=precision,
+        num_warps=warps, num_stages=3 if d <= 128 else 2,
+    )
+    return out
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache_layer: torch.Tensor,  # [2, NB, BS, KVH, D]
+    meta,  # AttentionMetadata
+    scale: float,
+    plan: TritonAttentionPlan | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    if meta.is_decode_only:
+        return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan)
+    return paged_prefill_attention_triton(query, kv_cache_layer, meta, scale, plan)

@@ -1,0 +1,187 @@
+"""Triton paged attention against the torch reference (CPU: Triton interpreter, tiny shapes; CUDA: @gpu)."""
+
+import math
+import time
+
+import pytest
+import torch
+
+from kernels.kv_cache import allocate_kv_cache, write_kv_ref
+from kernels.paged_attention import paged_attention_ref, plan_paged_attention
+from kernels.triton_paged_attention import (
+    TritonAttentionPlan,
+    decode_num_splits,
+    paged_attention_triton,
+    paged_decode_attention_triton,
+    paged_prefill_attention_triton,
+)
+from pipeline.models.attention import build_attention_metadata
+
+SMALL = TritonAttentionPlan(decode_block_n=16, prefill_block_m=16, prefill_block_n=16)  # several tiles per sequence
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+def make_step(q_lens, seq_lens, *, kvh=2, group=2, d=16, block_size=4, dtype=torch.float32, seed=0,
+              device="cpu", spare=3):
+    """A paged cache filled through write_kv_ref along shuffled block tables; unassigned blocks (block 0, where
+    padded table entries point, included) hold large garbage that would show if read unmasked."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [math.ceil(s / block_size) for s in seq_lens]
+    nb = 1 + sum(need) + spare
+    ids = (torch.randperm(nb - 1, generator=gen) + 1).tolist()
+    tables = [ids[sum(need[:i]) : sum(need[: i + 1])] for i in range(len(need))]
+    cache = allocate_kv_cache(1, nb, block_size, kvh, d, dtype, device)[0]
+    cache.copy_(1e3 * torch.randn(cache.shape, generator=gen))
+    whole = build_attention_metadata(seq_lens, seq_lens, tables, block_size, device)  # every position's slot
+    T = sum(seq_lens)
+    keys = torch.randn(T, kvh, d, generator=gen).to(device)
+    values = torch.randn(T, kvh, d, generator=gen).to(device)
+    write_kv_ref(keys, values, cache, whole.slot_mapping)
+    meta = build_attention_metadata(q_lens, seq_lens, tables, block_size, device)
+    query = torch.randn(sum(q_lens), kvh * group, d, generator=gen).to(device=device, dtype=dtype)
+    return query, cache, meta
+
+
+def reference(query, cache, meta, scale):
+    """The torch reference in float32 (the oracle for 16-bit kernels too)."""
+    return paged_attention_ref(query.float(), cache.float(), meta, scale)
+
+
+DECODE_LENS = [1, 7, 16, 33, 70]  # a length-1 context, lengths off the block size, splits of 16..32 keys
+
+
+@pytest.mark.parametrize("block_size", [4, 16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_matches_ref(num_splits, group, block_size):
+    query, cache, meta = make_step([1] * 5, DECODE_LENS, group=group, block_size=block_size, seed=group)
+    assert meta.is_decode_only
+    plan = TritonAttentionPlan(num_splits=num_splits, decode_block_n=16)
+    out = paged_decode_attention_triton(query, cache, meta, 0.3, plan)
+    assert out.shape == query.shape and out.dtype == query.dtype
+    torch.testing.assert_close(out, reference(query, cache, meta, 0.3), atol=1e-5, rtol=1e-5)
+
+
+def test_decode_many_splits_and_default_plan():
+    query, cache, meta = make_step([1, 1], [70, 5], group=2, block_size=16, seed=5)
+    ref = reference(query, cache, meta, 0.25)
+    for plan in (TritonAttentionPlan(num_splits=9, decode_block_n=16), None, plan_paged_attention(meta, 16)):
+        torch.testing.assert_close(paged_attention_triton(query, cache, meta, 0.25, plan), ref, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_split_heuristic():
+    assert decode_num_splits(256, 8, 8192) == 1  # B * KVH fills the GPU already
+    assert decode_num_splits(4, 8, 100) == 1  # short contexts: one split, no reduce
+    assert decode_num_splits(1, 8, 32768) == 33  # ~2 waves over 132 SMs
+    assert decode_num_splits(1, 1, 1 << 20) == 64  # capped
+    assert decode_num_splits(2, 4, 1024) == 4  # >= 256 keys per split
+
+
+PREFILL_CASES = [
+    ([9], [9]),  # a whole prompt
+    ([17, 5], [17, 5]),  # several prompts, tiles straddling sequences
+    ([20], [45]),  # a chunk after a cached prefix
+    ([3, 1, 18, 1, 1], [3, 20, 40, 2, 70]),  # mixed: decode tokens around prefill chunks
+]
+
+
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_prefill_matches_ref(case, group, block_size):
+    q_lens, seq_lens = PREFILL_CASES[case]
+    query, cache, meta = make_step(q_lens, seq_lens, group=group, block_size=block_size, seed=case)
+    out = paged_prefill_attention_triton(query, cache, meta, 0.35, SMALL)
+    torch.testing.assert_close(out, reference(query, cache, meta, 0.35), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_default_tiles_and_dispatch():
+    query, cache, meta = make_step([3, 1, 18], [3, 20, 40], group=4, block_size=16, seed=7)
+    assert not meta.is_decode_only
+    torch.testing.assert_close(paged_attention_triton(query, cache, meta, 0.2), reference(query, cache, meta, 0.2),
+                               atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_kernel_serves_decode_batches():
+    query, cache, meta = make_step([1] * 3, [1, 19, 40], group=2, block_size=4, seed=3)
+    dec = paged_decode_attention_triton(query, cache, meta, 0.3, TritonAttentionPlan(num_splits=2, decode_block_n=16))
+    torch.testing.assert_close(paged_prefill_attention_triton(query, cache, meta, 0.3, SMALL), dec,
+                               atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("decode", [True, False])
+def test_16bit_inputs_accumulate_in_fp32(dtype, decode):
+    q_lens = [1, 1, 1] if decode else [4, 1, 20]
+    query, cache, meta = make_step(q_lens, [9, 40, 30], group=2, block_size=4, dtype=dtype, seed=11)
+    plan = TritonAttentionPlan(num_splits=2, decode_block_n=16, prefill_block_m=16, prefill_block_n=16)
+    out = paged_attention_triton(query, cache, meta, 0.25, plan)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), reference(query, cache, meta, 0.25), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize("d", [80, 64])
+def test_head_dim_padding_and_strided_query(d):
+    """head_dim 80 pads to 128 under masks; the query is a strided view into a packed qkv projection."""
+    query, cache, meta = make_step([5, 1], [12, 30], kvh=1, group=2, d=d, block_size=16, seed=d)
+    packed = torch.zeros(query.shape[0], 4, d)
+    packed[:, :2] = query
+    view = packed[:, :2]
+    assert not view.is_contiguous()
+    ref = reference(query, cache, meta, 0.2)
+    torch.testing.assert_close(paged_prefill_attention_triton(view, cache, meta, 0.2, SMALL), ref,
+                               atol=1e-5, rtol=1e-5)
+    dq, dc, dm = make_step([1, 1], [12, 30], kvh=1, group=2, d=d, block_size=16, seed=d)
+    torch.testing.assert_close(paged_decode_attention_triton(dq, dc, dm, 0.2, TritonAttentionPlan(num_splits=2)),
+                               reference(dq, dc, dm, 0.2), atol=1e-5, rtol=1e-5)
+
+
+# ---- CUDA: bigger shapes in bf16 against the fp32 reference (skipped without a device) ----
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,group", [(128, 4), (64, 1), (96, 8), (256, 2)])
+def test_gpu_decode_bf16(d, group):
+    seq_lens = [1, 15, 16, 17, 300, 1000, 4097, 2222]
+    query, cache, meta = make_step([1] * 8, seq_lens, kvh=4, group=group, d=d, block_size=16,
+                                   dtype=torch.bfloat16, device="cuda")
+    ref = reference(query, cache, meta, d**-0.5)
+    for plan in (None, TritonAttentionPlan(num_splits=1), TritonAttentionPlan(num_splits=7)):
+        out = paged_decode_attention_triton(query, cache, meta, d**-0.5, plan)
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,group", [(128, 4), (64, 1), (80, 2), (256, 8)])
+@pytest.mark.parametrize("block_size", [16, 32])
+def test_gpu_prefill_bf16(d, group, block_size):
+    q_lens, seq_lens = [1, 700, 1, 333, 1024, 5], [50, 700, 3000, 1333, 1024, 5]
+    query, cache, meta = make_step(q_lens, seq_lens, kvh=2, group=group, d=d, block_size=block_size,
+                                   dtype=torch.bfloat16, device="cuda")
+    out = paged_attention_triton(query, cache, meta, d**-0.5)
+    torch.testing.assert_close(out.float(), reference(query, cache, meta, d**-0.5), atol=2e-2, rtol=2e-2)
+
+
+@pytest.mark.gpu
+def test_gpu_fp32_is_not_tf32():
+    query, cache, meta = make_step([1, 64], [500, 600], kvh=2, group=4, d=128, block_size=16, device="cuda")
+    out = paged_attention_triton(query, cache, meta, 0.1)
+    torch.testing.assert_close(out, reference(query, cache, meta, 0.1), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+def test_gpu_bench_runs():
+    from kernels.bench_attention import bench_decode_attention, bench_prefill_attention
+
+    start = time.perf_counter()
+    dec = bench_decode_attention(batch_size=8, context_len=1024, iters=3)
+    pre = bench_prefill_attention(num_seqs=2, prompt_len=512, iters=3)
+    assert dec["max_abs_err"] < 2e-2 and dec["gbps"] > 0
+    assert pre["max_abs_err"] < 2e-2 and pre["tflops"] > 0
+    assert time.perf_counter() - start < 120
