@@ -5,9 +5,8 @@ set -uo pipefail
 export PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee $OUT/gpu.txt
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-python3 -m venv --system-site-packages .venv-gpu
-.venv-gpu/bin/pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1; echo "install rc=$?" | tee -a $OUT/gpu.txt
-PY=.venv-gpu/bin/python
+python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > $OUT/install.log 2>&1; echo "install rc=$?" | tee -a $OUT/gpu.txt
+PY=python3
 $PY -c "import ext, torch, triton; print('cython compiled:', ext.is_compiled('step_inputs'), 'torch', torch.__version__, 'triton', triton.__version__)" | tee -a $OUT/gpu.txt
 $PY -m pytest tests/kernels tests/ext -q -p no:cacheprovider 2>&1 | tail -15 | tee $OUT/kernel_tests.txt
 $PY - <<'PYEOF' 2>&1 | tee $OUT/kernel_bench.txt
