@@ -1,6 +1,7 @@
 """Triton paged attention against the torch reference (CPU: Triton interpreter, tiny shapes; CUDA: @gpu)."""
 
 import math
+import os
 import time
 
 import pytest
@@ -17,6 +18,8 @@ from kernels.triton_paged_attention import (
 )
 from pipeline.models.attention import build_attention_metadata
 
+# Compiled Triton kernels take CUDA tensors only; the interpreter (conftest sets it without a GPU) runs on CPU.
+DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is_available() else "cuda"
 SMALL = TritonAttentionPlan(decode_block_n=16, prefill_block_m=16, prefill_block_n=16)  # several tiles per sequence
 
 
@@ -29,7 +32,7 @@ def _single_thread():
 
 
 def make_step(q_lens, seq_lens, *, kvh=2, group=2, d=16, block_size=4, dtype=torch.float32, seed=0,
-              device="cpu", spare=3):
+              device=DEVICE, spare=3):
     """A paged cache filled through write_kv_ref along shuffled block tables; unassigned blocks (block 0, where
     padded table entries point, included) hold large garbage that would show if read unmasked."""
     gen = torch.Generator().manual_seed(seed)
@@ -131,7 +134,7 @@ def test_16bit_inputs_accumulate_in_fp32(dtype, decode):
 def test_head_dim_padding_and_strided_query(d):
     """head_dim 80 pads to 128 under masks; the query is a strided view into a packed qkv projection."""
     query, cache, meta = make_step([5, 1], [12, 30], kvh=1, group=2, d=d, block_size=16, seed=d)
-    packed = torch.zeros(query.shape[0], 4, d)
+    packed = torch.zeros(query.shape[0], 4, d, device=query.device)
     packed[:, :2] = query
     view = packed[:, :2]
     assert not view.is_contiguous()
