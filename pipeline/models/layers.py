@@ -7,8 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels import dispatch
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import PagedAttentionPlan, paged_attention_ref
+from kernels.triton_paged_attention import paged_attention_triton
 from pipeline.models.attention import AttentionMetadata
 from pipeline.models.rope import apply_rotary_emb_
 
@@ -76,6 +78,8 @@ class RMSNorm(nn.Module):
         self.normalized_shape = (hidden_size,)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if dispatch.use_triton(x.device):  # one fused kernel (residual add included) on the GPU
+            return dispatch.rms_norm(x, self.weight, self.eps, residual)
         if residual is None:
             return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
         residual = x + residual
@@ -146,6 +150,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
+        if dispatch.use_triton(x.device):
+            return self.down_proj(dispatch.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
 
@@ -196,17 +202,29 @@ class PagedAttention(nn.Module):
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk_end = self.q_size + self.kv_size
+        gpu = dispatch.use_triton(x.device)
+        rotate = dispatch.apply_rotary_ if gpu else _rotate_ref
         if self.q_norm is None:
             # q and k are adjacent: one in-place rotation covers both.
             qk = qkv[:, :qk_end].view(T, H + KVH, D)
-            apply_rotary_emb_(qk, cos, sin, self.is_neox_style)
+            rotate(qk, None, cos, sin, self.is_neox_style)
             q, k = qk[:, :H], qk[:, H:]
         else:
             q = self.q_norm(qkv[:, : self.q_size].view(T, H, D))
             k = self.k_norm(qkv[:, self.q_size : qk_end].view(T, KVH, D))
-            apply_rotary_emb_(q, cos, sin, self.is_neox_style)
-            apply_rotary_emb_(k, cos, sin, self.is_neox_style)
+            rotate(q, k, cos, sin, self.is_neox_style)
         v = qkv[:, qk_end:].view(T, KVH, D)
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)
+        if gpu:
+            dispatch.write_kv(k, v, kv_cache, meta.slot_mapping)
+            out = paged_attention_triton(q, kv_cache, meta, self.scale)
+        else:
+            write_kv_ref(k, v, kv_cache, meta.slot_mapping)
+            out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)
         return self.o_proj(out.reshape(T, self.q_size))
+
+
+def _rotate_ref(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                is_neox_style: bool) -> None:
+    apply_rotary_emb_(q, cos, sin, is_neox_style)
+    if k is not None:
+        apply_rotary_emb_(k, cos, sin, is_neox_style)

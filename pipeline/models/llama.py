@@ -9,6 +9,7 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from kernels.dispatch import use_triton
 from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
 from pipeline.models.attention import AttentionMetadata
 from pipeline.models.config import ModelArchConfig
@@ -122,7 +123,8 @@ class LlamaForCausalLM(nn.Module):
         m = self.model
         x = m.embed_tokens(input_ids)
         cos, sin = m.rotary_emb.cos_sin(positions)  # shared by all layers
-        plan = plan_paged_attention(meta, kv_caches[0].shape[2])  # gather indices / masks, shared by all layers
+        # the torch reference's gather indices / masks, shared by all layers (the Triton path needs none)
+        plan = None if use_triton(input_ids.device) else plan_paged_attention(meta, kv_caches[0].shape[2])
         residual = None
         for layer, kv_cache in zip(m.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, plan)
