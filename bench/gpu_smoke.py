@@ -37,8 +37,10 @@ def write_random_llama(directory: str, tokenizer_dir: str, **shape) -> str:
     return directory
 
 
-async def greedy(model_dir: str, device: str, dtype: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:
-    engine = await Engine.create(EngineConfig(model=model_dir, device=device, dtype=dtype, num_kv_blocks=256))
+async def greedy(model_dir: str, device: str, dtype: str, prompts: list[list[int]], tokens: int,
+                 cuda_graphs: bool = True) -> list[list[int]]:
+    engine = await Engine.create(EngineConfig(model=model_dir, device=device, dtype=dtype, num_kv_blocks=256,
+                                              max_num_seqs=8, cuda_graphs=cuda_graphs))
     params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
     try:
         async def one(prompt):
@@ -51,9 +53,9 @@ async def greedy(model_dir: str, device: str, dtype: str, prompts: list[list[int
         await engine.shutdown()
 
 
-async def timed(model_dir: str, concurrency: int, new_tokens: int) -> dict:
+async def timed(model_dir: str, concurrency: int, new_tokens: int, cuda_graphs: bool = True) -> dict:
     engine = await Engine.create(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16",
-                                              kv_cache_memory_gib=4.0, max_num_seqs=max(16, concurrency)))
+                                              max_num_seqs=max(16, concurrency), cuda_graphs=cuda_graphs))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     try:
         async def one(seed):
@@ -89,7 +91,9 @@ def main() -> None:
         prompts = [[(i * 31 + j * 17) % 40000 + 100 for j in range(5 + 7 * i)] for i in range(6)]
         cpu = asyncio.run(greedy(tiny, "cpu", "float32", prompts, 32))
         gpu = asyncio.run(greedy(tiny, "cuda", "float32", prompts, 32))
+        eager = asyncio.run(greedy(tiny, "cuda", "float32", prompts, 32, cuda_graphs=False))
         report["tiny_cpu_equals_gpu"] = cpu == gpu
+        report["tiny_cuda_graphs_equal_eager"] = gpu == eager
         report["tiny_first_divergence"] = [next((k for k, (a, b) in enumerate(zip(x, y)) if a != b), None)
                                            for x, y in zip(cpu, gpu)]
         smol = write_random_llama(os.path.join(tmp, "smol"), args.tokenizer, hidden_size=576, intermediate_size=1536,
@@ -97,6 +101,7 @@ def main() -> None:
                                   max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
         report["attention_and_ops_path"] = "torch_ref" if os.environ.get("CONVEYOR_DISABLE_TRITON") == "1" else "triton"
         report["smollm2_shape_bf16"] = asyncio.run(timed(smol, 16, 128))
+        report["smollm2_shape_bf16_eager"] = asyncio.run(timed(smol, 16, 128, cuda_graphs=False))
     text = json.dumps(report, indent=2)
     print(text)
     if args.out:

@@ -23,13 +23,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
     parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--load-format", choices=["auto", "dummy"], default=defaults.load_format,
+                        help="dummy: random weights from config.json (benchmarks)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
+                        gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -20,6 +20,9 @@ class EngineConfig:
     stage_queue_size: int = 256  # bound of every stage inbox that is not sized by seats
     output_channel_cap_bytes: int = 1 << 20  # per-request unread output before it is aborted
     seed: int | None = None  # seeds request seeds when a request has none (tests)
+    load_format: str = "auto"  # "dummy": random weights built on the device (benchmarks without weight files)
+    gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV pool
+    cuda_graphs: bool = True  # CUDA: replay captured graphs for decode steps
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
 
@@ -30,5 +33,9 @@ class EngineConfig:
             raise ValueError("max_num_seqs must be at least 1")
         if self.max_num_batched_tokens < 1:
             raise ValueError("max_num_batched_tokens must be at least 1")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if not 0.05 <= self.gpu_memory_utilization <= 0.99:
+            raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2 (block 0 is reserved)")

@@ -73,15 +73,27 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     arch = ModelArchConfig.from_hf(hf_config)
     tokenizer = Tokenizer.from_pretrained(path)
     generation_config = load_generation_config(path)
-    say(f"loading {arch.model_type} weights ({arch.num_layers} layers) as {dtype} on {device}")
-    model = build_model(arch, iter_weights(path), dtype, device)
+    dummy = config.load_format == "dummy"
+    say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers) "
+        f"as {dtype} on {device}")
+    model = build_model(arch, None if dummy else iter_weights(path), dtype, device)
+    runner = ModelRunner(model, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
+                         vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device)
     block_bytes = kv_bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.block_size, dtype)
-    num_blocks = config.num_kv_blocks or max(2, int(config.kv_cache_memory_gib * (1 << 30)) // block_bytes)
+    if config.num_kv_blocks:
+        num_blocks = config.num_kv_blocks
+    elif device.type == "cuda":
+        say(f"profiling a {config.max_num_batched_tokens}-token step to size the KV cache")
+        num_blocks = runner.kv_blocks_for_gpu(config.gpu_memory_utilization, config.max_num_batched_tokens,
+                                              config.max_num_seqs)
+    else:
+        num_blocks = max(2, int(config.kv_cache_memory_gib * (1 << 30)) // block_bytes)
+    runner.allocate_kv_cache(num_blocks)
     pool_tokens = (num_blocks - 1) * config.block_size
     max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
-    runner = ModelRunner(model, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                         vocab_size=arch.vocab_size, num_blocks=num_blocks, block_size=config.block_size,
-                         dtype=dtype, device=device)
+    if device.type == "cuda" and config.cuda_graphs:
+        say(f"capturing CUDA graphs for decode batches up to {config.max_num_seqs}")
+        runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
     limits = ModelLimits(
         max_model_len=max_model_len,
         vocab_size=arch.vocab_size,

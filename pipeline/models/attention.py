@@ -21,6 +21,7 @@ class AttentionMetadata:
     max_query_len: int
     max_seq_len: int
     is_decode_only: bool  # every sequence has exactly one new token
+    kernel_plan: object | None = None  # fixed GPU launch choices (CUDA graphs need a fixed grid); None: heuristics
 
     @property
     def num_seqs(self) -> int:

@@ -216,7 +216,7 @@ class PagedAttention(nn.Module):
         v = qkv[:, qk_end:].view(T, KVH, D)
         if gpu:
             dispatch.write_kv(k, v, kv_cache, meta.slot_mapping)
-            out = paged_attention_triton(q, kv_cache, meta, self.scale)
+            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan)
         else:
             write_kv_ref(k, v, kv_cache, meta.slot_mapping)
             out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)

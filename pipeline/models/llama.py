@@ -124,7 +124,7 @@ class LlamaForCausalLM(nn.Module):
         x = m.embed_tokens(input_ids)
         cos, sin = m.rotary_emb.cos_sin(positions)  # shared by all layers
         # the torch reference's gather indices / masks, shared by all layers (the Triton path needs none)
-        plan = None if use_triton(input_ids.device) else plan_paged_attention(meta, kv_caches[0].shape[2])
+        plan = meta.kernel_plan if use_triton(input_ids.device) else plan_paged_attention(meta, kv_caches[0].shape[2])
         residual = None
         for layer, kv_cache in zip(m.layers, kv_caches):
             x, residual = layer(x, residual, cos, sin, kv_cache, meta, plan)

@@ -29,7 +29,7 @@ def get_model_class(model_type: str) -> type[nn.Module]:
 
 def build_model(
     arch: ModelArchConfig,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor]] | None,
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     prepack: bool = True,
@@ -40,9 +40,25 @@ def build_model(
     inspect them); the serving path and the parity tests both use the packed path."""
     cls = get_model_class(arch.model_type)
     model = cls(arch, dtype=dtype, device=device)
-    model.load_weights(weights)
+    if weights is None:
+        initialize_dummy_weights(model)
+    else:
+        model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
     if prepack and torch.device(device).type == "cpu":
         model.prepack()
     return model
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """--load-format dummy: random weights made on the device (benchmark any shape without files).
+
+    Norm weights are 1 and projections N(0, 0.02), so activations stay finite through deep stacks."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, param in model.named_parameters():
+        if name.endswith("norm.weight"):
+            param.fill_(1.0)
+        else:
+            param.normal_(0.0, 0.02, generator=generator)

@@ -8,7 +8,8 @@ import numpy as np
 import torch
 
 import ext
-from pipeline.models.attention import AttentionMetadata
+from pipeline.models.attention import AttentionMetadata, build_attention_metadata
+from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.runner.sampler import Sampler, SamplerOutput
 from pipeline.runner.sampling_batch import SamplingBatch
 from pipeline.runner.step_plan import StepPlan
@@ -33,7 +34,6 @@ class ModelRunner:
         num_kv_heads: int,
         head_dim: int,
         vocab_size: int,
-        num_blocks: int,
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
@@ -42,11 +42,57 @@ class ModelRunner:
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
+        self.kv_shape = (num_layers, num_kv_heads, head_dim)
+        self.dtype = dtype
+        self.kv_caches: list[torch.Tensor] = []
+        self.graphs: DecodeGraphs | None = None
+        self.sampler = Sampler()
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        num_layers, num_kv_heads, head_dim = self.kv_shape
         self.kv_caches = [
-            torch.zeros(2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+            torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
             for _ in range(num_layers)
         ]
-        self.sampler = Sampler()
+
+    @torch.inference_mode()
+    def kv_blocks_for_gpu(self, utilization: float, profile_tokens: int, profile_rows: int,
+                          reserve_bytes: int = 1 << 30) -> int:
+        """KV blocks that fit in `utilization` of the device after weights and the peak activations of
+        the largest step (a profiling prefill of `profile_tokens` tokens, logits for `profile_rows`)."""
+        num_layers, num_kv_heads, head_dim = self.kv_shape
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        baseline = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        blocks = -(-profile_tokens // self.block_size) + 1
+        scratch = [torch.zeros(2, blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype,
+                               device=self.device) for _ in range(num_layers)]
+        meta = build_attention_metadata([profile_tokens], [profile_tokens], [list(range(1, blocks))],
+                                        self.block_size, self.device)
+        ids = torch.zeros(profile_tokens, dtype=torch.int64, device=self.device)
+        positions = torch.arange(profile_tokens, dtype=torch.int64, device=self.device)
+        hidden = self.model(ids, positions, scratch, meta)
+        self.model.compute_logits(hidden[-min(profile_rows, profile_tokens):].repeat(
+            -(-profile_rows // min(profile_rows, profile_tokens)), 1)[:profile_rows])
+        torch.cuda.synchronize(self.device)
+        scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
+        activations = torch.cuda.max_memory_allocated(self.device) - baseline - scratch_bytes
+        del scratch, hidden
+        torch.cuda.empty_cache()
+        budget = total * utilization - (total - free) - activations - reserve_bytes
+        block_bytes = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, self.block_size, self.dtype)
+        if budget < 2 * block_bytes:
+            raise RuntimeError(f"no room for the KV cache: {total * utilization / 2**30:.1f} GiB allowed, "
+                               f"{(total - free) / 2**30:.1f} GiB used by weights, "
+                               f"{activations / 2**30:.1f} GiB by activations")
+        return int(budget // block_bytes)
+
+    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+                                   max_blocks_per_seq=-(-max_model_len // self.block_size),
+                                   max_model_len=max_model_len, num_kv_heads=self.kv_shape[1], device=self.device)
 
     @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SamplerOutput:
@@ -56,6 +102,12 @@ class ModelRunner:
         input_ids, positions, slots, qsl, seq_lens, tables = _step_inputs.build_step_inputs(
             [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], self.block_size
         )
+        rows = [row for c in chunks for row in c.rows]
+        decode_only = len(input_ids) == len(chunks)
+        if (self.graphs is not None and decode_only and len(rows) == len(chunks)
+                and self.graphs.fits(len(chunks), tables.shape[1])):
+            logits = self.graphs.run(input_ids, positions, slots, seq_lens, tables)
+            return self.sampler(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device))
         qsl_host = qsl.tolist()
         lens_host = seq_lens.tolist()
         query_lens = [qsl_host[i + 1] - qsl_host[i] for i in range(len(chunks))]
@@ -68,10 +120,9 @@ class ModelRunner:
             seq_lens_host=lens_host,
             max_query_len=max(query_lens),
             max_seq_len=max(lens_host),
-            is_decode_only=all(n == 1 for n in query_lens),
+            is_decode_only=decode_only,
         )
         hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, meta)
-        rows = [row for c in chunks for row in c.rows]
         if not rows:
             return empty_output()
         last_index = [qsl_host[i + 1] - 1 for i, c in enumerate(chunks) for _ in c.rows]
