@@ -101,6 +101,7 @@ def main() -> None:
                                   max_position_embeddings=8192, tie_word_embeddings=True, rope_theta=100000.0)
         report["attention_and_ops_path"] = "torch_ref" if os.environ.get("CONVEYOR_DISABLE_TRITON") == "1" else "triton"
         report["smollm2_shape_bf16"] = asyncio.run(timed(smol, 16, 128))
+        print(json.dumps(report), flush=True)
         report["smollm2_shape_bf16_eager"] = asyncio.run(timed(smol, 16, 128, cuda_graphs=False))
     text = json.dumps(report, indent=2)
     print(text)

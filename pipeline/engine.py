@@ -8,6 +8,7 @@ Prefill and decode share one device through the DeviceExecutor thread and one KV
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
@@ -216,4 +217,6 @@ class Engine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        runner = self.loaded.runner
+        await self.executor.call(lambda: (gc.collect(), runner.release()))  # frees device memory on its thread
         await asyncio.to_thread(self.executor.shutdown)

@@ -89,6 +89,15 @@ class ModelRunner:
                                f"{activations / 2**30:.1f} GiB by activations")
         return int(budget // block_bytes)
 
+    def release(self) -> None:
+        """Drop the KV cache, graphs and weights (on the device thread) so the memory returns at shutdown."""
+        self.graphs = None
+        self.kv_caches = []
+        self.model = None  # type: ignore[assignment]
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
+
     def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
         self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),

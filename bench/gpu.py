@@ -1,0 +1,474 @@
+"""Check and time everything on the GPU in one call: ceilings, correctness, B1, OFF, SERVE, kernels, peer.
+
+    PYTHONUNBUFFERED=1 python3 bench/gpu.py --commit $(git rev-parse --short HEAD) [--skip serve peer] [--quick]
+
+Model: the Qwen3-8B shape with random bf16 weights (--load-format dummy). Writes $OUT/gpu_bench.json after
+every section (a kill keeps what was done) and prints a summary table. Asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+from pipeline.config import EngineConfig  # noqa: E402
+from pipeline.engine import Engine  # noqa: E402
+from pipeline.request import SamplingParams  # noqa: E402
+
+QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
+                intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
+                head_dim=128, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+                rms_norm_eps=1e-6, torch_dtype="bfloat16", eos_token_id=2, bos_token_id=1, hidden_act="silu",
+                attention_bias=False)
+QUICK = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, head_dim=64)
+SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "serve", "kernels", "peer")
+T0 = time.perf_counter()
+
+
+def log(message: str) -> None:
+    print(f"[gpu.py {time.perf_counter() - T0:6.1f}s] {message}", flush=True)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return sorted(values)[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else None
+
+
+def num_params(s: dict) -> int:
+    """Parameters of a dense Qwen3 config (untied: embedding + lm_head)."""
+    h, kv, nh, d = s["hidden_size"], s["num_key_value_heads"], s["num_attention_heads"], s["head_dim"]
+    layer = h * nh * d * 2 + h * kv * d * 2 + 3 * h * s["intermediate_size"] + 2 * h + 2 * d
+    return s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2) + s["num_hidden_layers"] * layer + h
+
+
+def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
+    """Mean ms per call: CUDA events on CUDA, perf_counter elsewhere."""
+    for _ in range(3):
+        fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def free_device() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def ceilings(a: argparse.Namespace) -> dict:
+    """Device copy bandwidth (bytes read + written) and bf16 matmul rate."""
+    x = torch.empty((1 << 24) if a.quick else (1 << 30), dtype=torch.bfloat16, device=a.device).normal_()
+    y = torch.empty_like(x)
+    copy_ms = time_ms(lambda: y.copy_(x), 10, a.device)
+    nbytes = x.numel() * x.element_size()
+    copy = 2 * nbytes / copy_ms / 1e6
+    del x, y
+    n = 1024 if a.quick else 8192
+    m1 = torch.randn(n, n, dtype=torch.bfloat16, device=a.device)
+    m2 = torch.randn_like(m1)
+    mm_ms = time_ms(lambda: m1 @ m2, 10, a.device)
+    return {"copy_GBps": copy, "bf16_TFLOPs": 2 * n**3 / mm_ms / 1e9, "copy_bytes": 2 * nbytes, "matmul_n": n}
+
+
+def write_model_dir(shape: dict, tokenizer_dir: str) -> str:
+    """config.json + the tokenizer, its vocab padded to the model's with synthetic tokens (' w<id>') so every
+    sampled id streams visible text (SERVE counts text chunks; out-of-vocab ids would decode to '')."""
+    path = tempfile.mkdtemp(prefix="conveyor-gpu-")
+    with open(os.path.join(path, "config.json"), "w") as handle:
+        json.dump(shape, handle, indent=1)
+    for name in os.listdir(tokenizer_dir):
+        if os.path.isfile(os.path.join(tokenizer_dir, name)):
+            shutil.copy(os.path.join(tokenizer_dir, name), path)
+    with open(os.path.join(path, "tokenizer.json")) as handle:
+        tok = json.load(handle)
+    vocab = tok["model"]["vocab"]
+    for i in range(len(vocab), shape["vocab_size"]):
+        vocab[f"\u0120w{i}"] = i
+    with open(os.path.join(path, "tokenizer.json"), "w") as handle:
+        json.dump(tok, handle)
+    return path
+
+
+@torch.no_grad()
+def hf_greedy(hf, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor, list[int], torch.Tensor]:
+    """transformers: prompt logits [L, V], greedy ids, the [n, V] logits they were taken from."""
+    out = hf(input_ids=torch.tensor([prompt], device=device), use_cache=True)
+    prompt_logits, last, ids, steps = out.logits[0].float(), out.logits[0, -1].float(), [], []
+    for i in range(n):
+        ids.append(int(last.argmax()))
+        steps.append(last)
+        if i + 1 < n:
+            out = hf(input_ids=torch.tensor([[ids[-1]]], device=device), past_key_values=out.past_key_values,
+                     use_cache=True)
+            last = out.logits[0, -1].float()
+    return prompt_logits, ids, torch.stack(steps)
+
+
+@torch.no_grad()
+def paged_greedy(model, prompt: list[int], n: int, device: str, bs: int = 16):
+    """Ours over a paged KV cache on ``device``: prefill then n greedy decode steps (same outputs as hf_greedy)."""
+    from kernels.kv_cache import allocate_kv_cache
+    from pipeline.models.attention import build_attention_metadata
+
+    arch = model.arch
+    table = list(range(1, -(-(len(prompt) + n) // bs) + 1))
+    caches = allocate_kv_cache(arch.num_layers, len(table) + 1, bs, arch.num_kv_heads, arch.head_dim,
+                               model.model.embed_tokens.weight.dtype, device)
+
+    def step(ids: list[int], start: int) -> torch.Tensor:
+        meta = build_attention_metadata([len(ids)], [start + len(ids)], [table], bs, device)
+        hidden = model(torch.tensor(ids, device=device), torch.arange(start, start + len(ids), device=device),
+                       caches, meta)
+        return model.compute_logits(hidden).float()
+
+    prompt_logits = step(prompt, 0)
+    last, ids, steps = prompt_logits[-1], [], []
+    for i in range(n):
+        ids.append(int(last.argmax()))
+        steps.append(last)
+        if i + 1 < n:
+            last = step([ids[-1]], len(prompt) + i)[0]
+    return prompt_logits, ids, torch.stack(steps)
+
+
+def compare(ref, ours) -> dict:
+    """Max |logit diff| (prompt, decode steps before any divergence), first divergence and margins there."""
+    (rp, rids, rs), (op, oids, os_) = ref, ours
+    div = next((i for i, (x, y) in enumerate(zip(rids, oids)) if x != y), None)
+    upto = len(rids) if div is None else div + 1  # step `div` still has identical inputs
+    top2 = lambda v: (lambda t: float(t[0] - t[1]))(v.topk(2).values)  # noqa: E731
+    return {"prompt_max_abs_diff": float((rp - op).abs().max()), "ref_logit_std": float(rp.std()),
+            "decode_max_abs_diff": float((rs[:upto] - os_[:upto]).abs().max()),
+            "greedy_identical": div is None, "first_divergence": div,
+            "ref_margin_at_divergence": None if div is None else top2(rs[div]),
+            "nan": bool(torch.isnan(op).any() or torch.isnan(os_).any() or torch.isnan(rp).any()),
+            "ref_tokens": rids[:8], "ours_tokens": oids[:8]}
+
+
+def correctness(a: argparse.Namespace, shape: dict) -> dict:
+    """transformers vs ours on the same random weights (8B shape), and the tiny model on CPU vs the device."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from pipeline.models.config import ModelArchConfig
+    from pipeline.models.registry import build_model
+    from tests.model_utils import conveyor_from_hf, make_tiny_hf_model
+
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
+            "rms_norm_eps", "bos_token_id", "eos_token_id")
+    torch.manual_seed(0)
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(a.device):
+            hf = Qwen3ForCausalLM(Qwen3Config(**{k: shape[k] for k in keys})).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    ours = build_model(ModelArchConfig.from_hf(hf.config.to_dict()), hf.state_dict().items(), dtype=dtype,
+                       device=a.device)
+    prompt = random.Random(0).choices(range(100, 150000), k=16 if a.quick else 64)
+    n = 8 if a.quick else 32
+    result = {"hf_vs_ours": compare(hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)),
+              "params": sum(p.numel() for p in hf.parameters()), "dtype": str(dtype)}
+    del hf, ours
+    free_device()
+    tiny = make_tiny_hf_model("qwen3")
+    runs = [paged_greedy(conveyor_from_hf(tiny, torch.float32, dev), list(range(100, 130)), 16, dev)
+            for dev in ("cpu", a.device)]
+    result["tiny_cpu_vs_device_fp32"] = compare([t.cpu() if torch.is_tensor(t) else t for t in runs[0]],
+                                                [t.cpu() if torch.is_tensor(t) else t for t in runs[1]])
+    return result
+
+
+def engine_config(a: argparse.Namespace, model_dir: str, **kw) -> EngineConfig:
+    base = dict(model=model_dir, device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32",
+                load_format="dummy", max_num_seqs=256, max_num_batched_tokens=8192)
+    return EngineConfig(**{**base, **kw})
+
+
+async def run_one(engine: Engine, prompt: list[int], n: int) -> dict:
+    """One greedy ignore_eos request: ids and a timestamp per delta."""
+    start, stamps, ids = time.perf_counter(), [], []
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    async for delta in engine.generate(prompt_token_ids=prompt, params=params):
+        stamps.append((time.perf_counter(), len(delta.token_ids)))
+        ids.extend(delta.token_ids)
+    return {"start": start, "stamps": stamps, "ids": ids, "end": time.perf_counter()}
+
+
+def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(100, 150000) for _ in range(length)] for _ in range(n)]
+
+
+async def graphs_vs_eager(a: argparse.Namespace, shape_dir: str) -> dict:
+    """Same dummy weights (seed 0), CUDA graphs on vs off: greedy 32 tokens, one at a time and all at once."""
+    outs = {}
+    for graphs in (True, False):
+        engine = await Engine.create(engine_config(a, shape_dir, max_num_seqs=8, num_kv_blocks=4096,
+                                                   cuda_graphs=graphs))
+        try:
+            ps = [p[: 5 + 19 * i] for i, p in enumerate(prompts(6, 100, 3))]
+            single = [(await run_one(engine, p, 32))["ids"] for p in ps[:3]]
+            batch = [r["ids"] for r in await asyncio.gather(*[run_one(engine, p, 32) for p in ps])]
+            checksum = float(engine.loaded.runner.model.model.embed_tokens.weight.float().sum())
+            outs[graphs] = (single, batch, checksum, engine.loaded.runner.graphs is not None)
+        finally:
+            await engine.shutdown()
+            del engine
+            free_device()
+    first = lambda x, y: next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), None)  # noqa: E731
+    (gs, gb, gc_, g_on), (es, eb, ec, e_on) = outs[True], outs[False]
+    return {"layers": json.load(open(os.path.join(shape_dir, "config.json")))["num_hidden_layers"],
+            "graphs_captured": [g_on, e_on], "same_weights": gc_ == ec,
+            "single_identical": gs == es, "single_first_divergence": [first(x, y) for x, y in zip(gs, es)],
+            "batch_identical": gb == eb, "batch_first_divergence": [first(x, y) for x, y in zip(gb, eb)]}
+
+
+async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: dict) -> None:
+    """B1 (batch-1 decode) and OFF (all requests at once) on one dummy-weight engine."""
+    t = time.perf_counter()
+    engine = await Engine.create(engine_config(a, model_dir), progress=lambda m: log(f"  engine: {m}"))
+    kv_blocks = engine.pool.capacity
+    log(f"engine up in {time.perf_counter() - t:.1f}s, {kv_blocks} KV blocks")
+    try:
+        if "b1" not in a.skip:
+            plen, n = (32, 16) if a.quick else (128, 256)
+            p = prompts(4, plen, 1)
+            await run_one(engine, p[0], n)  # warm-up
+            runs = []
+            for prompt in p[1:]:
+                r = await run_one(engine, prompt, n)
+                (t_first, _), (t_last, _) = r["stamps"][0], r["stamps"][-1]
+                gaps = [(s - q) / k for (q, _), (s, k) in zip(r["stamps"], r["stamps"][1:]) for _ in range(k)]
+                runs.append({"tok_s": (len(r["ids"]) - 1) / (t_last - t_first), "ttft_ms": (t_first - r["start"]) * 1e3,
+                             "itl_ms": {"mean": sum(gaps) / len(gaps) * 1e3, "p50": pct(gaps, 50) * 1e3,
+                                        "p99": pct(gaps, 99) * 1e3}, "tokens": len(r["ids"])})
+            best = max(runs, key=lambda r: r["tok_s"])
+            report["b1"] = {**best, "runs_tok_s": [r["tok_s"] for r in runs], "prompt_tokens": plen,
+                            "new_tokens": n, "limit_tok_s": limits.get("b1"), "kv_blocks": kv_blocks}
+            if limits.get("b1"):
+                report["b1"]["frac_of_limit"] = best["tok_s"] / limits["b1"]
+            log(f"B1 {best['tok_s']:.1f} tok/s (runs {[round(r['tok_s'], 1) for r in runs]})")
+            write(a, report)
+        if "off" not in a.skip:
+            nreq, plen, n = (8, 64, 8) if a.quick else (a.off_requests, 512, 128)
+            await asyncio.gather(*[run_one(engine, p, 8) for p in prompts(min(nreq, 32), plen, 2)])  # warm-up
+            before = engine.stats()
+            start = time.perf_counter()
+            res = await asyncio.gather(*[run_one(engine, p, n) for p in prompts(nreq, plen, 3)])
+            wall = time.perf_counter() - start
+            after = engine.stats()
+            out = sum(len(r["ids"]) for r in res)
+            ttft = [r["stamps"][0][0] - start for r in res]
+            est = off_estimate(a, limits, nreq, plen, n)
+            report["off"] = {"requests": nreq, "prompt_tokens": plen, "output_tokens": n, "wall_s": wall,
+                             "output_tok_s": out / wall, "total_tok_s": (out + nreq * plen) / wall,
+                             "ttft_s": {"p50": pct(ttft, 50), "max": max(ttft)}, "estimate": est,
+                             "frac_of_estimate": est and out / wall / est["output_tok_s"],
+                             "device_steps": after["device_steps"] - before["device_steps"],
+                             "mixed_steps": after["mixed_steps"] - before["mixed_steps"],
+                             "preemptions": after["preemptions"] - before["preemptions"], "kv_blocks": kv_blocks}
+            log(f"OFF {out / wall:.0f} output tok/s, {(out + nreq * plen) / wall:.0f} total tok/s in {wall:.1f}s")
+    finally:
+        await engine.shutdown()
+        del engine
+        free_device()
+
+
+def off_estimate(a: argparse.Namespace, limits: dict, nreq: int, plen: int, n: int) -> dict | None:
+    """Prefill FLOPs at the matmul rate + decode bytes (weights + KV read per step) at copy bandwidth."""
+    c, s = limits.get("ceilings"), limits["shape"]
+    if not c:
+        return None
+    layers, h, kvh, d, nh = (s[k] for k in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "head_dim",
+                                             "num_attention_heads"))
+    linear = num_params(s) - 2 * s["vocab_size"] * h  # per-token matmul params, without embedding and lm_head
+    attn = 4 * layers * nh * d * plen * (plen + 1) // 2  # causal QK^T + PV per request
+    flops = nreq * (2 * linear * plen + attn + 2 * s["vocab_size"] * h)
+    kv_per_token = layers * 2 * kvh * d * 2
+    decode_bytes = sum(limits["weight_bytes"] + nreq * (plen + i) * kv_per_token for i in range(n))
+    t_pre, t_dec = flops / (c["bf16_TFLOPs"] * 1e12), decode_bytes / (c["copy_GBps"] * 1e9)
+    return {"prefill_flops": flops, "decode_bytes": decode_bytes, "prefill_s": t_pre, "decode_s": t_dec,
+            "output_tok_s": nreq * n / (t_pre + t_dec), "total_tok_s": nreq * (n + plen) / (t_pre + t_dec)}
+
+
+def subprocess_json(cmd: list[str], out: str, timeout: float) -> dict:
+    """Run a script in its own process group (killed whole on timeout); return the JSON it wrote."""
+    log(f"$ {' '.join(cmd)} (timeout {timeout:.0f}s)")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        text, _ = proc.communicate()
+        raise RuntimeError(f"timed out after {timeout:.0f}s; output tail:\n{text[-2000:]}") from None
+    if proc.returncode != 0 or not os.path.exists(out):
+        raise RuntimeError(f"exit {proc.returncode}; output tail:\n{text[-3000:]}")
+    with open(out) as handle:
+        return json.load(handle)
+
+
+def kernels(a: argparse.Namespace, ceil: dict | None) -> dict:
+    """Triton attention (decode GB/s beside copy bandwidth, prefill TFLOP/s beside matmul) and per-layer ops."""
+    from kernels.bench_attention import bench_decode_attention, bench_prefill_attention
+    from kernels.bench_ops import bench_ops
+
+    dec_cases = [(1, 1024), (8, 1024)] if a.quick else [(1, 1024), (1, 4096), (64, 1024), (64, 4096), (256, 1024),
+                                                        (256, 4096)]
+    pre_cases = [(1, 256, 0)] if a.quick else [(1, 4096, 0), (4, 2048, 0), (16, 512, 0), (8, 512, 1536)]
+    decode = [bench_decode_attention(batch_size=b, context_len=c, check=b * c <= 64 * 4096) for b, c in dec_cases]
+    prefill = [bench_prefill_attention(num_seqs=n, prompt_len=p, prefix_len=q) for n, p, q in pre_cases]
+    for row in decode:
+        row["frac_of_copy_bw"] = ceil and row["gbps"] / ceil["copy_GBps"]
+    for row in prefill:
+        row["frac_of_matmul"] = ceil and row["tflops"] / ceil["bf16_TFLOPs"]
+    ops = bench_ops(tokens=(1, 64) if a.quick else (1, 256, 2048), intermediate=12288, iters=20 if a.quick else 100)
+    return {"decode": decode, "prefill": prefill, "ops": ops}
+
+
+def peer_ratios(report: dict) -> dict:
+    peer, b1, off = report.get("peer", {}), report.get("b1", {}), report.get("off", {})
+    ratio = lambda x, y: x / y if x and y else None  # noqa: E731
+    return {"b1_ours_over_peer_static": ratio(b1.get("tok_s"), peer.get("hf_b1_static_tok_s")),
+            "off_ours_over_peer": ratio(off.get("output_tok_s"), peer.get("hf_off_out_tok_s")),
+            "b1_ours_over_limit": b1.get("frac_of_limit"), "off_ours_over_estimate": off.get("frac_of_estimate")}
+
+
+def summary(report: dict) -> None:
+    b1, off, peer, c = (report.get(k) or {} for k in ("b1", "off", "peer", "ceilings"))
+    fmt = lambda v, spec=".1f": "-" if v is None else format(v, spec)  # noqa: E731
+    print(f"\n== {report['device']}  commit {report['env'].get('commit')}  {report['env']['date']} ==")
+    print(f"ceilings: copy {fmt(c.get('copy_GBps'), '.0f')} GB/s, bf16 {fmt(c.get('bf16_TFLOPs'), '.0f')} TFLOP/s")
+    print(f"{'workload':10s} {'ours':>10s} {'limit':>10s} {'ours/lim':>9s} {'peer':>10s} {'ours/peer':>9s}")
+    est = (off.get("estimate") or {}).get("output_tok_s")
+    rows = [("B1 tok/s", b1.get("tok_s"), b1.get("limit_tok_s"), peer.get("hf_b1_static_tok_s")),
+            ("OFF out/s", off.get("output_tok_s"), est, peer.get("hf_off_out_tok_s"))]
+    for name, ours, lim, p in rows:
+        print(f"{name:10s} {fmt(ours):>10s} {fmt(lim):>10s} {fmt(ours and lim and ours / lim, '.2f'):>9s} "
+              f"{fmt(p):>10s} {fmt(ours and p and ours / p, '.2f'):>9s}")
+    hv = (report.get("correctness") or {}).get("hf_vs_ours", {})
+    print(f"correctness: max|dlogit| {fmt(hv.get('prompt_max_abs_diff'), '.3f')}, greedy identical "
+          f"{hv.get('greedy_identical')} (first divergence {hv.get('first_divergence')}), nan {hv.get('nan')}; "
+          f"graphs==eager {((report.get('correctness') or {}).get('graphs_vs_eager') or {}).get('single_identical')}")
+    for lvl in (report.get("serve") or {}).get("levels", []):
+        print(f"serve c={lvl['concurrency']:3d} {lvl['output_tok_s']:8.1f} tok/s  ttft p50 {lvl['ttft_ms']['p50']} ms"
+              f"  itl p50 {lvl['itl_ms']['p50']} ms p99 {lvl['itl_ms']['p99']} ms")
+    print(f"errors: {sorted(report['errors']) or 'none'}; total {time.perf_counter() - T0:.0f}s")
+
+
+def write(a: argparse.Namespace, report: dict) -> None:
+    with open(a.out, "w") as handle:
+        json.dump(report, handle, indent=1, default=str)
+
+
+def main() -> None:
+    out_dir = os.environ.get("OUT", ".")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(out_dir, "gpu_bench.json"))
+    ap.add_argument("--tokenizer", default=os.path.join(ROOT, ".peer", "tokenizer"))
+    ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
+    ap.add_argument("--off-requests", type=int, default=256)
+    ap.add_argument("--serve-requests", type=int, default=0, help="requests per level (0: serve.py's 2 x c, >= 8)")
+    ap.add_argument("--quick", action="store_true", help="tiny shape and workloads (dry run of the control flow)")
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--budget-s", type=float, default=530, help="the peer gets what is left of this")
+    a = ap.parse_args()
+    git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    import triton
+    import transformers
+
+    cuda = a.device == "cuda"
+    report: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "errors": {}, "seconds": {},
+                    "env": {"commit": git.stdout.strip() or a.commit, "date": time.strftime("%Y-%m-%d %H:%M"),
+                            "torch": torch.__version__, "triton": triton.__version__,
+                            "transformers": transformers.__version__, "python": sys.version.split()[0],
+                            "argv": sys.argv[1:]}}
+    shape = QUICK if a.quick else QWEN3_8B
+    params = num_params(shape)
+    limits: dict = {"shape": shape, "weight_bytes": 2 * params}
+    model_dir = write_model_dir(shape, a.tokenizer)
+    small_dir = write_model_dir({**shape, "num_hidden_layers": min(4, shape["num_hidden_layers"])}, a.tokenizer)
+    report["model"] = {"shape": shape, "params": params, "weight_bytes": 2 * params, "weights": "dummy (random)",
+                       "tokenizer": f"{a.tokenizer} + synthetic tokens up to vocab_size"}
+    serve_out, peer_out = (os.path.join(os.path.dirname(os.path.abspath(a.out)), f) for f in ("serve.json",
+                                                                                              "hf_peer.json"))
+    serve_cmd = [sys.executable, "bench/serve.py", "--model", model_dir, "--out", serve_out,
+                 "--server-args", f"--load-format dummy --dtype {'bfloat16' if cuda else 'float32'} --device "
+                                  f"{a.device} --max-num-seqs {4 if a.quick else 64}",
+                 "--max-concurrency", "4" if a.quick else "64", "--prompt-tokens", "32" if a.quick else "512",
+                 "--output-tokens", "8" if a.quick else "128", "--requests-per-level", str(a.serve_requests)]
+    steps: list[tuple[str, Callable[[], object]]] = [
+        ("ceilings", lambda: ceilings(a)),
+        ("correctness", lambda: correctness(a, shape)),
+        ("graphs", lambda: report.setdefault("correctness", {}).update(
+            graphs_vs_eager=asyncio.run(graphs_vs_eager(a, small_dir)))),
+        ("b1_off", lambda: asyncio.run(b1_off(a, model_dir, report, limits))),
+        ("serve", lambda: subprocess_json(serve_cmd, serve_out, 240)),
+        ("kernels", lambda: kernels(a, report.get("ceilings"))),
+        ("peer", lambda: subprocess_json([sys.executable, ".peer/hf_peer.py", "--out", peer_out, "--off-requests",
+                                          str(16 if a.quick else a.off_requests)], peer_out,
+                                         max(60.0, a.budget_s - (time.perf_counter() - T0)))),
+    ]
+    for name, fn in steps:
+        if name in a.skip or (name == "b1_off" and {"b1", "off"} <= set(a.skip)):
+            continue
+        if not cuda and name in ("kernels", "peer"):
+            report[name] = {"skipped": "needs CUDA"}
+            continue
+        log(f"== {name}")
+        t = time.perf_counter()
+        try:
+            result = fn()
+            if result is not None:
+                report[name] = result
+            if name == "ceilings":
+                limits["ceilings"] = result
+                limits["b1"] = result["copy_GBps"] * 1e9 / limits["weight_bytes"]
+                report["ceilings"]["b1_limit_tok_s"] = limits["b1"]
+        except Exception:  # noqa: BLE001 - one section failing must not lose the others
+            report["errors"][name] = traceback.format_exc()
+            log(f"{name} FAILED:\n{report['errors'][name]}")
+            free_device()
+        report["seconds"][name] = round(time.perf_counter() - t, 1)
+        log(f"{name} done in {report['seconds'][name]}s")
+        if name == "peer" and "peer" in report:
+            report["peer"]["ratios"] = peer_ratios(report)
+        write(a, report)
+    for path in (model_dir, small_dir):
+        shutil.rmtree(path, ignore_errors=True)
+    summary(report)
+    log(f"wrote {a.out}")
+
+
+if __name__ == "__main__":
+    main()
