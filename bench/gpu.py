@@ -58,7 +58,7 @@ def num_params(s: dict) -> int:
 
 
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
-    """Mean ms per call: CUDA events on CUDA, perf_counter elsewhere."""
+    """Mean ms per call: CUDA events on CUDA, perf_counter elsewhere (after 3 warm-up calls)."""
     for _ in range(3):
         fn()
     if device != "cuda":
@@ -66,7 +66,7 @@ def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
         for _ in range(iters):
             fn()
         return (time.perf_counter() - start) * 1e3 / iters
-    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
     torch.cuda.synchronize()
     begin.record()
     for _ in range(iters):
@@ -85,34 +85,29 @@ def free_device() -> None:
 def ceilings(a: argparse.Namespace) -> dict:
     """Device copy bandwidth (bytes read + written) and bf16 matmul rate."""
     x = torch.empty((1 << 24) if a.quick else (1 << 30), dtype=torch.bfloat16, device=a.device).normal_()
-    y = torch.empty_like(x)
-    copy_ms = time_ms(lambda: y.copy_(x), 10, a.device)
-    nbytes = x.numel() * x.element_size()
-    copy = 2 * nbytes / copy_ms / 1e6
+    y, nbytes = torch.empty_like(x), 2 * x.numel() * x.element_size()
+    copy = nbytes / time_ms(lambda: y.copy_(x), 10, a.device) / 1e6
     del x, y
     n = 1024 if a.quick else 8192
-    m1 = torch.randn(n, n, dtype=torch.bfloat16, device=a.device)
-    m2 = torch.randn_like(m1)
+    m1, m2 = (torch.randn(n, n, dtype=torch.bfloat16, device=a.device) for _ in range(2))
     mm_ms = time_ms(lambda: m1 @ m2, 10, a.device)
-    return {"copy_GBps": copy, "bf16_TFLOPs": 2 * n**3 / mm_ms / 1e9, "copy_bytes": 2 * nbytes, "matmul_n": n}
+    return {"copy_GBps": copy, "bf16_TFLOPs": 2 * n**3 / mm_ms / 1e9, "copy_bytes_rw": nbytes, "matmul_n": n}
 
 
 def write_model_dir(shape: dict, tokenizer_dir: str) -> str:
     """config.json + the tokenizer, its vocab padded to the model's with synthetic tokens (' w<id>') so every
     sampled id streams visible text (SERVE counts text chunks; out-of-vocab ids would decode to '')."""
     path = tempfile.mkdtemp(prefix="conveyor-gpu-")
-    with open(os.path.join(path, "config.json"), "w") as handle:
-        json.dump(shape, handle, indent=1)
     for name in os.listdir(tokenizer_dir):
         if os.path.isfile(os.path.join(tokenizer_dir, name)):
             shutil.copy(os.path.join(tokenizer_dir, name), path)
     with open(os.path.join(path, "tokenizer.json")) as handle:
         tok = json.load(handle)
     vocab = tok["model"]["vocab"]
-    for i in range(len(vocab), shape["vocab_size"]):
-        vocab[f"\u0120w{i}"] = i
-    with open(os.path.join(path, "tokenizer.json"), "w") as handle:
-        json.dump(tok, handle)
+    vocab.update({f"\u0120w{i}": i for i in range(len(vocab), shape["vocab_size"])})
+    for name, data in (("tokenizer.json", tok), ("config.json", shape)):
+        with open(os.path.join(path, name), "w") as handle:
+            json.dump(data, handle)
     return path
 
 
@@ -186,17 +181,16 @@ def correctness(a: argparse.Namespace, shape: dict) -> dict:
             "rms_norm_eps", "bos_token_id", "eos_token_id")
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
-    try:
-        with torch.device(a.device):
-            hf = Qwen3ForCausalLM(Qwen3Config(**{k: shape[k] for k in keys})).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
+    with torch.device(a.device):
+        hf = Qwen3ForCausalLM(Qwen3Config(**{k: shape[k] for k in keys})).eval()
+    torch.set_default_dtype(torch.float32)
     ours = build_model(ModelArchConfig.from_hf(hf.config.to_dict()), hf.state_dict().items(), dtype=dtype,
                        device=a.device)
     prompt = random.Random(0).choices(range(100, 150000), k=16 if a.quick else 64)
     n = 8 if a.quick else 32
     result = {"hf_vs_ours": compare(hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)),
-              "params": sum(p.numel() for p in hf.parameters()), "dtype": str(dtype)}
+              "params_hf": sum(p.numel() for p in hf.parameters()), "params_shape": num_params(shape),
+              "dtype": str(dtype), "prompt_tokens": len(prompt), "new_tokens": n}
     del hf, ours
     free_device()
     tiny = make_tiny_hf_model("qwen3")
@@ -220,7 +214,7 @@ async def run_one(engine: Engine, prompt: list[int], n: int) -> dict:
     async for delta in engine.generate(prompt_token_ids=prompt, params=params):
         stamps.append((time.perf_counter(), len(delta.token_ids)))
         ids.extend(delta.token_ids)
-    return {"start": start, "stamps": stamps, "ids": ids, "end": time.perf_counter()}
+    return {"start": start, "stamps": stamps, "ids": ids}
 
 
 def prompts(n: int, length: int, seed: int) -> list[list[int]]:
@@ -252,50 +246,44 @@ async def graphs_vs_eager(a: argparse.Namespace, shape_dir: str) -> dict:
             "batch_identical": gb == eb, "batch_first_divergence": [first(x, y) for x, y in zip(gb, eb)]}
 
 
+def itl_stats(r: dict) -> dict:
+    """Decode tok/s = (n - 1) / (t_last - t_first); ITL per token from delta timestamps (merged deltas split)."""
+    (t_first, _), (t_last, _) = r["stamps"][0], r["stamps"][-1]
+    gaps = [(s - q) / k for (q, _), (s, k) in zip(r["stamps"], r["stamps"][1:]) for _ in range(k)] or [0.0]
+    return {"tok_s": (len(r["ids"]) - 1) / (t_last - t_first), "ttft_ms": (t_first - r["start"]) * 1e3,
+            "tokens": len(r["ids"]), "itl_ms": {"mean": sum(gaps) / len(gaps) * 1e3, "p50": pct(gaps, 50) * 1e3,
+                                                "p99": pct(gaps, 99) * 1e3}}
+
+
 async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: dict) -> None:
-    """B1 (batch-1 decode) and OFF (all requests at once) on one dummy-weight engine."""
-    t = time.perf_counter()
+    """B1 (batch-1 decode, best of 3 after a warm-up) and OFF (all requests at once) on one dummy engine."""
     engine = await Engine.create(engine_config(a, model_dir), progress=lambda m: log(f"  engine: {m}"))
-    kv_blocks = engine.pool.capacity
-    log(f"engine up in {time.perf_counter() - t:.1f}s, {kv_blocks} KV blocks")
+    blocks = engine.pool.capacity
     try:
         if "b1" not in a.skip:
             plen, n = (32, 16) if a.quick else (128, 256)
-            p = prompts(4, plen, 1)
-            await run_one(engine, p[0], n)  # warm-up
-            runs = []
-            for prompt in p[1:]:
-                r = await run_one(engine, prompt, n)
-                (t_first, _), (t_last, _) = r["stamps"][0], r["stamps"][-1]
-                gaps = [(s - q) / k for (q, _), (s, k) in zip(r["stamps"], r["stamps"][1:]) for _ in range(k)]
-                runs.append({"tok_s": (len(r["ids"]) - 1) / (t_last - t_first), "ttft_ms": (t_first - r["start"]) * 1e3,
-                             "itl_ms": {"mean": sum(gaps) / len(gaps) * 1e3, "p50": pct(gaps, 50) * 1e3,
-                                        "p99": pct(gaps, 99) * 1e3}, "tokens": len(r["ids"])})
+            ps = prompts(4, plen, 1)
+            await run_one(engine, ps[0], n)
+            runs = [itl_stats(await run_one(engine, p, n)) for p in ps[1:]]
             best = max(runs, key=lambda r: r["tok_s"])
-            report["b1"] = {**best, "runs_tok_s": [r["tok_s"] for r in runs], "prompt_tokens": plen,
-                            "new_tokens": n, "limit_tok_s": limits.get("b1"), "kv_blocks": kv_blocks}
-            if limits.get("b1"):
-                report["b1"]["frac_of_limit"] = best["tok_s"] / limits["b1"]
+            report["b1"] = {**best, "runs_tok_s": [r["tok_s"] for r in runs], "prompt_tokens": plen, "new_tokens": n,
+                            "limit_tok_s": limits.get("b1"), "kv_blocks": blocks,
+                            "frac_of_limit": limits.get("b1") and best["tok_s"] / limits["b1"]}
             log(f"B1 {best['tok_s']:.1f} tok/s (runs {[round(r['tok_s'], 1) for r in runs]})")
             write(a, report)
         if "off" not in a.skip:
             nreq, plen, n = (8, 64, 8) if a.quick else (a.off_requests, 512, 128)
             await asyncio.gather(*[run_one(engine, p, 8) for p in prompts(min(nreq, 32), plen, 2)])  # warm-up
-            before = engine.stats()
-            start = time.perf_counter()
+            before, start = engine.stats(), time.perf_counter()
             res = await asyncio.gather(*[run_one(engine, p, n) for p in prompts(nreq, plen, 3)])
-            wall = time.perf_counter() - start
-            after = engine.stats()
-            out = sum(len(r["ids"]) for r in res)
-            ttft = [r["stamps"][0][0] - start for r in res]
-            est = off_estimate(a, limits, nreq, plen, n)
+            wall, after = time.perf_counter() - start, engine.stats()
+            out, ttft = sum(len(r["ids"]) for r in res), [r["stamps"][0][0] - start for r in res]
+            est = off_estimate(limits, nreq, plen, n)
             report["off"] = {"requests": nreq, "prompt_tokens": plen, "output_tokens": n, "wall_s": wall,
                              "output_tok_s": out / wall, "total_tok_s": (out + nreq * plen) / wall,
                              "ttft_s": {"p50": pct(ttft, 50), "max": max(ttft)}, "estimate": est,
-                             "frac_of_estimate": est and out / wall / est["output_tok_s"],
-                             "device_steps": after["device_steps"] - before["device_steps"],
-                             "mixed_steps": after["mixed_steps"] - before["mixed_steps"],
-                             "preemptions": after["preemptions"] - before["preemptions"], "kv_blocks": kv_blocks}
+                             "frac_of_estimate": est and out / wall / est["output_tok_s"], "kv_blocks": blocks,
+                             **{k: after[k] - before[k] for k in ("device_steps", "mixed_steps", "preemptions")}}
             log(f"OFF {out / wall:.0f} output tok/s, {(out + nreq * plen) / wall:.0f} total tok/s in {wall:.1f}s")
     finally:
         await engine.shutdown()
@@ -303,7 +291,7 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
         free_device()
 
 
-def off_estimate(a: argparse.Namespace, limits: dict, nreq: int, plen: int, n: int) -> dict | None:
+def off_estimate(limits: dict, nreq: int, plen: int, n: int) -> dict | None:
     """Prefill FLOPs at the matmul rate + decode bytes (weights + KV read per step) at copy bandwidth."""
     c, s = limits.get("ceilings"), limits["shape"]
     if not c:
@@ -312,9 +300,10 @@ def off_estimate(a: argparse.Namespace, limits: dict, nreq: int, plen: int, n: i
                                              "num_attention_heads"))
     linear = num_params(s) - 2 * s["vocab_size"] * h  # per-token matmul params, without embedding and lm_head
     attn = 4 * layers * nh * d * plen * (plen + 1) // 2  # causal QK^T + PV per request
-    flops = nreq * (2 * linear * plen + attn + 2 * s["vocab_size"] * h)
-    kv_per_token = layers * 2 * kvh * d * 2
-    decode_bytes = sum(limits["weight_bytes"] + nreq * (plen + i) * kv_per_token for i in range(n))
+    flops = nreq * (2 * linear * plen + attn + 2 * s["vocab_size"] * h)  # + lm_head for the last prompt token
+    kv_token = layers * 2 * kvh * d * 2
+    # the first output token comes from prefill; decode step i reads the weights and plen + i + 1 tokens of KV
+    decode_bytes = sum(limits["weight_bytes"] + nreq * (plen + i + 1) * kv_token for i in range(n - 1))
     t_pre, t_dec = flops / (c["bf16_TFLOPs"] * 1e12), decode_bytes / (c["copy_GBps"] * 1e9)
     return {"prefill_flops": flops, "decode_bytes": decode_bytes, "prefill_s": t_pre, "decode_s": t_dec,
             "output_tok_s": nreq * n / (t_pre + t_dec), "total_tok_s": nreq * (n + plen) / (t_pre + t_dec)}
@@ -334,7 +323,7 @@ def subprocess_json(cmd: list[str], out: str, timeout: float) -> dict:
     if proc.returncode != 0 or not os.path.exists(out):
         raise RuntimeError(f"exit {proc.returncode}; output tail:\n{text[-3000:]}")
     with open(out) as handle:
-        return json.load(handle)
+        return {**json.load(handle), "command": " ".join(cmd)}
 
 
 def kernels(a: argparse.Namespace, ceil: dict | None) -> dict:
@@ -398,6 +387,7 @@ def main() -> None:
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     ap.add_argument("--off-requests", type=int, default=256)
     ap.add_argument("--serve-requests", type=int, default=0, help="requests per level (0: serve.py's 2 x c, >= 8)")
+    ap.add_argument("--serve-args", default="", help="more `conveyor serve` arguments for SERVE")
     ap.add_argument("--quick", action="store_true", help="tiny shape and workloads (dry run of the control flow)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda")
@@ -408,11 +398,13 @@ def main() -> None:
     import transformers
 
     cuda = a.device == "cuda"
+    props = torch.cuda.get_device_properties(0) if cuda else None
     report: dict = {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "errors": {}, "seconds": {},
-                    "env": {"commit": git.stdout.strip() or a.commit, "date": time.strftime("%Y-%m-%d %H:%M"),
+                    "env": {"commit": a.commit or git.stdout.strip() or None, "date": time.strftime("%Y-%m-%d %H:%M"),
                             "torch": torch.__version__, "triton": triton.__version__,
                             "transformers": transformers.__version__, "python": sys.version.split()[0],
-                            "argv": sys.argv[1:]}}
+                            "gpu_memory_gib": props and props.total_memory / 2**30,
+                            "sm_count": props and props.multi_processor_count, "argv": sys.argv[1:]}}
     shape = QUICK if a.quick else QWEN3_8B
     params = num_params(shape)
     limits: dict = {"shape": shape, "weight_bytes": 2 * params}
@@ -424,7 +416,7 @@ def main() -> None:
                                                                                               "hf_peer.json"))
     serve_cmd = [sys.executable, "bench/serve.py", "--model", model_dir, "--out", serve_out,
                  "--server-args", f"--load-format dummy --dtype {'bfloat16' if cuda else 'float32'} --device "
-                                  f"{a.device} --max-num-seqs {4 if a.quick else 64}",
+                                  f"{a.device} --max-num-seqs {4 if a.quick else 64} {a.serve_args}".strip(),
                  "--max-concurrency", "4" if a.quick else "64", "--prompt-tokens", "32" if a.quick else "512",
                  "--output-tokens", "8" if a.quick else "128", "--requests-per-level", str(a.serve_requests)]
     steps: list[tuple[str, Callable[[], object]]] = [
