@@ -78,8 +78,9 @@ def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
 
 def free_device() -> None:
     gc.collect()
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.empty_cache()
+        log(f"device memory held by this process: {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
 
 
 def ceilings(a: argparse.Namespace) -> dict:
@@ -181,9 +182,11 @@ def correctness(a: argparse.Namespace, shape: dict) -> dict:
             "rms_norm_eps", "bos_token_id", "eos_token_id")
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
-    with torch.device(a.device):
-        hf = Qwen3ForCausalLM(Qwen3Config(**{k: shape[k] for k in keys})).eval()
-    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device(a.device):
+            hf = Qwen3ForCausalLM(Qwen3Config(**{k: shape[k] for k in keys})).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
     ours = build_model(ModelArchConfig.from_hf(hf.config.to_dict()), hf.state_dict().items(), dtype=dtype,
                        device=a.device)
     prompt = random.Random(0).choices(range(100, 150000), k=16 if a.quick else 64)
@@ -257,8 +260,11 @@ def itl_stats(r: dict) -> dict:
 
 async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: dict) -> None:
     """B1 (batch-1 decode, best of 3 after a warm-up) and OFF (all requests at once) on one dummy engine."""
-    engine = await Engine.create(engine_config(a, model_dir), progress=lambda m: log(f"  engine: {m}"))
+    config = engine_config(a, model_dir)
+    engine = await Engine.create(config, progress=lambda m: log(f"  engine: {m}"))
     blocks = engine.pool.capacity
+    report["engine_config"] = {k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
+                                                                "gpu_memory_utilization", "cuda_graphs", "dtype")}
     try:
         if "b1" not in a.skip:
             plen, n = (32, 16) if a.quick else (128, 256)
@@ -371,6 +377,11 @@ def summary(report: dict) -> None:
     for lvl in (report.get("serve") or {}).get("levels", []):
         print(f"serve c={lvl['concurrency']:3d} {lvl['output_tok_s']:8.1f} tok/s  ttft p50 {lvl['ttft_ms']['p50']} ms"
               f"  itl p50 {lvl['itl_ms']['p50']} ms p99 {lvl['itl_ms']['p99']} ms")
+    for row in (report.get("kernels") or {}).get("decode", []) + (report.get("kernels") or {}).get("prefill", []):
+        frac = row.get("frac_of_copy_bw") or row.get("frac_of_matmul")
+        print(f"kernel {row['kernel']:7s} " + (f"B={row['batch_size']} ctx={row['context_len']}: {row['gbps']:.0f} GB/s"
+              if row["kernel"] == "decode" else f"n={row['num_seqs']} len={row['prompt_len']} prefix="
+              f"{row['prefix_len']}: {row['tflops']:.0f} TFLOP/s") + f" ({fmt(frac, '.2f')} of the ceiling)")
     print(f"errors: {sorted(report['errors']) or 'none'}; total {time.perf_counter() - T0:.0f}s")
 
 
@@ -391,7 +402,8 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="tiny shape and workloads (dry run of the control flow)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda")
-    ap.add_argument("--budget-s", type=float, default=530, help="the peer gets what is left of this")
+    ap.add_argument("--budget-s", type=float, default=530,
+                    help="whole-run budget: SERVE leaves 200 s of it, the peer gets what is left")
     a = ap.parse_args()
     git = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
     import triton
@@ -419,17 +431,18 @@ def main() -> None:
                                   f"{a.device} --max-num-seqs {4 if a.quick else 64} {a.serve_args}".strip(),
                  "--max-concurrency", "4" if a.quick else "64", "--prompt-tokens", "32" if a.quick else "512",
                  "--output-tokens", "8" if a.quick else "128", "--requests-per-level", str(a.serve_requests)]
+    left = lambda: a.budget_s - (time.perf_counter() - T0)  # noqa: E731
     steps: list[tuple[str, Callable[[], object]]] = [
         ("ceilings", lambda: ceilings(a)),
         ("correctness", lambda: correctness(a, shape)),
         ("graphs", lambda: report.setdefault("correctness", {}).update(
             graphs_vs_eager=asyncio.run(graphs_vs_eager(a, small_dir)))),
         ("b1_off", lambda: asyncio.run(b1_off(a, model_dir, report, limits))),
-        ("serve", lambda: subprocess_json(serve_cmd, serve_out, 240)),
+        ("serve", lambda: subprocess_json(serve_cmd, serve_out, min(240.0, max(90.0, left() - 200)))),
         ("kernels", lambda: kernels(a, report.get("ceilings"))),
         ("peer", lambda: subprocess_json([sys.executable, ".peer/hf_peer.py", "--out", peer_out, "--off-requests",
                                           str(16 if a.quick else a.off_requests)], peer_out,
-                                         max(60.0, a.budget_s - (time.perf_counter() - T0)))),
+                                         max(60.0, left()))),
     ]
     for name, fn in steps:
         if name in a.skip or (name == "b1_off" and {"b1", "off"} <= set(a.skip)):
@@ -450,7 +463,7 @@ def main() -> None:
         except Exception:  # noqa: BLE001 - one section failing must not lose the others
             report["errors"][name] = traceback.format_exc()
             log(f"{name} FAILED:\n{report['errors'][name]}")
-            free_device()
+        free_device()
         report["seconds"][name] = round(time.perf_counter() - t, 1)
         log(f"{name} done in {report['seconds'][name]}s")
         if name == "peer" and "peer" in report:
