@@ -112,11 +112,14 @@ class ModelRunner:
             [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], self.block_size
         )
         rows = [row for c in chunks for row in c.rows]
+        # Sampling inputs go to the device before the forward is launched: their small copies then
+        # never wait behind the step's kernels (on CUDA a pageable copy blocks the host until it lands).
+        batch = SamplingBatch.from_rows(rows, self.vocab_size, self.device) if rows else None
         decode_only = len(input_ids) == len(chunks)
         if (self.graphs is not None and decode_only and len(rows) == len(chunks)
                 and self.graphs.fits(len(chunks), tables.shape[1])):
             logits = self.graphs.run(input_ids, positions, slots, seq_lens, tables)
-            return self.sampler(logits, SamplingBatch.from_rows(rows, self.vocab_size, self.device))
+            return self.sampler(logits, batch)
         qsl_host = qsl.tolist()
         lens_host = seq_lens.tolist()
         query_lens = [qsl_host[i + 1] - qsl_host[i] for i in range(len(chunks))]
@@ -131,13 +134,12 @@ class ModelRunner:
             max_seq_len=max(lens_host),
             is_decode_only=decode_only,
         )
+        last_index = self._to_device(np.asarray([qsl_host[i + 1] - 1 for i, c in enumerate(chunks) for _ in c.rows],
+                                                dtype=np.int64))
         hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, meta)
-        if not rows:
+        if batch is None:
             return empty_output()
-        last_index = [qsl_host[i + 1] - 1 for i, c in enumerate(chunks) for _ in c.rows]
-        logits = self.model.compute_logits(hidden[torch.tensor(last_index, device=self.device)])
-        batch = SamplingBatch.from_rows(rows, self.vocab_size, self.device)
-        return self.sampler(logits, batch)
+        return self.sampler(self.model.compute_logits(hidden[last_index]), batch)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)
