@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import gc
 import json
 import os
 import random
@@ -31,6 +30,9 @@ from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
 
+from gpu_correctness import correctness  # noqa: E402
+from gpu_util import T0, free_device, log, num_params, pct, time_ms  # noqa: E402
+
 QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
                 intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
@@ -39,48 +41,6 @@ QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_si
 QUICK = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
 SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "serve", "kernels", "peer")
-T0 = time.perf_counter()
-
-
-def log(message: str) -> None:
-    print(f"[gpu.py {time.perf_counter() - T0:6.1f}s] {message}", flush=True)
-
-
-def pct(values: list[float], q: float) -> float | None:
-    return sorted(values)[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else None
-
-
-def num_params(s: dict) -> int:
-    """Parameters of a dense Qwen3 config (untied: embedding + lm_head)."""
-    h, kv, nh, d = s["hidden_size"], s["num_key_value_heads"], s["num_attention_heads"], s["head_dim"]
-    layer = h * nh * d * 2 + h * kv * d * 2 + 3 * h * s["intermediate_size"] + 2 * h + 2 * d
-    return s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2) + s["num_hidden_layers"] * layer + h
-
-
-def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
-    """Mean ms per call: CUDA events on CUDA, perf_counter elsewhere (after 3 warm-up calls)."""
-    for _ in range(3):
-        fn()
-    if device != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / iters
-    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    torch.cuda.synchronize()
-    begin.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / iters
-
-
-def free_device() -> None:
-    gc.collect()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-        log(f"device memory held by this process: {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
 
 
 def ceilings(a: argparse.Namespace) -> dict:
@@ -113,97 +73,6 @@ def write_model_dir(shape: dict, tokenizer_dir: str) -> str:
 
 
 @torch.no_grad()
-def hf_greedy(hf, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor, list[int], torch.Tensor]:
-    """transformers: prompt logits [L, V], greedy ids, the [n, V] logits they were taken from."""
-    out = hf(input_ids=torch.tensor([prompt], device=device), use_cache=True)
-    prompt_logits, last, ids, steps = out.logits[0].float(), out.logits[0, -1].float(), [], []
-    for i in range(n):
-        ids.append(int(last.argmax()))
-        steps.append(last)
-        if i + 1 < n:
-            out = hf(input_ids=torch.tensor([[ids[-1]]], device=device), past_key_values=out.past_key_values,
-                     use_cache=True)
-            last = out.logits[0, -1].float()
-    return prompt_logits, ids, torch.stack(steps)
-
-
-@torch.no_grad()
-def paged_greedy(model, prompt: list[int], n: int, device: str, bs: int = 16):
-    """Ours over a paged KV cache on ``device``: prefill then n greedy decode steps (same outputs as hf_greedy)."""
-    from kernels.kv_cache import allocate_kv_cache
-    from pipeline.models.attention import build_attention_metadata
-
-    arch = model.arch
-    table = list(range(1, -(-(len(prompt) + n) // bs) + 1))
-    caches = allocate_kv_cache(arch.num_layers, len(table) + 1, bs, arch.num_kv_heads, arch.head_dim,
-                               model.model.embed_tokens.weight.dtype, device)
-
-    def step(ids: list[int], start: int) -> torch.Tensor:
-        meta = build_attention_metadata([len(ids)], [start + len(ids)], [table], bs, device)
-        hidden = model(torch.tensor(ids, device=device), torch.arange(start, start + len(ids), device=device),
-                       caches, meta)
-        return model.compute_logits(hidden).float()
-
-    prompt_logits = step(prompt, 0)
-    last, ids, steps = prompt_logits[-1], [], []
-    for i in range(n):
-        ids.append(int(last.argmax()))
-        steps.append(last)
-        if i + 1 < n:
-            last = step([ids[-1]], len(prompt) + i)[0]
-    return prompt_logits, ids, torch.stack(steps)
-
-
-def compare(ref, ours) -> dict:
-    """Max |logit diff| (prompt, decode steps before any divergence), first divergence and margins there."""
-    (rp, rids, rs), (op, oids, os_) = ref, ours
-    div = next((i for i, (x, y) in enumerate(zip(rids, oids)) if x != y), None)
-    upto = len(rids) if div is None else div + 1  # step `div` still has identical inputs
-    top2 = lambda v: (lambda t: float(t[0] - t[1]))(v.topk(2).values)  # noqa: E731
-    return {"prompt_max_abs_diff": float((rp - op).abs().max()), "ref_logit_std": float(rp.std()),
-            "decode_max_abs_diff": float((rs[:upto] - os_[:upto]).abs().max()),
-            "greedy_identical": div is None, "first_divergence": div,
-            "ref_margin_at_divergence": None if div is None else top2(rs[div]),
-            "nan": bool(torch.isnan(op).any() or torch.isnan(os_).any() or torch.isnan(rp).any()),
-            "ref_tokens": rids[:8], "ours_tokens": oids[:8]}
-
-
-def correctness(a: argparse.Namespace, shape: dict) -> dict:
-    """transformers vs ours on the same random weights (8B shape), and the tiny model on CPU vs the device."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
-
-    from pipeline.models.config import ModelArchConfig
-    from pipeline.models.registry import build_model
-    from tests.model_utils import conveyor_from_hf, make_tiny_hf_model
-
-    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
-            "rms_norm_eps", "bos_token_id", "eos_token_id")
-    torch.manual_seed(0)
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(a.device):
-            hf = Qwen3ForCausalLM(Qwen3Config(**{k: shape[k] for k in keys})).eval()
-    finally:
-        torch.set_default_dtype(torch.float32)
-    ours = build_model(ModelArchConfig.from_hf(hf.config.to_dict()), hf.state_dict().items(), dtype=dtype,
-                       device=a.device)
-    prompt = random.Random(0).choices(range(100, 150000), k=16 if a.quick else 64)
-    n = 8 if a.quick else 32
-    result = {"hf_vs_ours": compare(hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)),
-              "params_hf": sum(p.numel() for p in hf.parameters()), "params_shape": num_params(shape),
-              "dtype": str(dtype), "prompt_tokens": len(prompt), "new_tokens": n}
-    del hf, ours
-    free_device()
-    tiny = make_tiny_hf_model("qwen3")
-    runs = [paged_greedy(conveyor_from_hf(tiny, torch.float32, dev), list(range(100, 130)), 16, dev)
-            for dev in ("cpu", a.device)]
-    result["tiny_cpu_vs_device_fp32"] = compare([t.cpu() if torch.is_tensor(t) else t for t in runs[0]],
-                                                [t.cpu() if torch.is_tensor(t) else t for t in runs[1]])
-    return result
-
-
 def engine_config(a: argparse.Namespace, model_dir: str, **kw) -> EngineConfig:
     base = dict(model=model_dir, device=a.device, dtype="bfloat16" if a.device == "cuda" else "float32",
                 load_format="dummy", max_num_seqs=256, max_num_batched_tokens=8192)

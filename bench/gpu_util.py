@@ -1,0 +1,58 @@
+"""Small helpers shared by bench/gpu.py and bench/gpu_correctness.py."""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+import time
+from collections.abc import Callable
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import torch  # noqa: E402
+
+T0 = time.perf_counter()  # the run's start, for log timestamps and the time budget
+
+
+def log(message: str) -> None:
+    print(f"[gpu.py {time.perf_counter() - T0:6.1f}s] {message}", flush=True)
+
+
+def pct(values: list[float], q: float) -> float | None:
+    return sorted(values)[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else None
+
+
+def num_params(s: dict) -> int:
+    """Parameters of a dense Qwen3 config (untied: embedding + lm_head)."""
+    h, kv, nh, d = s["hidden_size"], s["num_key_value_heads"], s["num_attention_heads"], s["head_dim"]
+    layer = h * nh * d * 2 + h * kv * d * 2 + 3 * h * s["intermediate_size"] + 2 * h + 2 * d
+    return s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2) + s["num_hidden_layers"] * layer + h
+
+
+def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
+    """Mean ms per call: CUDA events on CUDA, perf_counter elsewhere (after 3 warm-up calls)."""
+    for _ in range(3):
+        fn()
+    if device != "cuda":
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - start) * 1e3 / iters
+    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def free_device() -> None:
+    gc.collect()
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+        log(f"device memory held by this process: {torch.cuda.memory_reserved() / 2**30:.2f} GiB reserved")
+
+
