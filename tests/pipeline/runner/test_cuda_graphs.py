@@ -1,0 +1,34 @@
+"""Decode CUDA graphs: the captured batch sizes, and (on a GPU) graphs == eager greedy tokens."""
+import pytest
+
+from pipeline.request import SamplingParams
+from pipeline.runner.cuda_graphs import graph_batch_sizes
+from tests.conftest import run_async
+from tests.engine_utils import collect, config_for
+
+
+@pytest.mark.parametrize("max_num_seqs,expected", [(1, [1]), (3, [1, 2, 3]), (8, [1, 2, 4, 8]),
+                                                   (20, [1, 2, 4, 8, 16, 20]), (32, [1, 2, 4, 8, 16, 24, 32])])
+def test_graph_batch_sizes_cover_every_batch(max_num_seqs, expected):
+    sizes = graph_batch_sizes(max_num_seqs)
+    assert sizes == expected
+    assert all(any(s >= b for s in sizes) for b in range(1, max_num_seqs + 1))
+
+
+@pytest.mark.gpu
+def test_graphed_decode_equals_eager_on_cuda(tiny_model_dir):
+    async def main(graphs: bool):
+        from pipeline.engine import Engine
+
+        engine = await Engine.create(config_for(tiny_model_dir, device="cuda", cuda_graphs=graphs, max_num_seqs=8))
+        try:
+            params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+            prompts = [[100 + 7 * i + j for j in range(3 + 5 * i)] for i in range(5)]
+            import asyncio
+
+            return [r[0].token_ids for r in await asyncio.gather(
+                *[collect(engine, prompt_token_ids=p, params=params) for p in prompts])]
+        finally:
+            await engine.shutdown()
+
+    assert run_async(main(True)) == run_async(main(False))
