@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import subprocess
@@ -22,6 +21,7 @@ from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.embedded import embedded_model_path  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
+from report import emit_json  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 PROMPTS = [
     "Explain how a hash map works.", "Write a short poem about the sea.", "What is 17 times 23?",
@@ -134,11 +134,7 @@ def main() -> None:
             peer["batch1_speedup"] = report["conveyor"]["batch1_decode_tok_s"] / peer["batch1_decode_tok_s"]
             peer["concurrent_speedup"] = report["conveyor"][key] / peer[key]
             report[f"transformers_{name}"] = peer
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit_json(report, args.out)
 
 
 if __name__ == "__main__":

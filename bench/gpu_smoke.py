@@ -24,6 +24,7 @@ import torch  # noqa: E402
 from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
+from report import emit_json  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 
 def write_random_llama(directory: str, tokenizer_dir: str, **shape) -> str:
@@ -103,11 +104,7 @@ def main() -> None:
         report["smollm2_shape_bf16"] = asyncio.run(timed(smol, 16, 128))
         print(json.dumps(report), flush=True)
         report["smollm2_shape_bf16_eager"] = asyncio.run(timed(smol, 16, 128, cuda_graphs=False))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit_json(report, args.out)
 
 
 if __name__ == "__main__":

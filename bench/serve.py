@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import platform
 import random
@@ -20,6 +19,7 @@ import time
 
 import aiohttp
 import orjson
+from report import emit_json  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -144,11 +144,7 @@ def main() -> None:
         "notes": "itl = gaps between streamed text chunks (one token each unless the client falls behind)",
         "levels": levels,
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        with open(args.out, "w") as handle:
-            handle.write(text + "\n")
+    emit_json(report, args.out)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ import os
 
 import torch
 
-from kernels import triton_norm
+from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
@@ -20,7 +20,7 @@ from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
 
 def triton_available() -> bool:
     """Whether triton imported (CPU-only torch installs may lack it; the kernel modules then import without it)."""
-    return triton_norm.triton is not None
+    return triton_compat.triton is not None
 
 
 def use_triton(device: torch.device | str) -> bool:

@@ -10,16 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # CPU-only installs: the reference still imports; the kernel is never launched
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl, triton
 
 
 def silu_and_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:

@@ -12,16 +12,8 @@ import torch
 
 from kernels.kv_cache import write_kv_ref
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # CPU-only installs: the reference still imports; the kernel is never launched
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl, triton
 
 
 def write_kv_padded_ref(

@@ -27,16 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # CPU-only installs: the module still imports; the kernels are never launched
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl
 
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32

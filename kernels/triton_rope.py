@@ -13,16 +13,8 @@ import torch
 
 from pipeline.models.rope import apply_rotary_emb_
 
-try:
-    import triton
-    import triton.language as tl
-
-    _jit = triton.jit
-except ImportError:  # CPU-only installs: the reference still imports; the kernel is never launched
-    triton = tl = None
-
-    def _jit(fn):
-        return fn
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl, triton
 
 
 def apply_rotary_ref_(

@@ -46,6 +46,15 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip_gpu)
 
 
+@pytest.fixture(scope="module")
+def single_torch_thread() -> Any:
+    """Tiny shapes: one intra-op thread is as fast and immune to spin-wait stalls on a loaded machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def tokenizer_files(tmp_path_factory: pytest.TempPathFactory, hf_gguf_tokenizer: Any) -> Path:
     """The SmolLM2 tokenizer saved the way transformers writes an HF model directory."""

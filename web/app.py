@@ -14,7 +14,7 @@ import orjson
 from aiohttp import web
 
 from pipeline.engine import Engine
-from web.metrics import ServerMetrics
+from web.metrics import ServerMetrics, admission_reason
 from web.protocol import APIError, api_error_from_exception, bad_request, models_list
 
 log = logging.getLogger("conveyor.web")
@@ -85,14 +85,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         if error.status >= 500 and error.status != 503:
             log.exception("request %s %s failed", request.method, request.path)
         if error.status == 503:
-            state.metrics.admission_rejected(_admission_label(exc))
+            state.metrics.admission_rejected(admission_reason(exc))
         return error_response(error, state.settings.retry_after_s)
-
-
-def _admission_label(exc: BaseException) -> str:
-    from web.metrics import admission_reason
-
-    return admission_reason(exc)
 
 
 @web.middleware

@@ -166,14 +166,18 @@ def chat_delta_choice(index: int, *, role: str | None = None, content: str | Non
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": wire_finish_reason(finish_reason)}
 
 
-def chat_chunk(completion_id: str, created: int, model: str, choices: list[dict], *,
-               include_usage: bool = False, usage: dict | None = None) -> dict:
+def _chunk(object_type: str, completion_id: str, created: int, model: str, choices: list[dict],
+           include_usage: bool, usage: dict | None) -> dict:
     """With include_usage every chunk has a "usage" key (null until the final usage-only chunk)."""
-    chunk = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": choices}
+    chunk = {"id": completion_id, "object": object_type, "created": created, "model": model, "choices": choices}
     if include_usage:
         chunk["usage"] = usage
     return chunk
+
+
+def chat_chunk(completion_id: str, created: int, model: str, choices: list[dict], *,
+               include_usage: bool = False, usage: dict | None = None) -> dict:
+    return _chunk("chat.completion.chunk", completion_id, created, model, choices, include_usage, usage)
 
 
 def chat_usage_chunk(completion_id: str, created: int, model: str, usage: dict) -> dict:
@@ -195,11 +199,7 @@ def completion_response(completion_id: str, created: int, model: str, choices: l
 def completion_chunk(completion_id: str, created: int, model: str, choices: list[dict], *,
                      include_usage: bool = False, usage: dict | None = None) -> dict:
     """Streamed completions use the same object type as the full response (unlike chat)."""
-    chunk = {"id": completion_id, "object": "text_completion", "created": created, "model": model,
-             "choices": choices}
-    if include_usage:
-        chunk["usage"] = usage
-    return chunk
+    return _chunk("text_completion", completion_id, created, model, choices, include_usage, usage)
 
 
 def completion_usage_chunk(completion_id: str, created: int, model: str, usage: dict) -> dict:

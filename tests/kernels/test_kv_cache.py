@@ -5,13 +5,7 @@ from kernels.kv_cache import allocate_kv_cache, write_kv_ref
 from pipeline.models.attention import build_attention_metadata
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes: one intra-op thread is as fast and immune to spin-wait stalls on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -12,13 +12,7 @@ from kernels.paged_attention import (
 from pipeline.models.attention import build_attention_metadata
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes: one intra-op thread is as fast and immune to spin-wait stalls on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def naive_attention(q, keys, values, seq_len, scale):

@@ -23,12 +23,7 @@ DEVICE = "cpu" if os.environ.get("TRITON_INTERPRET") == "1" or not torch.cuda.is
 SMALL = TritonAttentionPlan(decode_block_n=16, prefill_block_m=16, prefill_block_n=16)  # several tiles per sequence
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 def make_step(q_lens, seq_lens, *, kvh=2, group=2, d=16, block_size=4, dtype=torch.float32, seed=0,

@@ -8,13 +8,7 @@ from pipeline.models.rope import RotaryEmbedding, apply_rotary_emb_, compute_inv
 from tests.model_utils import tiny_config
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    """Tiny shapes: one intra-op thread is as fast and immune to spin-wait stalls on a loaded machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
 
 ROPE_VARIANTS = {
