@@ -33,8 +33,8 @@ PROMPTS = [
 ]
 
 
-async def engine_bench(new_tokens: int, concurrency: int, dtype: str) -> dict:
-    engine = await Engine.create(EngineConfig(dtype=dtype, max_num_seqs=max(16, concurrency)))
+async def engine_bench(new_tokens: int, concurrency: int, dtype: str, run_ahead: bool = True) -> dict:
+    engine = await Engine.create(EngineConfig(dtype=dtype, max_num_seqs=max(16, concurrency), run_ahead=run_ahead))
     params = SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     messages = lambda p: [{"role": "user", "content": p}]  # noqa: E731
     try:
@@ -110,6 +110,7 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--skip-transformers", action="store_true")
+    parser.add_argument("--disable-run-ahead", action="store_true")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
@@ -121,7 +122,7 @@ def main() -> None:
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
         "new_tokens": args.new_tokens,
-        "conveyor": asyncio.run(engine_bench(args.new_tokens, args.concurrency, args.dtype)),
+        "conveyor": asyncio.run(engine_bench(args.new_tokens, args.concurrency, args.dtype, not args.disable_run_ahead)),
         "notes": "decode tok/s = (tokens - 1) / (time from first to last token); transformers: generate() "
                  "greedy, prefill time (a 1-token generate) subtracted; concurrent = 16 requests at once "
                  "(transformers: one left-padded batch)",

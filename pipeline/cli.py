@@ -27,6 +27,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights from config.json (benchmarks)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--disable-run-ahead", action="store_true",
+                        help="read each decode step's tokens before launching the next (no overlap)")
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -34,7 +36,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
-                        gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager)
+                        gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
+                        run_ahead=not args.disable_run_ahead)
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

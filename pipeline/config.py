@@ -23,6 +23,7 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights built on the device (benchmarks without weight files)
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV pool
     cuda_graphs: bool = True  # CUDA: replay captured graphs for decode steps
+    run_ahead: bool = True  # launch decode step N+1 before reading step N's tokens (overlap scheduling)
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
 

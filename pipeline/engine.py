@@ -43,12 +43,12 @@ class Engine:
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
         self.executor = executor
-        executor.bind(loaded.runner.execute)
+        executor.bind(loaded.runner.launch)
         seat_bound = config.max_num_seqs + config.stage_queue_size  # never full: see scheduler.py
         self.stream = StreamStage(config.stage_queue_size)
         self.detokenize = DetokenizeStage(config.stage_queue_size, tokenizer=self.tokenizer, stream=self.stream)
         shared = dict(pool=self.pool, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
-        self.decode = DecodeStage(seat_bound, **shared)
+        self.decode = DecodeStage(seat_bound, run_ahead=config.run_ahead, **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, token_budget=config.max_num_batched_tokens,
                                     decode=self.decode, **shared)
         self.decode.prefill = self.prefill
@@ -203,6 +203,8 @@ class Engine:
             "seats": {"capacity": self.seats.capacity, "held": self.seats.held},
             "waiting": {"requests": self.waiting.requests, "tokens": self.waiting.tokens},
             "running": len(self.decode.running),
+            "decode_in_flight": int(self.decode.in_flight is not None),
+            "decode_steps_ahead": self.decode.steps_ahead,
             "prefilling": len(self.prefill.waiting),
             "preemptions": self.decode.preemptions,
             "device_steps": self.executor.steps,

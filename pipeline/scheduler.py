@@ -130,6 +130,7 @@ def decode_victim(running: list[Sequence]) -> Sequence:
     return max(running, key=lambda s: s.arrival)
 
 
-def blocks_to_grow(seq: Sequence, block_size: int) -> int:
-    """Blocks a decoding sequence needs before its pending tokens can be written."""
-    return max(0, -(-len(seq.token_ids) // block_size) - len(seq.block_ids))
+def blocks_to_grow(seq: Sequence, block_size: int, ahead: int = 0) -> int:
+    """Blocks a decoding sequence needs before its pending tokens (and `ahead` tokens sampled on the
+    device but not yet seen by the host) can be written."""
+    return max(0, -(-(len(seq.token_ids) + ahead) // block_size) - len(seq.block_ids))

@@ -52,7 +52,7 @@ async def settle(engine: Engine, timeout_s: float = 60.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         stats = engine.stats()
-        if stats["running"] == 0 and stats["prefilling"] == 0 and all(
+        if stats["running"] == 0 and stats["prefilling"] == 0 and stats["decode_in_flight"] == 0 and all(
                 s["inbox_depth"] == 0 for s in stats["stages"].values()):
             return
         await asyncio.sleep(0.001)

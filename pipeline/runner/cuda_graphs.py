@@ -2,7 +2,8 @@
 
 A graph is captured per padded batch size (1, 2, 4, 8, then multiples of 8 up to max_num_seqs) over
 static device buffers. A decode step copies its inputs from pinned host buffers into them (one
-non-blocking copy each), pads the unused rows (slot -1: the KV write skips it; length 1 over the
+non-blocking copy each; tokens still on the device from the previous step are copied in on the
+device), pads the unused rows (slot -1: the KV write skips it; length 1 over the
 null block), replays the graph of the smallest size that fits, and reads the logits of its real rows.
 Attention launch choices are fixed per graph (TritonAttentionPlan with a set number of splits,
 sized for the longest context), so the captured grid is valid for every step.
@@ -16,6 +17,7 @@ import torch
 
 from kernels.triton_paged_attention import TritonAttentionPlan, decode_num_splits
 from pipeline.models.attention import AttentionMetadata
+from pipeline.runner.token_feed import TokenFeed
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -45,8 +47,12 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.query_start_loc = torch.arange(n + 1, dtype=torch.int32, device=device)
-        self.host = {name: torch.zeros(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                     for name, tensor in self._buffers().items()}
+        # Two sets of pinned staging buffers, used in turn: while step N's copies may still be queued
+        # behind step N-1 on the stream, step N+1 is being written into the other set.
+        self.staging = [{name: torch.zeros(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                         for name, tensor in self._buffers().items()} for _ in range(2)]
+        self.staged: list[torch.cuda.Event | None] = [None, None]  # set once a set's copies are queued
+        self.turn = 0
         self.sizes = graph_batch_sizes(max_num_seqs)
         self.graphs: dict[int, _Graph] = {}
         self._capture(max_model_len, num_kv_heads, device)
@@ -82,25 +88,37 @@ class DecodeGraphs:
         return batch <= self.max_batch and blocks <= self.max_blocks
 
     def run(self, input_ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, seq_lens: np.ndarray,
-            block_tables: np.ndarray) -> torch.Tensor:
+            block_tables: np.ndarray, feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay the decode graph for these B rows; returns logits [B, vocab] (valid until the next replay)."""
         batch, width = block_tables.shape
         size = next(s for s in self.sizes if s >= batch)
-        host = self.host
+        host = self.staging[self.turn]
+        previous_copies = self.staged[self.turn]
+        if previous_copies is not None:
+            previous_copies.synchronize()  # normally long done: that set fed the step before last
         host["input_ids"][:batch] = torch.from_numpy(input_ids)
         host["positions"][:batch] = torch.from_numpy(positions)
         host["slots"][:batch] = torch.from_numpy(slots)
         host["seq_lens"][:batch] = torch.from_numpy(seq_lens)
-        tables = host["block_tables"]
-        tables[:size].zero_()
-        tables[:batch, :width] = torch.from_numpy(block_tables)
+        # Only the first `width` table columns are copied: a row never reads a column past its length.
+        host["block_tables"][:batch, :width] = torch.from_numpy(block_tables)
         if size > batch:  # padded rows: nothing written, one harmless key of the null block read
             host["input_ids"][batch:size] = 0
             host["positions"][batch:size] = 0
             host["slots"][batch:size] = -1
             host["seq_lens"][batch:size] = 1
+            host["block_tables"][batch:size, :width] = 0
         for name, device_buffer in self._buffers().items():
-            device_buffer[:size].copy_(host[name][:size], non_blocking=True)
+            if name == "block_tables":
+                device_buffer[:size, :width].copy_(host[name][:size, :width], non_blocking=True)
+            else:
+                device_buffer[:size].copy_(host[name][:size], non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.staged[self.turn] = copied
+        self.turn ^= 1
+        if feed is not None:
+            feed.apply(self.input_ids)
         entry = self.graphs[size]
         entry.graph.replay()
         return entry.logits[:batch]

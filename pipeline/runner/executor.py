@@ -5,6 +5,9 @@ The thread owns everything device-side from the start: the engine loads the mode
 (loading in another thread measured ~25% slower CPU steps here). The event loop never blocks on
 compute. When several stages have a plan waiting (decode's batch and prefill's chunk), the thread
 merges them into one forward: that is the mixed step.
+
+Launching and fetching are apart, so a stage can queue step N+1 before it waits for step N's
+tokens: a second thread waits for step N's device->host copy while this one launches step N+1.
 """
 from __future__ import annotations
 
@@ -13,19 +16,39 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+from torch import Tensor
 
 from pipeline.runner.sampler import SamplerOutput
-from pipeline.runner.step_plan import StepPlan, merge_plans, split_output
+from pipeline.runner.step_plan import StepPlan, merge_plans, slice_output
 
 T = TypeVar("T")
 
 
+class LaunchedSample(Protocol):
+    """What a launch returns: tokens left on the device, and the host copy on demand."""
+
+    token_ids: Tensor
+
+    def is_ready(self) -> bool: ...
+
+    def to_host(self) -> SamplerOutput: ...
+
+
+Launch = Callable[[StepPlan, "Tensor | None"], LaunchedSample]
+
+
 @dataclass(slots=True)
-class _Step:
+class LaunchedStep:
+    """A stage's plan, queued on the device. Its results are fetched with `DeviceExecutor.fetch`,
+    usually after the stage has launched its next step (one step ahead)."""
+
     plan: StepPlan
-    future: asyncio.Future[SamplerOutput]
+    lane: str  # the launching stage: `previous_row` refers to that stage's previous step
+    launched: asyncio.Future[tuple[LaunchedSample, int]]  # (the merged step's sample, first row of ours)
     loop: asyncio.AbstractEventLoop
 
 
@@ -40,19 +63,28 @@ _STOP = object()
 
 
 class DeviceExecutor:
-    def __init__(self, execute: Callable[[StepPlan], SamplerOutput] | None = None,
-                 name: str = "conveyor-device") -> None:
-        self._execute = execute
-        self._jobs: queue.SimpleQueue[_Step | _Call | object] = queue.SimpleQueue()
+    def __init__(self, launch: Launch | None = None, name: str = "conveyor-device") -> None:
+        self._launch = launch
+        self._jobs: queue.SimpleQueue[LaunchedStep | _Call | object] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        # Waits for device->host copies, so the device thread can launch the next step meanwhile.
+        self._copy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-copies")
+        self._lane_tokens: dict[str, Tensor] = {}  # each lane's last sampled tokens, still on the device
         self.steps = 0
         self.merged_steps = 0
-        self.busy_since: float | None = None  # monotonic start of the job running now (health checks)
+        self._launching_since: float | None = None
+        self._copy_waiting_since: float | None = None
         self._thread.start()
 
-    def bind(self, execute: Callable[[StepPlan], SamplerOutput]) -> None:
-        """Set the step function (the model runner's execute) once it was built on this thread."""
-        self._execute = execute
+    @property
+    def busy_since(self) -> float | None:
+        """Monotonic start of the oldest device work still running (health checks)."""
+        times = [t for t in (self._launching_since, self._copy_waiting_since) if t is not None]
+        return min(times, default=None)
+
+    def bind(self, launch: Launch) -> None:
+        """Set the step function (the model runner's launch) once it was built on this thread."""
+        self._launch = launch
 
     async def call(self, function: Callable[[], T]) -> T:
         """Run any function on the device thread (model loading, cache setup)."""
@@ -61,15 +93,37 @@ class DeviceExecutor:
         self._jobs.put(_Call(function, future, loop))
         return await future
 
-    async def submit(self, plan: StepPlan) -> SamplerOutput:
+    def launch(self, plan: StepPlan, lane: str) -> LaunchedStep:
+        """Queue a step; returns at once. Plans queued together run as one forward."""
         loop = asyncio.get_running_loop()
-        future: asyncio.Future[SamplerOutput] = loop.create_future()
-        self._jobs.put(_Step(plan, future, loop))
-        return await future
+        step = LaunchedStep(plan, lane, loop.create_future(), loop)
+        self._jobs.put(step)
+        return step
+
+    async def fetch(self, step: LaunchedStep) -> SamplerOutput:
+        """The launched step's host results; waits for the device to finish that step only."""
+        sample, first_row = await step.launched
+        if sample.is_ready():
+            host = sample.to_host()
+        else:
+            host = await step.loop.run_in_executor(self._copy_waiter, self._wait_for_copy, sample)
+        return slice_output(host, first_row, first_row + step.plan.num_rows)
+
+    async def submit(self, plan: StepPlan, lane: str = "default") -> SamplerOutput:
+        """Launch and wait: a step with nothing to overlap."""
+        return await self.fetch(self.launch(plan, lane))
 
     def shutdown(self) -> None:
         self._jobs.put(_STOP)
         self._thread.join(timeout=30)
+        self._copy_waiter.shutdown(wait=False)
+
+    def _wait_for_copy(self, sample: LaunchedSample) -> SamplerOutput:
+        self._copy_waiting_since = time.monotonic()
+        try:
+            return sample.to_host()
+        finally:
+            self._copy_waiting_since = None
 
     def _loop(self) -> None:
         pending: list[object] = []
@@ -77,49 +131,55 @@ class DeviceExecutor:
             job = pending.pop(0) if pending else self._jobs.get()
             if job is _STOP:
                 return
-            self.busy_since = time.monotonic()
+            self._launching_since = time.monotonic()
             if isinstance(job, _Call):
-                self._run_call(job)
-                self.busy_since = None
-                continue
-            steps = [job]
-            while True:  # take every plan already waiting: they run as one forward
-                try:
-                    more = self._jobs.get_nowait()
-                except queue.Empty:
-                    break
-                if isinstance(more, _Step):
-                    steps.append(more)
-                else:
-                    pending.append(more)
-                    break
-            self._run_steps(steps)  # type: ignore[arg-type]
-            self.busy_since = None
+                _settle(job.loop, job.future, job.function)
+            else:
+                steps = [job]
+                while True:  # take every launch already waiting: they run as one forward
+                    try:
+                        more = self._jobs.get_nowait()
+                    except queue.Empty:
+                        break
+                    if isinstance(more, LaunchedStep) and all(s.lane != more.lane for s in steps):
+                        steps.append(more)  # (a stage's next step may feed on this one: never merged)
+                    else:
+                        pending.append(more)
+                        break
+                self._launch_merged(steps)  # type: ignore[arg-type]
+            self._launching_since = None
 
-    @staticmethod
-    def _run_call(job: _Call) -> None:
+    def _launch_merged(self, steps: list[LaunchedStep]) -> None:
         try:
-            result = job.function()
-        except BaseException as exc:
-            job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
-        else:
-            job.loop.call_soon_threadsafe(_set_result, job.future, result)
-
-    def _run_steps(self, jobs: list[_Step]) -> None:
-        plans = [job.plan for job in jobs]
-        try:
-            if self._execute is None:
+            if self._launch is None:
                 raise RuntimeError("the device executor has no model bound")
-            output = self._execute(merge_plans(plans))
-            parts = split_output(output, plans)
-        except BaseException as exc:  # delivered to every waiting stage, never lost in the thread
-            for job in jobs:
-                job.loop.call_soon_threadsafe(_set_exception, job.future, exc)
+            fed = [s.lane for s in steps if any(c.previous_row >= 0 for c in s.plan.chunks)]
+            if len(fed) > 1:
+                raise RuntimeError(f"several stages feed from their previous steps in one forward: {fed}")
+            previous = self._lane_tokens.get(fed[0]) if fed else None
+            sample = self._launch(merge_plans([s.plan for s in steps]), previous)
+        except BaseException as exc:  # delivered to every fetch of these steps, never lost in the thread
+            for step in steps:
+                self._lane_tokens.pop(step.lane, None)
+                step.loop.call_soon_threadsafe(_set_exception, step.launched, exc)
             return
         self.steps += 1
-        self.merged_steps += len(jobs) > 1
-        for job, part in zip(jobs, parts):
-            job.loop.call_soon_threadsafe(_set_result, job.future, part)
+        self.merged_steps += len(steps) > 1
+        first_row = 0
+        for step in steps:
+            rows = step.plan.num_rows
+            self._lane_tokens[step.lane] = sample.token_ids[first_row : first_row + rows]
+            step.loop.call_soon_threadsafe(_set_result, step.launched, (sample, first_row))
+            first_row += rows
+
+
+def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], function: Callable[[], Any]) -> None:
+    try:
+        result = function()
+    except BaseException as exc:
+        loop.call_soon_threadsafe(_set_exception, future, exc)
+    else:
+        loop.call_soon_threadsafe(_set_result, future, result)
 
 
 def _set_result(future: asyncio.Future[Any], value: Any) -> None:

@@ -66,7 +66,7 @@ def apply_min_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
     if batch.suppress_index is None:
         return logits
     rows, cols = batch.suppress_index
-    return logits.index_put_((rows, cols), torch.tensor(NEG_INF, device=logits.device))
+    return logits.index_put_((rows, cols), torch.full((), NEG_INF, device=logits.device))
 
 
 def apply_temperature(logits: Tensor, batch: SamplingBatch) -> Tensor:

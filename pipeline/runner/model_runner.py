@@ -10,9 +10,10 @@ import torch
 import ext
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
 from pipeline.runner.cuda_graphs import DecodeGraphs
-from pipeline.runner.sampler import Sampler, SamplerOutput
+from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
 from pipeline.runner.sampling_batch import SamplingBatch
 from pipeline.runner.step_plan import StepPlan
+from pipeline.runner.token_feed import TokenFeed
 
 _step_inputs = ext.load("step_inputs")
 
@@ -21,8 +22,9 @@ def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_
     return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
-def empty_output() -> SamplerOutput:
-    return SamplerOutput(token_ids=np.empty(0, dtype=np.int64), logprobs=None, top_ids=None, top_logprobs=None)
+def empty_sample(device: torch.device) -> DeviceSample:
+    return DeviceSample(torch.empty(0, dtype=torch.int64, device=device),
+                        torch.empty(0, 1, dtype=torch.float64, device=device), 0, np.empty(0, dtype=np.int64), False)
 
 
 class ModelRunner:
@@ -103,11 +105,20 @@ class ModelRunner:
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    max_model_len=max_model_len, num_kv_heads=self.kv_shape[1], device=self.device)
 
-    @torch.inference_mode()
     def execute(self, plan: StepPlan) -> SamplerOutput:
+        """Run a step and wait for its results (tests and tools; the engine launches and fetches apart)."""
+        return self.launch(plan).to_host()
+
+    @torch.inference_mode()
+    def launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> DeviceSample:
+        """Queue a step on the device and return at once; its results arrive with `to_host()`.
+
+        `previous_tokens` are the device token ids of the previous step of the stage that planned
+        this one, for chunks that name theirs by row (`previous_row`).
+        """
         chunks = plan.chunks
         if not chunks:
-            return empty_output()
+            return empty_sample(self.device)
         input_ids, positions, slots, qsl, seq_lens, tables = _step_inputs.build_step_inputs(
             [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], self.block_size
         )
@@ -115,11 +126,12 @@ class ModelRunner:
         # Sampling inputs go to the device before the forward is launched: their small copies then
         # never wait behind the step's kernels (on CUDA a pageable copy blocks the host until it lands).
         batch = SamplingBatch.from_rows(rows, self.vocab_size, self.device) if rows else None
+        feed = TokenFeed.for_chunks(chunks, qsl, previous_tokens)
         decode_only = len(input_ids) == len(chunks)
         if (self.graphs is not None and decode_only and len(rows) == len(chunks)
                 and self.graphs.fits(len(chunks), tables.shape[1])):
-            logits = self.graphs.run(input_ids, positions, slots, seq_lens, tables)
-            return self.sampler(logits, batch)
+            logits = self.graphs.run(input_ids, positions, slots, seq_lens, tables, feed)
+            return self.sampler.sample(logits, batch)
         qsl_host = qsl.tolist()
         lens_host = seq_lens.tolist()
         query_lens = [qsl_host[i + 1] - qsl_host[i] for i in range(len(chunks))]
@@ -136,10 +148,15 @@ class ModelRunner:
         )
         last_index = self._to_device(np.asarray([qsl_host[i + 1] - 1 for i, c in enumerate(chunks) for _ in c.rows],
                                                 dtype=np.int64))
-        hidden = self.model(self._to_device(input_ids), self._to_device(positions), self.kv_caches, meta)
+        ids = self._to_device(input_ids)
+        if feed is not None:
+            if not ids.is_cuda:
+                ids = ids.clone()  # a view of the plan's host array on CPU; do not write into it
+            feed.apply(ids)
+        hidden = self.model(ids, self._to_device(positions), self.kv_caches, meta)
         if batch is None:
-            return empty_output()
-        return self.sampler(self.model.compute_logits(hidden[last_index]), batch)
+            return empty_sample(self.device)
+        return self.sampler.sample(self.model.compute_logits(hidden[last_index]), batch)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

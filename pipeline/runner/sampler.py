@@ -77,27 +77,51 @@ class SamplerOutput:
         return TokenLogprob(int(self.token_ids[row]), float(self.logprobs[row]), top)
 
 
-@dataclass(slots=True)
 class DeviceSample:
-    """A step's results still on the device: the runner can feed `token_ids` to the next step's
-    launch before paying for `to_host` (overlap scheduling)."""
+    """A step's results, still on the device. Creating it starts the step's single device->host
+    copy (into pinned memory, behind the step's kernels); `to_host()` waits for that copy alone.
+    Meanwhile `token_ids` can feed the next step's launch (one step ahead)."""
 
-    token_ids: Tensor  # int64 [S], on the device
-    packed: Tensor  # float64 [S, 1 (+1 +2K)]: token, chosen logprob, top ids, top logprobs (exact in f64)
-    num_top: int  # K
-    num_logprobs: np.ndarray
-    has_logprobs: bool
+    __slots__ = ("token_ids", "_host", "_ready", "num_top", "num_logprobs", "has_logprobs", "_output")
+
+    def __init__(self, token_ids: Tensor, packed: Tensor, num_top: int, num_logprobs: np.ndarray,
+                 has_logprobs: bool) -> None:
+        self.token_ids = token_ids  # int64 [S], on the device
+        # packed: float64 [S, 1 (+1 +2K)]: token, chosen logprob, top ids, top logprobs (exact in f64)
+        self._ready: torch.cuda.Event | None = None
+        if packed.is_cuda:
+            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
+            self._host.copy_(packed, non_blocking=True)
+            self._ready = torch.cuda.Event()
+            self._ready.record()
+        else:
+            self._host = packed
+        self.num_top = num_top  # K
+        self.num_logprobs = num_logprobs
+        self.has_logprobs = has_logprobs
+        self._output: SamplerOutput | None = None
+
+    def is_ready(self) -> bool:
+        """True when `to_host()` would not wait for the device."""
+        return self._output is not None or self._ready is None or self._ready.query()
 
     def to_host(self) -> SamplerOutput:
-        """The step's single device->host copy."""
-        host = self.packed.cpu().numpy()
+        """Wait for the step's copy and unpack it (once; later calls return the same output)."""
+        if self._output is not None:
+            return self._output
+        if self._ready is not None:
+            self._ready.synchronize()
+        host = self._host.numpy()
         token_ids = host[:, 0].astype(np.int64)
         if not self.has_logprobs:
-            return SamplerOutput(token_ids, None, None, None, self.num_logprobs)
+            self._output = SamplerOutput(token_ids, None, None, None, self.num_logprobs)
+            return self._output
         k = self.num_top
         top_ids = host[:, 2 : 2 + k].astype(np.int64) if k else None
         top_logprobs = host[:, 2 + k : 2 + 2 * k].astype(np.float32) if k else None
-        return SamplerOutput(token_ids, host[:, 1].astype(np.float32), top_ids, top_logprobs, self.num_logprobs)
+        self._output = SamplerOutput(token_ids, host[:, 1].astype(np.float32), top_ids, top_logprobs,
+                                     self.num_logprobs)
+        return self._output
 
 
 def pick_tokens(processed: Tensor, batch: SamplingBatch) -> Tensor:

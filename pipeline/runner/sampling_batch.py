@@ -38,6 +38,14 @@ def rng_key(seed: int, counter: int) -> int:
     return _splitmix64(_splitmix64(seed & _MASK64) ^ (counter & _MASK64))
 
 
+def depends_on_output_tokens(params: SamplingParams, num_output_tokens: int) -> bool:
+    """Whether a sequence's next row reads the values of its earlier outputs (penalties) or its exact
+    output count (min_tokens still holding eos back), so its previous token must reach the host
+    before the next step is planned."""
+    return (params.repetition_penalty not in (None, 1.0) or bool(params.presence_penalty)
+            or bool(params.frequency_penalty) or num_output_tokens < params.min_tokens)
+
+
 @dataclass(slots=True)
 class SamplingRow:
     """One token to pick for one sequence."""
@@ -161,58 +169,95 @@ class SamplingBatch:
             if p.logprobs is not None:
                 num_logprobs[i] = p.logprobs
 
-        def f32(values: list[float]) -> Tensor:
-            return torch.tensor(values, dtype=torch.float32, device=device)
+        upload = _Upload(device)
+        upload.f32(temperature=temperature, top_p=top_p, min_p=min_p, repetition_penalty=rep,
+                   presence_penalty=presence, frequency_penalty=frequency, bias_values=[b[2] for b in bias])
+        upload.i64(random_rows=random_rows, rng_keys=[half for key in rng_keys for half in key], top_k=top_k,
+                   top_k_rows=top_k_rows, top_p_rows=top_p_rows,
+                   bias_index=[b[j] for j in range(2) for b in bias],
+                   suppress_index=[s[j] for j in range(2) for s in suppress],
+                   seen_ids=_flat_token_ids(seen_ids, vocab), counted_ids=_flat_token_ids(counted_ids, vocab))
+        on_device = upload.send()
 
-        def i64(values: Sequence[int] | Sequence[Sequence[int]]) -> Tensor:
-            return torch.tensor(values, dtype=torch.int64, device=device)
-
-        def subset(indices: list[int]) -> Tensor | None:
-            return None if len(indices) == num_rows else i64(indices)
+        def subset(name: str, indices: list[int]) -> Tensor | None:
+            return None if len(indices) == num_rows else on_device[name]
 
         any_top_p = bool(top_p_rows)
         return cls(
             num_rows=num_rows,
             vocab_size=vocab,
             device=torch.device(device),
-            temperature=f32(temperature),
+            temperature=on_device["temperature"],
             any_temperature=any(t != 1.0 for t in temperature),
-            random_rows=i64(random_rows),
-            rng_keys=i64(rng_keys).view(-1, 2),
+            random_rows=on_device["random_rows"],
+            rng_keys=on_device["rng_keys"].view(-1, 2),
             num_random=len(random_rows),
-            top_k=i64(top_k),
-            top_k_rows=subset(top_k_rows),
+            top_k=on_device["top_k"],
+            top_k_rows=subset("top_k_rows", top_k_rows),
             top_k_max=max(top_k, default=0),
-            top_p=f32(top_p),
-            top_p_rows=subset(top_p_rows),
+            top_p=on_device["top_p"],
+            top_p_rows=subset("top_p_rows", top_p_rows),
             any_top_p=any_top_p,
             top_p_sort_k=max(top_p_sort_k) if any_top_p and min(top_p_sort_k) > 0 else 0,
-            min_p=f32(min_p),
+            min_p=on_device["min_p"],
             any_min_p=any(min_p),
-            repetition_penalty=f32(rep),
-            presence_penalty=f32(presence),
-            frequency_penalty=f32(frequency),
-            seen_mask=_token_counts(seen_ids, num_rows, vocab, device) > 0 if seen_ids else None,
-            output_counts=_token_counts(counted_ids, num_rows, vocab, device) if counted_ids else None,
-            bias_index=i64([b[:2] for b in bias]).T if bias else None,
-            bias_values=f32([b[2] for b in bias]) if bias else None,
-            suppress_index=i64(suppress).T if suppress else None,
+            repetition_penalty=on_device["repetition_penalty"],
+            presence_penalty=on_device["presence_penalty"],
+            frequency_penalty=on_device["frequency_penalty"],
+            seen_mask=_token_counts(on_device["seen_ids"], num_rows, vocab) > 0 if seen_ids else None,
+            output_counts=_token_counts(on_device["counted_ids"], num_rows, vocab) if counted_ids else None,
+            bias_index=on_device["bias_index"].view(2, -1) if bias else None,
+            bias_values=on_device["bias_values"] if bias else None,
+            suppress_index=on_device["suppress_index"].view(2, -1) if suppress else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
         )
 
 
-def _token_counts(
-    ids_by_row: list[tuple[int, Sequence[int]]], num_rows: int, vocab_size: int, device: torch.device
-) -> Tensor:
-    """[S, V] float32 occurrence counts: one scatter_add over all ids shifted by row * V.
+class _Upload:
+    """A step's small host arrays, sent as one float32 and one int64 buffer: one non-blocking copy
+    each (from pinned memory on CUDA), then named views of the device buffers.
+
+    A pageable `torch.tensor(..., device="cuda")` would block the host until the stream drains,
+    which defeats launching a step while the previous one still runs.
+    """
+
+    def __init__(self, device: torch.device | str) -> None:
+        self.device = torch.device(device)
+        self._parts: dict[type, dict[str, np.ndarray]] = {np.float32: {}, np.int64: {}}
+
+    def f32(self, **arrays: Sequence[float] | np.ndarray) -> None:
+        self._parts[np.float32].update({k: np.asarray(v, dtype=np.float32) for k, v in arrays.items()})
+
+    def i64(self, **arrays: Sequence[int] | np.ndarray) -> None:
+        self._parts[np.int64].update({k: np.asarray(v, dtype=np.int64) for k, v in arrays.items()})
+
+    def send(self) -> dict[str, Tensor]:
+        views: dict[str, Tensor] = {}
+        for arrays in self._parts.values():
+            host = torch.from_numpy(np.concatenate(list(arrays.values())))
+            if self.device.type == "cuda":
+                host = host.pin_memory()
+            buffer = host.to(self.device, non_blocking=True)
+            start = 0
+            for name, values in arrays.items():
+                views[name] = buffer[start : start + len(values)]
+                start += len(values)
+        return views
+
+
+def _flat_token_ids(ids_by_row: list[tuple[int, Sequence[int]]], vocab_size: int) -> np.ndarray:
+    """Every row's ids shifted by row * V, so one scatter counts them all."""
+    parts = [np.asarray(ids, dtype=np.int64) + row * vocab_size for row, ids in ids_by_row if len(ids)]
+    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+
+
+def _token_counts(flat_ids: Tensor, num_rows: int, vocab_size: int) -> Tensor:
+    """[S, V] float32 occurrence counts from ids already shifted by row * V (one scatter_add).
 
     Rebuilt each step from the token lists; a device-resident buffer updated incrementally is the
     next step if profiling shows this on long prompts.
     """
-    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=device)
-    parts = [np.asarray(ids, dtype=np.int64) + row * vocab_size for row, ids in ids_by_row if len(ids)]
-    if parts:
-        flat = torch.from_numpy(np.concatenate(parts)).to(device)
-        counts.scatter_add_(0, flat, torch.ones(flat.shape, dtype=torch.float32, device=device))
+    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=flat_ids.device)
+    counts.scatter_add_(0, flat_ids, torch.ones(flat_ids.shape, dtype=torch.float32, device=flat_ids.device))
     return counts.view(num_rows, vocab_size)

@@ -1,7 +1,8 @@
 """What a stage asks the device to do in one step, and what comes back.
 
 A plan is a snapshot: the stage copies block ids and tokens into it, so the executor thread never
-reads state that the event loop may change while the step runs. Plans from several stages that are
+reads state that the event loop may change while the step runs. A decode chunk may name its token
+by the row that sampled it in the stage's previous step, when that step is still in flight. Plans from several stages that are
 waiting at the same time are concatenated into one forward (a mixed prefill + decode step).
 """
 from __future__ import annotations
@@ -20,6 +21,9 @@ class ScheduledChunk:
     start_pos: int  # position of token_ids[0]; K/V of positions < start_pos are already cached
     block_ids: list[int]  # covers start_pos + len(token_ids) tokens
     rows: list[SamplingRow]  # tokens to pick from the chunk's last position (0, 1 or n)
+    # >= 0: the chunk's one token is still on the device, sampled in row `previous_row` of the
+    # previous step its stage launched (token_ids holds a placeholder). One step ahead.
+    previous_row: int = -1
 
 
 @dataclass(slots=True)
@@ -39,17 +43,6 @@ def merge_plans(plans: list[StepPlan]) -> StepPlan:
     return StepPlan([chunk for plan in plans for chunk in plan.chunks])
 
 
-def split_output(output: SamplerOutput, plans: list[StepPlan]) -> list[SamplerOutput]:
-    """Hand each merged plan back the rows it asked for, in order."""
-    parts: list[SamplerOutput] = []
-    start = 0
-    for plan in plans:
-        stop = start + plan.num_rows
-        parts.append(slice_output(output, start, stop))
-        start = stop
-    return parts
-
-
 def slice_output(output: SamplerOutput, start: int, stop: int) -> SamplerOutput:
     def cut(array: np.ndarray | None) -> np.ndarray | None:
         return None if array is None else array[start:stop]
@@ -59,4 +52,5 @@ def slice_output(output: SamplerOutput, start: int, stop: int) -> SamplerOutput:
         logprobs=cut(output.logprobs),
         top_ids=cut(output.top_ids),
         top_logprobs=cut(output.top_logprobs),
+        num_logprobs=cut(output.num_logprobs),
     )

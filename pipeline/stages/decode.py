@@ -1,14 +1,27 @@
 """The decode stage: the continuous batch. Every running sequence advances one token per step.
 
-Steps run back to back while anything runs. Before each step it applies cancellations (the
-sequence ends and frees its blocks at once; stopping is never just hiding output) and makes room
-for every sequence's next token, preempting the latest arrival back to prefill when blocks run out.
+Steps run back to back while anything runs, one step ahead: step N+1 is launched before the host
+reads step N's tokens, feeding them to N+1 on the device, so the host's bookkeeping (and the
+detokenizer's, and the streams') hides behind the device's work. A sequence that turns out to end
+at step N wasted one row of step N+1; that row is dropped when it arrives. Requests whose next
+token depends on the values of earlier ones on the host (penalties, min_tokens still pending)
+make the stage wait for step N before launching N+1.
+
+Before each launch it applies cancellations (the sequence ends and frees its blocks at once;
+stopping is never just hiding output) and makes room for every sequence's next token, preempting
+the latest arrival back to prefill when blocks run out (after waiting for the step in flight).
+Freeing blocks a launched step still writes is safe: every later use of a block is a later step on
+the same device stream.
 """
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 
 from pipeline.messages import StepTokensBuilder
+from pipeline.runner.executor import LaunchedStep
+from pipeline.runner.sampler import SamplerOutput
+from pipeline.runner.sampling_batch import depends_on_output_tokens
 from pipeline.runner.step_plan import ScheduledChunk, StepPlan
 from pipeline.scheduler import blocks_to_grow, decode_victim
 from pipeline.sequence import Sequence
@@ -16,27 +29,55 @@ from pipeline.stage import Stage
 from pipeline.stages.device_stage import DeviceStage
 
 
+@dataclass(slots=True)
+class InFlightStep:
+    """A launched step whose tokens the host has not read yet."""
+
+    batch: list[Sequence]  # row i sampled batch[i]'s next token
+    step: LaunchedStep
+    launched_at: float
+    rows: dict[int, int]  # seq_id -> row
+
+    def row_of(self, seq: Sequence) -> int:
+        return self.rows.get(seq.seq_id, -1)
+
+
 class DecodeStage(DeviceStage):
     name = "decode"
 
-    def __init__(self, inbox_size: int, **resources) -> None:
+    def __init__(self, inbox_size: int, *, run_ahead: bool = True, **resources) -> None:
         super().__init__(inbox_size, **resources)
         self.running: list[Sequence] = []
         self.prefill: Stage | None = None  # where preempted sequences go; wired by the engine
+        self.run_ahead = run_ahead
         self.preemptions = 0
+        self.steps_ahead = 0  # steps launched while the previous one was still in flight
+        self.in_flight: InFlightStep | None = None  # the launched step whose tokens are unread
 
     async def run(self) -> None:
         while True:
-            if not self.running:
+            in_flight = self.in_flight
+            if not self.running and in_flight is None:
                 self.running.append(await self.receive())
             self.running.extend(self.receive_ready())
             events = StepTokensBuilder()
+            output: SamplerOutput | None = None
             self._reap_cancelled(events)
-            await self._make_room()
-            if not self.running:
-                await self.emit(events)
-                continue
-            await self._step(events)
+            if in_flight is not None and not self._can_run_ahead(in_flight):
+                output = await self._complete(in_flight, events)
+                in_flight = None
+            launched: InFlightStep | None = None
+            if self.running:
+                if not await self._make_room(in_flight):  # waiting for the step in flight freed nothing
+                    assert in_flight is not None
+                    output = await self._complete(in_flight, events)
+                    in_flight = None
+                    await self._make_room(None)
+                launched = self._launch(in_flight)
+            if in_flight is not None:
+                output = await self._complete(in_flight, events)
+            self.in_flight = launched
+            await self.emit(events, output)
 
     def _reap_cancelled(self, events: StepTokensBuilder) -> None:
         keep: list[Sequence] = []
@@ -48,20 +89,47 @@ class DecodeStage(DeviceStage):
                 self.finish(seq, reason, events)
         self.running = keep
 
-    async def _make_room(self) -> None:
-        """Give every running sequence the blocks its next tokens need, preempting if necessary."""
+    def _can_run_ahead(self, in_flight: InFlightStep) -> bool:
+        return self.run_ahead and not any(
+            depends_on_output_tokens(seq.request.params, seq.num_output_tokens) for seq in self.running)
+
+    @staticmethod
+    def _ends_in_flight(seq: Sequence, in_flight: InFlightStep | None) -> bool:
+        """The step in flight surely ends this sequence (its length limit): nothing to launch for it."""
+        return (in_flight is not None and in_flight.row_of(seq) >= 0
+                and len(seq.token_ids) + 1 >= seq.request.max_total_tokens)
+
+    async def _make_room(self, in_flight: InFlightStep | None) -> bool:
+        """Give every running sequence the blocks its next token needs, preempting if necessary.
+
+        With a step in flight it only allocates when everything fits; otherwise it returns False
+        and the caller waits for that step first (its finished sequences may free enough).
+        """
         block_size = self.pool.block_size
+
+        def needed(seq: Sequence) -> int:
+            ahead = 1 if in_flight is not None and in_flight.row_of(seq) >= 0 else 0
+            return 0 if self._ends_in_flight(seq, in_flight) else blocks_to_grow(seq, block_size, ahead)
+
+        if in_flight is not None:
+            wants = [(seq, needed(seq)) for seq in self.running]
+            if sum(n for _, n in wants) > self.pool.num_free:
+                return False
+            for seq, n in wants:
+                if n:
+                    seq.block_ids.extend(self.pool.allocate(n))
+            return True
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq not in self.running:
                 continue  # preempted below while making room for an earlier arrival
-            needed = blocks_to_grow(seq, block_size)
-            while needed > self.pool.num_free:
+            while needed(seq) > self.pool.num_free:
                 victim = decode_victim(self.running)
                 await self._preempt(victim)
                 if victim is seq:
                     break
-            if seq in self.running and needed:
-                seq.block_ids.extend(self.pool.allocate(needed))
+            if seq in self.running and needed(seq):
+                seq.block_ids.extend(self.pool.allocate(needed(seq)))
+        return True
 
     async def _preempt(self, seq: Sequence) -> None:
         """Recompute later: drop the KV, keep the tokens and the seat, go back to prefill."""
@@ -73,25 +141,37 @@ class DecodeStage(DeviceStage):
         assert self.prefill is not None
         await self.prefill.put(seq)
 
-    async def _step(self, events: StepTokensBuilder) -> None:
-        started = time.monotonic()
-        batch = self.running
-        plan = StepPlan([
-            ScheduledChunk(
-                token_ids=seq.token_ids[seq.num_computed:],
-                start_pos=seq.num_computed,
-                block_ids=list(seq.block_ids),
-                rows=[self.sampling_row(seq)],
-            )
-            for seq in batch
-        ])
-        output = await self.executor.submit(plan)
+    def _launch(self, in_flight: InFlightStep | None) -> InFlightStep | None:
+        batch: list[Sequence] = []
+        chunks: list[ScheduledChunk] = []
+        for seq in self.running:
+            if self._ends_in_flight(seq, in_flight):
+                continue
+            row = in_flight.row_of(seq) if in_flight is not None else -1
+            if row >= 0:  # its token is still on the device: feed it from there
+                chunk = ScheduledChunk([0], len(seq.token_ids), list(seq.block_ids),
+                                       [self.sampling_row(seq, ahead=1)], previous_row=row)
+            else:
+                chunk = ScheduledChunk(seq.token_ids[seq.num_computed:], seq.num_computed,
+                                       list(seq.block_ids), [self.sampling_row(seq)])
+            batch.append(seq)
+            chunks.append(chunk)
+        if not batch:
+            return None
+        self.steps_ahead += in_flight is not None
+        step = self.executor.launch(StepPlan(chunks), lane=self.name)
+        return InFlightStep(batch, step, time.monotonic(), {seq.seq_id: i for i, seq in enumerate(batch)})
+
+    async def _complete(self, in_flight: InFlightStep, events: StepTokensBuilder) -> SamplerOutput:
+        """Read a step's tokens and record them; rows of sequences that ended meanwhile are dropped."""
+        output = await self.executor.fetch(in_flight.step)
         tokens = output.token_ids.tolist()
-        still_running: list[Sequence] = []
-        for row, seq in enumerate(batch):
-            seq.num_computed = len(seq.token_ids)
-            if self.record_token(seq, tokens[row], row, events):
-                still_running.append(seq)
-        self.running = still_running
-        self.record(started, len(batch), len(batch))
-        await self.emit(events, output)
+        for row, seq in enumerate(in_flight.batch):
+            if seq.finish_reason is not None:
+                continue  # ended by the previous step or cancelled while this one ran
+            seq.num_computed += 1
+            self.record_token(seq, tokens[row], row, events)
+        self.running = [seq for seq in self.running if seq.finish_reason is None]
+        batch_size = len(in_flight.batch)
+        self.record(in_flight.launched_at, batch_size, batch_size)
+        return output

@@ -30,7 +30,8 @@ class DeviceStage(Stage):
         self.detokenize = detokenize
 
     @staticmethod
-    def sampling_row(seq: Sequence, seed: int | None = None) -> SamplingRow:
+    def sampling_row(seq: Sequence, seed: int | None = None, ahead: int = 0) -> SamplingRow:
+        """The row that picks the sequence's next token; `ahead` tokens are still on the device."""
         request = seq.request
         return SamplingRow(
             params=request.params,
@@ -38,7 +39,7 @@ class DeviceStage(Stage):
             output_token_ids=seq.output_token_ids,
             eos_token_ids=request.eos_token_ids,
             seed=seq.seed if seed is None else seed,
-            counter=seq.num_output_tokens,
+            counter=seq.num_output_tokens + ahead,
         )
 
     def release(self, seq: Sequence) -> None:

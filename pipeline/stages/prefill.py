@@ -133,7 +133,7 @@ class PrefillStage(DeviceStage):
                         for i in range(seq.num_samples)]
             chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed,
                                          list(seq.block_ids), rows))
-        output = await self.executor.submit(StepPlan(chunks))
+        output = await self.executor.submit(StepPlan(chunks), lane=self.name)
         tokens = output.token_ids.tolist()
         events = StepTokensBuilder()
         ready: list[Sequence] = []

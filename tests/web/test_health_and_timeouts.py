@@ -30,11 +30,11 @@ def test_health_fails_when_a_device_step_hangs(tiny_model_dir):
     with LiveServer(tiny_model_dir, wedged_step_s=5.0) as live:
         assert live.get_json("/health") == {"status": "ok"}
         executor = live.engine.executor
-        executor.busy_since = time.monotonic() - 60  # as if the current step had run for a minute
+        executor._launching_since = time.monotonic() - 60  # as if the current launch had run for a minute
         try:
             status, body = fetch_health(live.url)
         finally:
-            executor.busy_since = None
+            executor._launching_since = None
     assert status == 503 and "device step" in body["status"]
 
 

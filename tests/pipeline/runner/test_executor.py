@@ -1,9 +1,11 @@
-"""The device executor merges plans that wait together into one forward and routes rows back."""
+"""The device executor merges launches that wait together into one forward, routes rows back,
+never merges a stage's step with its own next step, and hands a stage its previous step's tokens."""
 import asyncio
 import threading
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.runner.sampler import SamplerOutput
@@ -11,31 +13,41 @@ from pipeline.runner.step_plan import ScheduledChunk, StepPlan
 from tests.conftest import run_async
 
 
-def plan_with(tag: int, rows: int) -> StepPlan:
-    return StepPlan([ScheduledChunk([tag], 0, [1], [tag] * rows)])  # rows stand in for SamplingRows
+class FakeSample:
+    def __init__(self, tokens: list[int]) -> None:
+        self.token_ids = torch.tensor(tokens, dtype=torch.int64)
+
+    def is_ready(self) -> bool:
+        return False  # exercise the copy-waiter path
+
+    def to_host(self) -> SamplerOutput:
+        return SamplerOutput(token_ids=self.token_ids.numpy(), logprobs=None, top_ids=None, top_logprobs=None)
+
+
+def plan_with(tag: int, rows: int, previous_row: int = -1) -> StepPlan:
+    # rows stand in for SamplingRows; the fake device "samples" each row's tag
+    return StepPlan([ScheduledChunk([tag], 0, [1], [tag] * rows, previous_row=previous_row)])
 
 
 def test_plans_waiting_together_run_as_one_step_and_get_their_own_rows():
     gate = threading.Event()
     seen: list[list[int]] = []
 
-    def execute(plan: StepPlan) -> SamplerOutput:
+    def launch(plan: StepPlan, previous):
         gate.wait()
         seen.append([c.token_ids[0] for c in plan.chunks])
-        rows = [row for c in plan.chunks for row in c.rows]
-        return SamplerOutput(token_ids=np.asarray(rows, dtype=np.int64), logprobs=None, top_ids=None,
-                             top_logprobs=None)
+        return FakeSample([row for c in plan.chunks for row in c.rows])
 
     async def main():
-        executor = DeviceExecutor(execute)
+        executor = DeviceExecutor(launch)
         try:
-            first = asyncio.ensure_future(executor.submit(plan_with(1, 1)))
-            await asyncio.sleep(0)  # let it reach the (blocked) device thread
-            second = asyncio.ensure_future(executor.submit(plan_with(2, 2)))
-            third = asyncio.ensure_future(executor.submit(plan_with(3, 0)))
+            first = executor.launch(plan_with(1, 1), lane="a")
             await asyncio.sleep(0)
+            second = executor.launch(plan_with(2, 2), lane="b")
+            third = executor.launch(plan_with(3, 0), lane="c")
             gate.set()
-            return [f.token_ids.tolist() for f in await asyncio.gather(first, second, third)], executor
+            outputs = await asyncio.gather(*(executor.fetch(s) for s in (first, second, third)))
+            return [o.token_ids.tolist() for o in outputs], executor
         finally:
             await asyncio.to_thread(executor.shutdown)
 
@@ -46,16 +58,65 @@ def test_plans_waiting_together_run_as_one_step_and_get_their_own_rows():
     assert executor.steps == len(seen)
 
 
-def test_a_failing_step_fails_every_waiting_stage():
-    def execute(plan: StepPlan) -> SamplerOutput:
+def test_a_stage_next_step_is_never_merged_and_feeds_on_the_previous_tokens():
+    gate = threading.Event()
+    launches: list[tuple[list[int], list[int] | None]] = []
+
+    def launch(plan: StepPlan, previous):
+        gate.wait()
+        launches.append(([c.token_ids[0] for c in plan.chunks], None if previous is None else previous.tolist()))
+        return FakeSample([10 * c.token_ids[0] + i for c in plan.chunks for i, _ in enumerate(c.rows)])
+
+    async def main():
+        executor = DeviceExecutor(launch)
+        try:
+            first = executor.launch(plan_with(1, 2), lane="decode")
+            other = executor.launch(plan_with(5, 1), lane="prefill")
+            second = executor.launch(plan_with(2, 1, previous_row=1), lane="decode")  # queued before any ran
+            gate.set()
+            return [(await executor.fetch(s)).token_ids.tolist() for s in (first, other, second)]
+        finally:
+            await asyncio.to_thread(executor.shutdown)
+
+    outputs = run_async(main())
+    assert outputs == [[10, 11], [50], [20]]
+    assert launches == [([1, 5], None), ([2], [10, 11])]  # decode's tokens, not the merged step's
+
+
+def test_a_failing_launch_fails_every_fetch_of_it():
+    def launch(plan: StepPlan, previous):
         raise RuntimeError("device fell over")
 
     async def main():
-        executor = DeviceExecutor(execute)
+        executor = DeviceExecutor(launch)
         try:
-            with pytest.raises(RuntimeError, match="fell over"):
-                await executor.submit(plan_with(1, 1))
+            steps = [executor.launch(plan_with(1, 1), lane="a"), executor.launch(plan_with(2, 1), lane="b")]
+            for step in steps:
+                with pytest.raises(RuntimeError, match="fell over"):
+                    await executor.fetch(step)
         finally:
             await asyncio.to_thread(executor.shutdown)
 
     run_async(main())
+
+
+def test_feeding_without_a_previous_step_is_an_error():
+    from pipeline.runner.token_feed import TokenFeed
+
+    chunks = plan_with(1, 1, previous_row=0).chunks
+    with pytest.raises(ValueError, match="no previous step"):
+        TokenFeed.for_chunks(chunks, np.asarray([0, 1]), None)
+    with pytest.raises(ValueError, match="row 3"):
+        TokenFeed.for_chunks(plan_with(1, 1, previous_row=3).chunks, np.asarray([0, 1]), torch.zeros(2))
+
+
+@pytest.mark.parametrize("targets,sources", [([0, 1], [0, 1]), ([0, 2], [1, 0])])
+def test_token_feed_writes_the_previous_tokens_into_the_inputs(targets, sources):
+    from pipeline.runner.token_feed import TokenFeed
+
+    ids = torch.tensor([7, 8, 9])
+    TokenFeed(targets, sources, torch.tensor([40, 41])).apply(ids)
+    expected = [7, 8, 9]
+    for t, s in zip(targets, sources):
+        expected[t] = 40 + s
+    assert ids.tolist() == expected
