@@ -31,6 +31,7 @@ from pipeline.engine import Engine  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
 
 from gpu_correctness import correctness  # noqa: E402
+from gpu_steps import step_profile  # noqa: E402
 from gpu_util import T0, free_device, log, num_params, pct, time_ms  # noqa: E402
 
 QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
@@ -40,7 +41,7 @@ QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_si
                 attention_bias=False)
 QUICK = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
-SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "serve", "kernels", "peer")
+SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "steps", "serve", "kernels", "peer")
 
 
 def ceilings(a: argparse.Namespace) -> dict:
@@ -160,6 +161,11 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
                              "frac_of_estimate": est and out / wall / est["output_tok_s"], "kv_blocks": blocks,
                              **{k: after[k] - before[k] for k in ("device_steps", "mixed_steps", "preemptions")}}
             log(f"OFF {out / wall:.0f} output tok/s, {(out + nreq * plen) / wall:.0f} total tok/s in {wall:.1f}s")
+            write(a, report)
+        if "steps" not in a.skip and a.device == "cuda":
+            batches = [1, 4] if a.quick else [1, 16, 64, 256]
+            report["steps"] = await step_profile(engine, batches, 64 if a.quick else 576)
+            log(f"steps: {json.dumps({k: v for k, v in report['steps'].items() if k != 'top_kernels_3_steps'})}")
     finally:
         await engine.shutdown()
         del engine
@@ -314,7 +320,7 @@ def main() -> None:
                                          max(60.0, left()))),
     ]
     for name, fn in steps:
-        if name in a.skip or (name == "b1_off" and {"b1", "off"} <= set(a.skip)):
+        if name in a.skip or (name == "b1_off" and {"b1", "off", "steps"} <= set(a.skip)):
             continue
         if not cuda and name in ("kernels", "peer"):
             report[name] = {"skipped": "needs CUDA"}

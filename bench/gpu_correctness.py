@@ -15,6 +15,7 @@ import torch  # noqa: E402
 from gpu_util import free_device, num_params  # noqa: E402
 
 
+@torch.no_grad()
 def hf_greedy(hf, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor, list[int], torch.Tensor]:
     """transformers: prompt logits [L, V], greedy ids, the [n, V] logits they were taken from."""
     out = hf(input_ids=torch.tensor([prompt], device=device), use_cache=True)
@@ -70,15 +71,13 @@ def compare(ref, ours) -> dict:
             "ref_tokens": rids[:8], "ours_tokens": oids[:8]}
 
 
-def correctness(a: argparse.Namespace, shape: dict) -> dict:
-    """transformers vs ours on the same random weights (8B shape), and the tiny model on CPU vs the device."""
+def hf_vs_ours(a: argparse.Namespace, shape: dict, dtype: torch.dtype, prompt: list[int], n: int) -> dict:
+    """transformers and ours built on the same random weights of `shape`, in `dtype`, compared."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from pipeline.models.config import ModelArchConfig
     from pipeline.models.registry import build_model
-    from tests.model_utils import conveyor_from_hf, make_tiny_hf_model
 
-    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
             "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
             "rms_norm_eps", "bos_token_id", "eos_token_id")
@@ -91,18 +90,28 @@ def correctness(a: argparse.Namespace, shape: dict) -> dict:
         torch.set_default_dtype(torch.float32)
     ours = build_model(ModelArchConfig.from_hf(hf.config.to_dict()), hf.state_dict().items(), dtype=dtype,
                        device=a.device)
-    prompt = random.Random(0).choices(range(100, 150000), k=16 if a.quick else 64)
-    n = 8 if a.quick else 32
-    result = {"hf_vs_ours": compare(hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)),
-              "params_hf": sum(p.numel() for p in hf.parameters()), "params_shape": num_params(shape),
+    result = {**compare(hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)),
+              "params": sum(p.numel() for p in hf.parameters()), "layers": shape["num_hidden_layers"],
               "dtype": str(dtype), "prompt_tokens": len(prompt), "new_tokens": n}
     del hf, ours
     free_device()
+    return result
+
+
+def correctness(a: argparse.Namespace, shape: dict) -> dict:
+    """transformers vs ours on the same random weights (8B shape in bf16; its width at 12 layers in fp32,
+    where rounding cannot hide an error), and the tiny model on CPU vs the device."""
+    from tests.model_utils import conveyor_from_hf, make_tiny_hf_model
+
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    prompt = random.Random(0).choices(range(100, 150000), k=16 if a.quick else 64)
+    n = 8 if a.quick else 32
+    result = {"hf_vs_ours": hf_vs_ours(a, shape, dtype, prompt, n), "params_shape": num_params(shape)}
+    fp32_layers = 2 if a.quick else 12
+    result["hf_vs_ours_fp32"] = hf_vs_ours(a, {**shape, "num_hidden_layers": fp32_layers}, torch.float32, prompt, n)
     tiny = make_tiny_hf_model("qwen3")
     runs = [paged_greedy(conveyor_from_hf(tiny, torch.float32, dev), list(range(100, 130)), 16, dev)
             for dev in ("cpu", a.device)]
     result["tiny_cpu_vs_device_fp32"] = compare([t.cpu() if torch.is_tensor(t) else t for t in runs[0]],
                                                 [t.cpu() if torch.is_tensor(t) else t for t in runs[1]])
     return result
-
-

@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import random
 
+import pytest
+
 from pipeline.engine import Engine
 from pipeline.request import SamplingParams
 from tests.conftest import run_async
@@ -80,3 +82,13 @@ def test_requests_that_read_their_outputs_wait_for_each_token(tiny_model_dir):
         stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests))
         assert ahead == stepwise
         assert stats["decode_steps_ahead"] == 0
+
+
+@pytest.mark.gpu
+def test_run_ahead_equals_step_by_step_on_cuda_with_graphs(tiny_model_dir):
+    requests = mixed_requests(None)
+    cuda = dict(device="cuda", cuda_graphs=True)
+    ahead, stats = run_async(generate_all(tiny_model_dir, True, requests, **cuda))
+    stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests, **cuda))
+    assert ahead == stepwise
+    assert stats["decode_steps_ahead"] > 0
