@@ -15,6 +15,7 @@ from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
+from kernels.triton_qkv_prologue import qkv_prologue_ref, qkv_prologue_triton
 from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
 
 
@@ -49,6 +50,16 @@ def apply_rotary_(
         apply_rotary_triton_(q, k, cos, sin, is_neox_style)
     else:
         apply_rotary_ref_(q, k, cos, sin, is_neox_style)
+
+
+def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
+                 k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool,
+                 kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """q/k norm, rope and the KV write in one launch; see ``kernels/triton_qkv_prologue.py``."""
+    if use_triton(q.device):
+        qkv_prologue_triton(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping)
+    else:
+        qkv_prologue_ref(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -203,7 +203,16 @@ class PagedAttention(nn.Module):
         qkv = self.qkv_proj(x)
         qk_end = self.q_size + self.kv_size
         gpu = dispatch.use_triton(x.device)
-        rotate = dispatch.apply_rotary_ if gpu else _rotate_ref
+        if gpu:  # norms, rope and the KV write in one kernel
+            q = qkv[:, : self.q_size].view(T, H, D)
+            k = qkv[:, self.q_size : qk_end].view(T, KVH, D)
+            v = qkv[:, qk_end:].view(T, KVH, D)
+            norms = (None, None, 0.0) if self.q_norm is None else (
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            dispatch.qkv_prologue(q, k, v, *norms, cos, sin, self.is_neox_style, kv_cache, meta.slot_mapping)
+            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan)
+            return self.o_proj(out.reshape(T, self.q_size))
+        rotate = _rotate_ref
         if self.q_norm is None:
             # q and k are adjacent: one in-place rotation covers both.
             qk = qkv[:, :qk_end].view(T, H + KVH, D)
@@ -214,12 +223,8 @@ class PagedAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : qk_end].view(T, KVH, D))
             rotate(q, k, cos, sin, self.is_neox_style)
         v = qkv[:, qk_end:].view(T, KVH, D)
-        if gpu:
-            dispatch.write_kv(k, v, kv_cache, meta.slot_mapping)
-            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan)
-        else:
-            write_kv_ref(k, v, kv_cache, meta.slot_mapping)
-            out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)
+        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
+        out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)
         return self.o_proj(out.reshape(T, self.q_size))
 
 
