@@ -165,7 +165,8 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
         if "steps" not in a.skip and a.device == "cuda":
             batches = [1, 4] if a.quick else [1, 16, 64, 256]
             report["steps"] = await step_profile(engine, batches, 64 if a.quick else 576)
-            log(f"steps: {json.dumps({k: v for k, v in report['steps'].items() if k != 'top_kernels_3_steps'})}")
+            steps = {k: v for k, v in report['steps'].items() if not k.startswith('top_kernels')}
+            log(f"steps: {json.dumps(steps)}")
     finally:
         await engine.shutdown()
         del engine

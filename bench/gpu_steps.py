@@ -73,17 +73,17 @@ def profile_runner(runner, batches: list[int], context: int, iters: int = 20) ->
             replay_ms = begin.elapsed_time(end) / iters
         results[str(batch)] = {"stepwise_ms": stepwise_ms, "run_ahead_ms": ahead_ms, "graph_replay_ms": replay_ms,
                                "host_launch_ms_p50": float(np.median(host_launch)) * 1e3}
-    batch = batches[-1]
-    plan = decode_plan(batch, context, runner.block_size, fed=False)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(3):
-            runner.launch(plan).to_host()
-    events = [e for e in prof.key_averages() if e.device_time_total > 0]
-    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-    results["top_kernels_3_steps"] = {"batch": batch, "kernels": [
-        {"name": e.key[:90], "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3}
-        for e in events[:15]]}
+    for batch in (batches[0], batches[-1]):
+        plan = decode_plan(batch, context, runner.block_size, fed=False)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                runner.launch(plan).to_host()
+        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        results[f"top_kernels_3_steps_batch{batch}"] = {
+            "total_device_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "kernels": [{"name": e.key[:90], "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3}
+                        for e in events[:20]]}
     results["context"] = context
     return results
 

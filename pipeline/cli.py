@@ -9,7 +9,7 @@ from typing import Any
 
 from pipeline.config import EngineConfig
 from pipeline.errors import AdmissionRefused, InvalidRequest
-from pipeline.request import SamplingParams
+from pipeline.request import RepetitionDetection, SamplingParams
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -27,8 +27,22 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="dummy: random weights from config.json (benchmarks)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--repetition-detection", default="1,64,32", metavar="MIN,MAX,COUNT|off",
+                        help="the default loop guard: end outputs ending in a MIN..MAX-token pattern repeated COUNT "
+                             "times (finish_reason length); requests may override it")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
+
+
+def parse_repetition_detection(text: str) -> RepetitionDetection | None:
+    if text.strip().lower() in ("off", "none", "false", "0"):
+        return None
+    try:
+        detection = RepetitionDetection(*(int(part) for part in text.split(",")))
+        detection.validate()
+    except (TypeError, ValueError) as exc:
+        raise argparse.ArgumentTypeError(f"--repetition-detection {text!r}: {exc}") from None
+    return detection
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
@@ -37,7 +51,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
-                        run_ahead=not args.disable_run_ahead)
+                        run_ahead=not args.disable_run_ahead,
+                        repetition_detection=parse_repetition_detection(args.repetition_detection))
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:

@@ -1,7 +1,9 @@
 """Engine configuration: one flat dataclass that the CLI, the server and tests fill in."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from pipeline.request import RepetitionDetection
 
 
 @dataclass(slots=True)
@@ -23,6 +25,7 @@ class EngineConfig:
     load_format: str = "auto"  # "dummy": random weights built on the device (benchmarks without weight files)
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV pool
     cuda_graphs: bool = True  # CUDA: replay captured graphs for decode steps
+    repetition_detection: RepetitionDetection | None = field(default_factory=RepetitionDetection)  # loop guard
     run_ahead: bool = True  # launch decode step N+1 before reading step N's tokens (overlap scheduling)
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail

@@ -101,6 +101,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         eos_token_ids=eos_token_ids(tokenizer, hf_config, generation_config),
         generation_defaults=generation_defaults(generation_config),
         chat_template=chat_template_override(config.chat_template) or tokenizer.chat_template,
+        repetition_detection=config.repetition_detection,
     )
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device)

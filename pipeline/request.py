@@ -75,6 +75,23 @@ class CancelFlag:
         return self.reason is not None or index in self.children
 
 
+@dataclass(slots=True, frozen=True)
+class RepetitionDetection:
+    """The loop guard: end a response (finish_reason "length") whose output ends in a pattern of
+    min_pattern_size..max_pattern_size tokens repeated min_count times back to back."""
+
+    min_pattern_size: int = 1
+    max_pattern_size: int = 64
+    min_count: int = 32
+
+    def validate(self) -> None:
+        if not 1 <= self.min_pattern_size <= self.max_pattern_size <= 1024:
+            raise ValueError("repetition_detection needs 1 <= min_pattern_size <= max_pattern_size <= 1024, got "
+                             f"{self.min_pattern_size} and {self.max_pattern_size}")
+        if not 2 <= self.min_count <= 100_000:
+            raise ValueError(f"repetition_detection.min_count must be in [2, 100000], got {self.min_count}")
+
+
 @dataclass(slots=True)
 class SamplingParams:
     """Per-request sampling and stopping controls (OpenAI / vLLM semantics).
@@ -101,6 +118,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # None: no logprobs; k >= 0: sampled token + k top alternatives
     skip_special_tokens: bool = True
+    # None: the server's default loop guard; False: off for this request
+    repetition_detection: RepetitionDetection | bool | None = None
 
     def validate(self) -> None:
         """Raise ValueError with a client-facing message for out-of-range values."""
@@ -130,6 +149,11 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if isinstance(self.repetition_detection, RepetitionDetection):
+            self.repetition_detection.validate()
+        elif self.repetition_detection is True:
+            raise ValueError("repetition_detection must be an object with min_pattern_size, max_pattern_size and "
+                             "min_count, or false")
 
 
 @dataclass(slots=True)

@@ -8,9 +8,18 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass, field
 
-from pipeline.request import CANCEL_FINISH_REASON, FinishReason, Request
+import ext
+from pipeline.request import CANCEL_FINISH_REASON, FinishReason, RepetitionDetection, Request
 
 _seq_ids = itertools.count(1)
+RepetitionDetector = ext.load("repetition").RepetitionDetector
+
+
+def new_loop_guard(request: Request) -> RepetitionDetector | None:
+    setting = request.params.repetition_detection
+    if not isinstance(setting, RepetitionDetection):
+        return None
+    return RepetitionDetector(setting.min_pattern_size, setting.max_pattern_size, setting.min_count)
 _MASK63 = (1 << 63) - 1
 
 
@@ -34,6 +43,7 @@ class Sequence:
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     finish_reason: FinishReason | None = None
     preemptions: int = 0
+    loop_guard: RepetitionDetector | None = None  # fed every output token (survives preemption)
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:
@@ -44,6 +54,7 @@ class Sequence:
             token_ids=list(request.prompt_token_ids),
             seed=mix_seed(seed, 0),
             num_samples=request.params.n,
+            loop_guard=new_loop_guard(request),
         )
 
     def fork(self, index: int, shared_blocks: list[int], block_size: int) -> Sequence:
@@ -59,6 +70,7 @@ class Sequence:
             seed=mix_seed(self.request.params.seed or 0, index),
             num_computed=len(shared_blocks) * block_size,
             block_ids=shared_blocks,
+            loop_guard=new_loop_guard(self.request),
         )
 
     @property
@@ -102,4 +114,6 @@ class Sequence:
             return FinishReason.STOP
         if len(self.token_ids) >= self.request.max_total_tokens:
             return FinishReason.LENGTH
+        if self.loop_guard is not None and self.loop_guard.feed(token_id):
+            return FinishReason.LENGTH  # a degenerate loop: end it and free the sequence now
         return None

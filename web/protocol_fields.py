@@ -10,6 +10,7 @@ import re
 
 import orjson
 
+from pipeline.request import RepetitionDetection
 from web.protocol_errors import APIError, bad_request
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
@@ -126,6 +127,28 @@ def read_logit_bias(body: dict) -> dict[int, float] | None:
                               f"for token {key}", "logit_bias")
         bias[int(key)] = float(value)
     return bias
+
+
+def read_repetition_detection(body: dict) -> RepetitionDetection | bool | None:
+    """`repetition_detection`: absent or null = the server's loop guard, false = off, or an object
+    {min_pattern_size, max_pattern_size, min_count} (missing keys take the server defaults)."""
+    value = body.get("repetition_detection")
+    if value is None or value is False:
+        return value
+    if not isinstance(value, dict):
+        raise bad_request("repetition_detection must be an object or false, got " + show(value),
+                          "repetition_detection")
+    unknown = set(value) - {"min_pattern_size", "max_pattern_size", "min_count"}
+    if unknown:
+        raise bad_request(f"repetition_detection has unknown keys: {sorted(unknown)}", "repetition_detection")
+    defaults = RepetitionDetection()
+    settings = {key: read_int(value, key) for key in ("min_pattern_size", "max_pattern_size", "min_count")}
+    detection = RepetitionDetection(**{k: getattr(defaults, k) if v is None else v for k, v in settings.items()})
+    try:
+        detection.validate()
+    except ValueError as exc:
+        raise bad_request(str(exc), "repetition_detection") from exc
+    return detection
 
 
 def reject_unsupported_response_format(body: dict) -> None:

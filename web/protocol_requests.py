@@ -13,6 +13,7 @@ from typing import TypeVar
 from pipeline.request import SamplingParams
 from web.protocol_errors import APIError, bad_request
 from web.protocol_fields import (read_bool, read_float, read_int, read_list, read_logit_bias, read_object,
+                                 read_repetition_detection,
                                  read_seed, read_stop, read_str, read_token_ids, reject_unsupported_response_format,
                                  show)
 from web.protocol_messages import normalize_messages, validate_tool_choice, validate_tools
@@ -153,6 +154,7 @@ def _sampling_params(body: dict, max_tokens_field: str, max_tokens: int | None, 
         include_stop_str_in_output=_or(read_bool(body, "include_stop_str_in_output"), False),
         logprobs=logprobs,
         skip_special_tokens=_or(read_bool(body, "skip_special_tokens"), True),
+        repetition_detection=read_repetition_detection(body),
     )
     try:
         params.validate()

@@ -14,7 +14,7 @@ from dataclasses import dataclass, fields, replace
 from pipeline.errors import AdmissionRefused, InvalidRequest
 from pipeline.messages import IntakeItem
 from pipeline.prompt import PromptRenderer
-from pipeline.request import Request, SamplingParams
+from pipeline.request import RepetitionDetection, Request, SamplingParams
 from pipeline.scheduler import WaitingGauge
 from pipeline.stage import Stage
 
@@ -30,6 +30,7 @@ class ModelLimits:
     eos_token_ids: frozenset[int]
     generation_defaults: dict[str, float]
     chat_template: str | None
+    repetition_detection: RepetitionDetection | None = None  # the server's default loop guard
 
 
 def generation_defaults(generation_config: dict) -> dict[str, float]:
@@ -124,4 +125,6 @@ class IntakeStage(Stage[IntakeItem]):
             resolved.temperature = 1.0
         if resolved.seed is None:
             resolved.seed = self._seeds.getrandbits(63)
+        if resolved.repetition_detection is None:
+            resolved.repetition_detection = limits.repetition_detection or False
         return resolved

@@ -87,6 +87,24 @@ def test_stop_strings(client):
     assert stopped.finish_reason == "stop" and stopped.text == text[: text.index(stop)]
 
 
+def test_loop_guard_ends_a_degenerate_generation_with_length(client, server):
+    # logit_bias forces one token forever: a one-token loop the guard catches after 6 repeats
+    kwargs = dict(model="tiny", prompt="abc", max_tokens=40, temperature=0)
+    loop = {"ignore_eos": True, "logit_bias": {"1234": 100}}
+    guarded = client.completions.create(
+        extra_body={**loop, "repetition_detection": {"min_pattern_size": 1, "max_pattern_size": 4, "min_count": 6}},
+        **kwargs)
+    assert guarded.choices[0].finish_reason == "length" and guarded.usage.completion_tokens == 6
+    unguarded = client.completions.create(extra_body={**loop, "repetition_detection": False}, **kwargs)
+    assert unguarded.usage.completion_tokens == 40
+    streamed = list(client.completions.create(stream=True, extra_body={
+        **loop, "repetition_detection": {"max_pattern_size": 4, "min_count": 6}}, **kwargs))
+    assert streamed[-1].choices[0].finish_reason == "length"
+    assert "".join(c.choices[0].text for c in streamed) == guarded.choices[0].text
+    stats = server.wait_idle()
+    assert stats["kv_blocks"]["used"] == 0 and stats["seats"]["held"] == 0
+
+
 def test_raw_sse_bytes(server):
     async def main():
         body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 3, "stream": True, "temperature": 0,

@@ -44,6 +44,12 @@ BAD_REQUESTS = [
     ("bad logit_bias key", chat(logit_bias={"abc": 1}), "logit_bias", "logit_bias"),
     ("logit_bias out of vocab", chat(logit_bias={"99999999": 1}), "logit_bias", "99999999"),
     ("over the model length", chat(max_tokens=500), "max_tokens", "128"),
+    ("repetition_detection not an object", chat(repetition_detection=3), "repetition_detection", "object"),
+    ("repetition_detection min_count 1", chat(repetition_detection={"min_count": 1}), "repetition_detection",
+     "min_count"),
+    ("repetition_detection sizes reversed", chat(repetition_detection={"min_pattern_size": 9, "max_pattern_size": 2}),
+     "repetition_detection", "min_pattern_size"),
+    ("repetition_detection unknown key", chat(repetition_detection={"window": 2}), "repetition_detection", "window"),
 ]
 
 
