@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from pipeline.grammar.spec import GrammarSpec
     from pipeline.output_channel import OutputChannel
 
 
@@ -120,6 +121,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     # None: the server's default loop guard; False: off for this request
     repetition_detection: RepetitionDetection | bool | None = None
+    grammar: GrammarSpec | None = None  # structured output / tool-call constraint
 
     def validate(self) -> None:
         """Raise ValueError with a client-facing message for out-of-range values."""
@@ -212,6 +214,7 @@ class Request:
     arrival_seq: int = 0  # FCFS order, assigned by intake
     prompt_text: str | None = None
     channel: OutputChannel | None = None  # where the stream stage delivers this request's output
+    grammar: Any = None  # the compiled grammar of params.grammar (intake compiles it)
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -7,12 +7,22 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import ext
 from pipeline.request import CANCEL_FINISH_REASON, FinishReason, RepetitionDetection, Request
 
 _seq_ids = itertools.count(1)
 RepetitionDetector = ext.load("repetition").RepetitionDetector
+
+
+def new_grammar_state(request: Request) -> Any:
+    """A fresh GrammarState for one sample of a constrained request (None when unconstrained)."""
+    if request.grammar is None:
+        return None
+    from pipeline.grammar.state import GrammarState
+
+    return GrammarState(request.grammar)
 
 
 def new_loop_guard(request: Request) -> RepetitionDetector | None:
@@ -44,6 +54,7 @@ class Sequence:
     finish_reason: FinishReason | None = None
     preemptions: int = 0
     loop_guard: RepetitionDetector | None = None  # fed every output token (survives preemption)
+    grammar: Any = None  # GrammarState when the request constrains its output; advanced per token
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:
@@ -55,9 +66,10 @@ class Sequence:
             seed=mix_seed(seed, 0),
             num_samples=request.params.n,
             loop_guard=new_loop_guard(request),
+            grammar=new_grammar_state(request),
         )
 
-    def fork(self, index: int, shared_blocks: list[int], block_size: int) -> Sequence:
+    def fork(self, index: int, shared_blocks: list[int], block_size: int, grammar: Any = None) -> Sequence:
         """A sibling sample that shares the prompt's full blocks and recomputes only the partial tail.
 
         Sharing only full blocks means no block is ever written by two sequences, so there is no
@@ -71,6 +83,7 @@ class Sequence:
             num_computed=len(shared_blocks) * block_size,
             block_ids=shared_blocks,
             loop_guard=new_loop_guard(self.request),
+            grammar=grammar,
         )
 
     @property
@@ -114,6 +127,8 @@ class Sequence:
             return FinishReason.STOP
         if len(self.token_ids) >= self.request.max_total_tokens:
             return FinishReason.LENGTH
+        if self.grammar is not None and (not self.grammar.accept(token_id) or self.grammar.is_terminated):
+            return FinishReason.STOP  # the grammar is complete (a refused token cannot be sampled)
         if self.loop_guard is not None and self.loop_guard.feed(token_id):
             return FinishReason.LENGTH  # a degenerate loop: end it and free the sequence now
         return None

@@ -11,7 +11,7 @@ import re
 import orjson
 
 from pipeline.request import RepetitionDetection
-from web.protocol_errors import APIError, bad_request
+from web.protocol_errors import bad_request
 
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1
 _TOKEN_ID = re.compile(r"[0-9]+")
@@ -149,14 +149,3 @@ def read_repetition_detection(body: dict) -> RepetitionDetection | bool | None:
     except ValueError as exc:
         raise bad_request(str(exc), "repetition_detection") from exc
     return detection
-
-
-def reject_unsupported_response_format(body: dict) -> None:
-    """Constrained decoding is not wired in yet; silently ignoring a JSON schema would break clients."""
-    fmt = read_object(body, "response_format")
-    if fmt is None:
-        return
-    kind = fmt.get("type")
-    if kind != "text":
-        raise APIError(400, f"response_format type {show(kind)} is not supported by this server yet; "
-                            "only 'text' is", "invalid_request_error", "response_format")

@@ -14,8 +14,9 @@ from pipeline.request import SamplingParams
 from web.protocol_errors import APIError, bad_request
 from web.protocol_fields import (read_bool, read_float, read_int, read_list, read_logit_bias, read_object,
                                  read_repetition_detection,
-                                 read_seed, read_stop, read_str, read_token_ids, reject_unsupported_response_format,
+                                 read_seed, read_stop, read_str, read_token_ids,
                                  show)
+from web.protocol_grammar import read_grammar
 from web.protocol_messages import normalize_messages, validate_tool_choice, validate_tools
 
 T = TypeVar("T")
@@ -132,7 +133,6 @@ def _include_usage(body: dict) -> bool:
 def _sampling_params(body: dict, max_tokens_field: str, max_tokens: int | None, *, logprobs: int | None,
                      wire_names: dict[str, str]) -> SamplingParams:
     """The fields both endpoints share; SamplingParams.validate() does the range checks."""
-    reject_unsupported_response_format(body)
     if max_tokens is not None and max_tokens < 1:
         raise bad_request(f"{max_tokens_field} must be at least 1, got {max_tokens}", max_tokens_field)
     params = SamplingParams(
@@ -155,6 +155,7 @@ def _sampling_params(body: dict, max_tokens_field: str, max_tokens: int | None, 
         logprobs=logprobs,
         skip_special_tokens=_or(read_bool(body, "skip_special_tokens"), True),
         repetition_detection=read_repetition_detection(body),
+        grammar=read_grammar(body),
     )
     try:
         params.validate()

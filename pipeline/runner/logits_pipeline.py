@@ -5,7 +5,7 @@ speculative verify — goes through `Sampler`, which calls `apply_logits_pipelin
 steps run in the order of `LOGITS_STEPS`:
 
     repetition penalty -> presence/frequency penalties -> logit_bias -> min_tokens
-    -> [hook: grammar bitmask, forced tokens] -> temperature -> top-k -> top-p -> min-p
+    -> grammar bitmask -> forced tokens -> temperature -> top-k -> top-p -> min-p
 
 Edits that change which tokens are allowed or how likely they are (penalties, bias, masks) come
 before temperature; truncation filters come last, on the tempered distribution. Each step takes
@@ -67,6 +67,26 @@ def apply_min_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
         return logits
     rows, cols = batch.suppress_index
     return logits.index_put_((rows, cols), torch.full((), NEG_INF, device=logits.device))
+
+
+def apply_grammar_bitmask(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Forbid every token the row's grammar does not allow next (one masked fill for the batch)."""
+    if batch.grammar_bitmask is None:
+        return logits
+    from pipeline.grammar.state import unpack_bitmask
+
+    return logits.masked_fill_(~unpack_bitmask(batch.grammar_bitmask, logits.shape[-1]), NEG_INF)
+
+
+def apply_forced_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """Rows with a forced token can pick nothing else."""
+    if batch.forced_index is None:
+        return logits
+    rows, cols = batch.forced_index
+    kept = logits[rows, cols]
+    logits[rows] = NEG_INF
+    logits[rows, cols] = torch.where(torch.isfinite(kept), kept, torch.zeros_like(kept))
+    return logits
 
 
 def apply_temperature(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -131,8 +151,10 @@ LOGITS_STEPS: list[tuple[str, Step]] = [
     ("presence_frequency_penalties", apply_presence_frequency_penalties),
     ("logit_bias", apply_logit_bias),
     ("min_tokens", apply_min_tokens),
-    # Hook point: grammar bitmask and forced tokens go here: after every additive edit, before
-    # temperature and truncation, so a filter never renormalizes over tokens the grammar forbids.
+    # After every additive edit, before temperature and truncation, so a filter never renormalizes
+    # over tokens the grammar forbids.
+    ("grammar_bitmask", apply_grammar_bitmask),
+    ("forced_tokens", apply_forced_tokens),
     ("temperature", apply_temperature),
     ("top_k", apply_top_k),
     ("top_p", apply_top_p),

@@ -131,6 +131,7 @@ class ModelRunner:
         if (self.graphs is not None and decode_only and len(rows) == len(chunks)
                 and self.graphs.fits(len(chunks), tables.shape[1])):
             logits = self.graphs.run(input_ids, positions, slots, seq_lens, tables, feed)
+            batch.fill_grammar_bitmask()  # host work while the graph runs
             return self.sampler.sample(logits, batch)
         qsl_host = qsl.tolist()
         lens_host = seq_lens.tolist()
@@ -156,7 +157,9 @@ class ModelRunner:
         hidden = self.model(ids, self._to_device(positions), self.kv_caches, meta)
         if batch is None:
             return empty_sample(self.device)
-        return self.sampler.sample(self.model.compute_logits(hidden[last_index]), batch)
+        logits = self.model.compute_logits(hidden[last_index])
+        batch.fill_grammar_bitmask()  # host work while the forward runs (on CUDA)
+        return self.sampler.sample(logits, batch)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

@@ -12,7 +12,8 @@ argmax of the penalized/biased logits, which top-k/top-p/min-p could not change 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -56,6 +57,8 @@ class SamplingRow:
     eos_token_ids: frozenset[int]  # suppressed while len(output) < min_tokens, unless ignore_eos
     seed: int  # per-sequence seed (the engine draws one when the request has none)
     counter: int  # RNG counter: the output position of the token being picked
+    grammar: Any = None  # GrammarState: its bitmask is filled by the runner while the forward runs
+    forced_token: int | None = None  # the only token this row may pick (e.g. closing a thinking budget)
 
 
 @dataclass(slots=True)
@@ -100,6 +103,19 @@ class SamplingBatch:
     # logprobs: per-row count on the host (-1 = none asked), max over rows (None = no row asked)
     num_logprobs: np.ndarray
     max_num_logprobs: int | None
+    # grammar rows (host states) and their bitmask [S, ceil(V/32)] int32, set by the runner after
+    # the forward is launched (fill_grammar_bitmask); forced tokens as indices [2, F]
+    grammar_rows: list[tuple[int, Any]] = field(default_factory=list)
+    grammar_bitmask: Tensor | None = None
+    forced_index: Tensor | None = None
+
+    def fill_grammar_bitmask(self) -> None:
+        """Fill the grammar rows' masks from their states (host work the device step hides)."""
+        if self.grammar_rows:
+            from pipeline.grammar.state import fill_batch_bitmask
+
+            self.grammar_bitmask = fill_batch_bitmask(self.grammar_rows, self.num_rows, self.vocab_size,
+                                                      self.device)
 
     @property
     def all_greedy(self) -> bool:
@@ -130,6 +146,8 @@ class SamplingBatch:
         counted_ids: list[tuple[int, Sequence[int]]] = []
         bias: list[tuple[int, int, float]] = []
         suppress: list[tuple[int, int]] = []
+        grammar_rows: list[tuple[int, Any]] = []
+        forced: list[tuple[int, int]] = []
         num_logprobs = np.full(num_rows, -1, dtype=np.int64)
 
         for i, row in enumerate(rows):
@@ -168,6 +186,10 @@ class SamplingBatch:
                 suppress += [(i, tok) for tok in sorted(stops) if 0 <= tok < vocab]
             if p.logprobs is not None:
                 num_logprobs[i] = p.logprobs
+            if row.grammar is not None:
+                grammar_rows.append((i, row.grammar))
+            if row.forced_token is not None and 0 <= row.forced_token < vocab:
+                forced.append((i, row.forced_token))
 
         upload = _Upload(device)
         upload.f32(temperature=temperature, top_p=top_p, min_p=min_p, repetition_penalty=rep,
@@ -176,6 +198,7 @@ class SamplingBatch:
                    top_k_rows=top_k_rows, top_p_rows=top_p_rows,
                    bias_index=[b[j] for j in range(2) for b in bias],
                    suppress_index=[s[j] for j in range(2) for s in suppress],
+                   forced_index=[f[j] for j in range(2) for f in forced],
                    seen_ids=_flat_token_ids(seen_ids, vocab), counted_ids=_flat_token_ids(counted_ids, vocab))
         on_device = upload.send()
 
@@ -211,6 +234,8 @@ class SamplingBatch:
             suppress_index=on_device["suppress_index"].view(2, -1) if suppress else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+            grammar_rows=grammar_rows,
+            forced_index=on_device["forced_index"].view(2, -1) if forced else None,
         )
 
 

@@ -91,7 +91,8 @@ class DecodeStage(DeviceStage):
 
     def _can_run_ahead(self, in_flight: InFlightStep) -> bool:
         return self.run_ahead and not any(
-            depends_on_output_tokens(seq.request.params, seq.num_output_tokens) for seq in self.running)
+            seq.grammar is not None or depends_on_output_tokens(seq.request.params, seq.num_output_tokens)
+            for seq in self.running)
 
     @staticmethod
     def _ends_in_flight(seq: Sequence, in_flight: InFlightStep | None) -> bool:

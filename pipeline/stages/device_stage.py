@@ -2,6 +2,8 @@
 sequence's sampled token or its end is recorded and reported downstream."""
 from __future__ import annotations
 
+from typing import Any
+
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.messages import StepTokensBuilder
 from pipeline.request import FinishReason
@@ -11,6 +13,9 @@ from pipeline.runner.sampling_batch import SamplingRow
 from pipeline.scheduler import SeatPool
 from pipeline.sequence import Sequence
 from pipeline.stage import Stage
+
+
+_OWN = object()  # sampling_row's default: the sequence's own grammar state
 
 
 class DeviceStage(Stage):
@@ -30,7 +35,7 @@ class DeviceStage(Stage):
         self.detokenize = detokenize
 
     @staticmethod
-    def sampling_row(seq: Sequence, seed: int | None = None, ahead: int = 0) -> SamplingRow:
+    def sampling_row(seq: Sequence, seed: int | None = None, ahead: int = 0, grammar: Any = _OWN) -> SamplingRow:
         """The row that picks the sequence's next token; `ahead` tokens are still on the device."""
         request = seq.request
         return SamplingRow(
@@ -40,6 +45,7 @@ class DeviceStage(Stage):
             eos_token_ids=request.eos_token_ids,
             seed=seq.seed if seed is None else seed,
             counter=seq.num_output_tokens + ahead,
+            grammar=seq.grammar if grammar is _OWN else grammar,
         )
 
     def release(self, seq: Sequence) -> None:

@@ -9,14 +9,20 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, fields, replace
 
 from pipeline.errors import AdmissionRefused, InvalidRequest
+from pipeline.grammar.spec import GrammarSpec
 from pipeline.messages import IntakeItem
 from pipeline.prompt import PromptRenderer
 from pipeline.request import RepetitionDetection, Request, SamplingParams
 from pipeline.scheduler import WaitingGauge
 from pipeline.stage import Stage
+
+if TYPE_CHECKING:
+    from pipeline.grammar.compiler import GrammarCompiler
 
 # generation_config.json keys that may supply request defaults (as vLLM reads them)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -41,8 +47,10 @@ class IntakeStage(Stage[IntakeItem]):
     name = "intake"
 
     def __init__(self, inbox_size: int, *, renderer: PromptRenderer, limits: ModelLimits,
-                 waiting_gauge: WaitingGauge, prefill: Stage, seed: int | None = None) -> None:
+                 waiting_gauge: WaitingGauge, prefill: Stage, seed: int | None = None,
+                 grammars: Callable[[], GrammarCompiler] | None = None) -> None:
         super().__init__(inbox_size)
+        self.grammars = grammars  # built on first use
         self.renderer = renderer
         self.limits = limits
         self.waiting_gauge = waiting_gauge
@@ -56,7 +64,9 @@ class IntakeStage(Stage[IntakeItem]):
             item = await self.receive()
             started = time.monotonic()
             try:
+                grammar = await self.compile_grammar(item.params.grammar)
                 request = self.admit(item)
+                request.grammar = grammar
             except (InvalidRequest, AdmissionRefused) as exc:
                 item.channel.fail(exc)
                 self.record(started, 1, 0)
@@ -65,6 +75,19 @@ class IntakeStage(Stage[IntakeItem]):
                 item.on_admitted(request)
             self.record(started, 1, 1)
             await self.prefill.put(request)
+
+    async def compile_grammar(self, spec: GrammarSpec | None) -> Any:
+        """The request's compiled grammar (cached per spec; compiled in a worker thread)."""
+        if spec is None:
+            return None
+        if self.grammars is None:
+            raise InvalidRequest("structured output is not available on this server")
+        from pipeline.grammar.compiler import InvalidGrammar
+
+        try:
+            return await self.grammars().compile(spec)
+        except InvalidGrammar as exc:
+            raise InvalidRequest(str(exc), "response_format") from exc
 
     def admit(self, item: IntakeItem) -> Request:
         prompt_ids = self.tokenize(item)

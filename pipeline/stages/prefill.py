@@ -14,7 +14,7 @@ from pipeline.messages import StepTokensBuilder
 from pipeline.request import Request
 from pipeline.runner.step_plan import ScheduledChunk, StepPlan
 from pipeline.scheduler import PrefillChoice, WaitingGauge, plan_prefill, prefill_victims
-from pipeline.sequence import Sequence, mix_seed
+from pipeline.sequence import Sequence, mix_seed, new_grammar_state
 from pipeline.stage import Stage
 from pipeline.stages.device_stage import DeviceStage
 
@@ -116,6 +116,7 @@ class PrefillStage(DeviceStage):
     async def _step(self, choices: list[PrefillChoice]) -> None:
         started = time.monotonic()
         chunks: list[ScheduledChunk] = []
+        sibling_grammars: dict[int, list] = {}  # seq_id -> grammar state of each sample (n > 1)
         for choice in choices:
             seq = choice.seq
             if choice.starts:
@@ -129,8 +130,10 @@ class PrefillStage(DeviceStage):
             rows = []
             if completes:
                 request_seed = seq.request.params.seed or 0
-                rows = [self.sampling_row(seq, seed=mix_seed(request_seed, i) if i else seq.seed)
-                        for i in range(seq.num_samples)]
+                grammars = [seq.grammar] + [new_grammar_state(seq.request) for _ in range(1, seq.num_samples)]
+                sibling_grammars[seq.seq_id] = grammars
+                rows = [self.sampling_row(seq, seed=mix_seed(request_seed, i) if i else seq.seed,
+                                          grammar=grammars[i]) for i in range(seq.num_samples)]
             chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed,
                                          list(seq.block_ids), rows))
         output = await self.executor.submit(StepPlan(chunks), lane=self.name)
@@ -145,18 +148,19 @@ class PrefillStage(DeviceStage):
                 continue
             self.waiting.remove(seq)
             self.started.discard(seq.seq_id)
-            ready.extend(self._complete(seq, tokens[row:row + seq.num_samples], row, events))
+            ready.extend(self._complete(seq, tokens[row:row + seq.num_samples], row, events,
+                                        sibling_grammars[seq.seq_id]))
             row += seq.num_samples
         self.record(started, len(choices), len(ready))
         await self.emit(events, output)
         for seq in ready:  # after the first tokens went downstream, so decode's come later
             await self.decode.put(seq)
 
-    def _complete(self, seq: Sequence, tokens: list[int], first_row: int,
-                  events: StepTokensBuilder) -> list[Sequence]:
+    def _complete(self, seq: Sequence, tokens: list[int], first_row: int, events: StepTokensBuilder,
+                  grammars: list) -> list[Sequence]:
         """The prompt is cached: record each sample's first token; siblings fork off the parent."""
         full_blocks = seq.block_ids[: seq.num_prompt_tokens // self.pool.block_size]
-        samples = [seq] + [seq.fork(i, self.pool.share(full_blocks), self.pool.block_size)
+        samples = [seq] + [seq.fork(i, self.pool.share(full_blocks), self.pool.block_size, grammars[i])
                            for i in range(1, seq.num_samples)]
         seq.num_samples = 1
         return [sample for i, sample in enumerate(samples)

@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 
 from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest, RequestFailed
+from pipeline.grammar.spec import GrammarSpec
 from pipeline.request import SamplingParams
 from web.protocol import (COMPLETION_DEFAULT_MAX_TOKENS, APIError, api_error_from_exception, parse_chat_request,
                           parse_completion_request)
@@ -281,7 +282,16 @@ def test_bad_template_options(fields: dict, param: str, mention: str) -> None:
     ({"stream": True, "stream_options": {"include_usage": "yes"}}, "stream_options.include_usage", '"yes"'),
     ({"user": 5}, "user", "5"),
     ({"model": 5}, "model", "5"),
-    ({"response_format": {"type": "json_object"}}, "response_format", '"json_object"'),
+    ({"response_format": {"type": "xml"}}, "response_format.type", '"xml"'),
+    ({"response_format": {"type": "json_schema"}}, "response_format.json_schema", "schema"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": 3}}}, "response_format.json_schema.schema",
+     "3"),
+    ({"structured_outputs": {"regex": "a+", "choice": ["a"]}}, "structured_outputs", "exactly one"),
+    ({"structured_outputs": {"choice": []}}, "structured_outputs.choice", "non-empty"),
+    ({"structured_outputs": {"json": "{nope"}}, "structured_outputs.json", "valid JSON"),
+    ({"structured_outputs": {"regexp": "a"}}, "structured_outputs", "regexp"),
+    ({"structured_outputs": {"regex": "a"}, "response_format": {"type": "json_object"}}, "structured_outputs",
+     "not both"),
 ])
 def test_bad_sampling_fields(fields: dict, param: str, mention: str) -> None:
     bad_chat(param, mention, **fields)
@@ -291,6 +301,20 @@ def test_bad_sampling_fields(fields: dict, param: str, mention: str) -> None:
 
 def test_response_format_text_is_accepted() -> None:
     assert chat(response_format={"type": "text"}).params == SamplingParams()
+
+
+def test_grammar_requests_become_specs() -> None:
+    schema = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}}
+    spec = chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}).params.grammar
+    assert spec == GrammarSpec.json_schema(schema) and spec.kind == "json_schema"
+    reordered = {"properties": {"a": {"type": "string"}, "b": {"type": "integer"}}, "type": "object"}
+    assert spec == GrammarSpec.json_schema(reordered)  # one cache entry for equal schemas
+    assert chat(response_format={"type": "json_object"}).params.grammar == GrammarSpec("json_object")
+    assert chat(structured_outputs={"choice": ["yes", "no"]}).params.grammar == GrammarSpec.choice(["yes", "no"])
+    assert chat(structured_outputs={"regex": "[0-9]+"}).params.grammar == GrammarSpec("regex", "[0-9]+")
+    assert chat(structured_outputs={"grammar": 'root ::= "x"'}).params.grammar.kind == "ebnf"
+    assert chat(structured_outputs={"json": '{"type": "integer"}'}).params.grammar == GrammarSpec.json_schema(
+        {"type": "integer"})
 
 
 @pytest.mark.parametrize("fields, param, mention", [

@@ -16,6 +16,20 @@ CPU = torch.device("cpu")
 NEG_INF = float("-inf")
 
 
+class FakeGrammar:
+    """Stands in for a GrammarState: allows a fixed set of token ids."""
+
+    def __init__(self, allowed: set[int]) -> None:
+        self.allowed = allowed
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        bitmask[row] = 0
+        for token in self.allowed:
+            word, bit = divmod(token, 32)
+            value = int(bitmask[row, word]) | (1 << bit)
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
+
+
 def make_rows() -> list[SamplingRow]:
     """Greedy rows, one row per option, rows with several options, and rows with none."""
     gen = torch.Generator().manual_seed(1)
@@ -44,10 +58,15 @@ def make_rows() -> list[SamplingRow]:
         P(temperature=0.5, top_k=0, top_p=0.3),
     ]
     out_lens = {11: 2, 12: 2, 13: 3}
-    return [
+    rows = [
         SamplingRow(p, ids(30), ids(0)[: out_lens[i]] if i in out_lens else ids(8), frozenset({0, 1}), i, 3)
         for i, p in enumerate(params)
     ]
+    rows[3].grammar = FakeGrammar({2, 31, 32, 63, 500, 999})  # word edges and the sign bit
+    rows[14].grammar = FakeGrammar(set(range(0, V, 3)))
+    rows[5].forced_token = 77
+    rows[2].forced_token = 4
+    return rows
 
 
 def make_logits(rows: list[SamplingRow], seed: int = 0) -> torch.Tensor:
@@ -85,6 +104,19 @@ def ref_min_tokens(x: list[float], row: SamplingRow) -> list[float]:
         return x
     banned = set(p.stop_token_ids) | (set() if p.ignore_eos else set(row.eos_token_ids))
     return [NEG_INF if t in banned else v for t, v in enumerate(x)]
+
+
+def ref_grammar(x: list[float], row: SamplingRow) -> list[float]:
+    if row.grammar is None:
+        return x
+    return [v if t in row.grammar.allowed else NEG_INF for t, v in enumerate(x)]
+
+
+def ref_forced(x: list[float], row: SamplingRow) -> list[float]:
+    f = row.forced_token
+    if f is None:
+        return x
+    return [(x[t] if math.isfinite(x[t]) else 0.0) if t == f else NEG_INF for t in range(V)]
 
 
 def ref_temperature(x: list[float], row: SamplingRow) -> list[float]:
@@ -132,6 +164,8 @@ STEPS = [
     ("presence_frequency_penalties", lp.apply_presence_frequency_penalties, ref_presence_frequency),
     ("logit_bias", lp.apply_logit_bias, ref_logit_bias),
     ("min_tokens", lp.apply_min_tokens, ref_min_tokens),
+    ("grammar_bitmask", lp.apply_grammar_bitmask, ref_grammar),
+    ("forced_tokens", lp.apply_forced_tokens, ref_forced),
     ("temperature", lp.apply_temperature, ref_temperature),
     ("top_k", lp.apply_top_k, ref_top_k),
     ("top_p", lp.apply_top_p, ref_top_p),
@@ -156,6 +190,7 @@ def test_steps_are_the_documented_order():
 def test_each_step_matches_reference(index):
     rows = make_rows()
     batch = SamplingBatch.from_rows(rows, V, CPU)
+    batch.fill_grammar_bitmask()
     # feed each step what the earlier steps produce, as in the pipeline
     logits = reference(make_logits(rows), rows, [ref for _, _, ref in STEPS[:index]])
     _, step, ref = STEPS[index]
@@ -167,6 +202,7 @@ def test_each_step_matches_reference(index):
 def test_whole_pipeline_matches_reference(seed):
     rows = make_rows()
     batch = SamplingBatch.from_rows(rows, V, CPU)
+    batch.fill_grammar_bitmask()
     logits = make_logits(rows, seed)
     raw = logits.clone()
     got = lp.apply_logits_pipeline(logits, batch)
@@ -220,6 +256,7 @@ def test_batch_builds_penalty_statistics_only_when_needed():
     assert plain.seen_mask is None and plain.output_counts is None and not plain.any_penalties
     rows = make_rows()
     batch = SamplingBatch.from_rows(rows, V, CPU)
+    batch.fill_grammar_bitmask()
     expected = torch.zeros(len(rows), V)
     for i, row in enumerate(rows):
         if row.params.presence_penalty or row.params.frequency_penalty:
@@ -237,6 +274,7 @@ def test_shape_mismatch_is_an_error():
 def test_top_p_sorts_only_top_k_when_every_row_has_top_k():
     rows = [SamplingRow(P(top_k=k, top_p=0.6), [], [], frozenset(), 0, 0) for k in (3, 40)]
     batch = SamplingBatch.from_rows(rows, V, CPU)
+    batch.fill_grammar_bitmask()
     assert batch.top_p_sort_k == 40
     logits = make_logits(rows)
     want = reference(logits, rows, [ref_top_k, ref_top_p])

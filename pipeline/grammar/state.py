@@ -1,0 +1,57 @@
+"""One sample's place in its grammar, and the step's bitmask over the batch.
+
+The decode (or prefill) stage advances a sample's state with every token it records; the device
+thread fills the next step's bitmask rows from those states while the forward runs on the device
+(the runner calls `fill_batch_bitmask` after launching the forward and before sampling), then the
+logits pipeline masks disallowed tokens in one call for the whole batch.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+import xgrammar as xgr
+
+
+class GrammarState:
+    __slots__ = ("matcher",)
+
+    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)
+
+    def accept(self, token_id: int) -> bool:
+        """Advance by a sampled token; False if the grammar forbids it (the mask makes that impossible)."""
+        return bool(self.matcher.accept_token(token_id))
+
+    @property
+    def is_terminated(self) -> bool:
+        """The grammar is complete and its stop token was accepted: nothing more may be generated."""
+        return bool(self.matcher.is_terminated())
+
+    def fill(self, bitmask: torch.Tensor, row: int) -> None:
+        self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def bitmask_words(vocab_size: int) -> int:
+    return (vocab_size + 31) // 32
+
+
+def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vocab_size: int,
+                       device: torch.device) -> torch.Tensor:
+    """The step's int32 bitmask [S, ceil(V/32)] (bit j of word w allows token 32w + j) on `device`.
+
+    Rows without a grammar allow everything. Filled in pinned memory on CUDA and copied without
+    blocking, so it never waits behind the step's kernels.
+    """
+    host = torch.from_numpy(np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32))
+    for row, state in states:
+        state.fill(host, row)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """bool [S, V]: True where the token is allowed."""
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
+    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
+    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
