@@ -13,6 +13,7 @@ from pipeline.models.loader import iter_weights, load_generation_config, load_hf
 from pipeline.models.registry import build_model
 from pipeline.runner.model_runner import ModelRunner, kv_bytes_per_block
 from pipeline.stages.intake import ModelLimits, generation_defaults
+from pipeline.thinking import ThinkingTags
 from pipeline.tokenizer import Tokenizer
 
 
@@ -102,6 +103,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         generation_defaults=generation_defaults(generation_config),
         chat_template=chat_template_override(config.chat_template) or tokenizer.chat_template,
         repetition_detection=config.repetition_detection,
+        thinking_tags=ThinkingTags(tuple(tokenizer.encode("<think>", add_special_tokens=False)),
+                                   tuple(tokenizer.encode("</think>", add_special_tokens=False))),
     )
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device)

@@ -122,6 +122,7 @@ class SamplingParams:
     # None: the server's default loop guard; False: off for this request
     repetition_detection: RepetitionDetection | bool | None = None
     grammar: GrammarSpec | None = None  # structured output / tool-call constraint
+    thinking_token_budget: int | None = None  # at most this many tokens inside <think>...</think>
 
     def validate(self) -> None:
         """Raise ValueError with a client-facing message for out-of-range values."""
@@ -151,6 +152,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if self.thinking_token_budget is not None and self.thinking_token_budget < 0:
+            raise ValueError(f"thinking_token_budget must be non-negative, got {self.thinking_token_budget}")
         if isinstance(self.repetition_detection, RepetitionDetection):
             self.repetition_detection.validate()
         elif self.repetition_detection is True:
@@ -215,6 +218,8 @@ class Request:
     prompt_text: str | None = None
     channel: OutputChannel | None = None  # where the stream stage delivers this request's output
     grammar: Any = None  # the compiled grammar of params.grammar (intake compiles it)
+    thinking: Any = None  # ThinkingTags when a thinking budget applies
+    prompt_opens_thinking: bool = False  # the prompt ends inside an open <think> block
     extra: dict[str, Any] = field(default_factory=dict)
 
     @property

@@ -11,6 +11,8 @@ from typing import Any
 
 import ext
 from pipeline.request import CANCEL_FINISH_REASON, FinishReason, RepetitionDetection, Request
+from pipeline.runner.sampling_batch import depends_on_output_tokens
+from pipeline.thinking import ThinkingBudget
 
 _seq_ids = itertools.count(1)
 RepetitionDetector = ext.load("repetition").RepetitionDetector
@@ -23,6 +25,13 @@ def new_grammar_state(request: Request) -> Any:
     from pipeline.grammar.state import GrammarState
 
     return GrammarState(request.grammar)
+
+
+def new_thinking_budget(request: Request) -> ThinkingBudget | None:
+    budget = request.params.thinking_token_budget
+    if budget is None or request.thinking is None:
+        return None
+    return ThinkingBudget(request.thinking, budget, inside=request.prompt_opens_thinking)
 
 
 def new_loop_guard(request: Request) -> RepetitionDetector | None:
@@ -55,6 +64,7 @@ class Sequence:
     preemptions: int = 0
     loop_guard: RepetitionDetector | None = None  # fed every output token (survives preemption)
     grammar: Any = None  # GrammarState when the request constrains its output; advanced per token
+    thinking: ThinkingBudget | None = None  # the thinking budget's state; forces </think> when spent
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:
@@ -67,6 +77,7 @@ class Sequence:
             num_samples=request.params.n,
             loop_guard=new_loop_guard(request),
             grammar=new_grammar_state(request),
+            thinking=new_thinking_budget(request),
         )
 
     def fork(self, index: int, shared_blocks: list[int], block_size: int, grammar: Any = None) -> Sequence:
@@ -84,6 +95,7 @@ class Sequence:
             block_ids=shared_blocks,
             loop_guard=new_loop_guard(self.request),
             grammar=grammar,
+            thinking=new_thinking_budget(self.request),
         )
 
     @property
@@ -98,6 +110,14 @@ class Sequence:
     @property
     def num_output_tokens(self) -> int:
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def reads_own_tokens(self) -> bool:
+        """Whether picking the next token needs this sample's previous token on the host first
+        (grammar state, thinking budget, penalties, min_tokens): no running ahead for it."""
+        if self.grammar is not None or (self.thinking is not None and self.thinking.active):
+            return True
+        return depends_on_output_tokens(self.request.params, self.num_output_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -127,6 +147,8 @@ class Sequence:
             return FinishReason.STOP
         if len(self.token_ids) >= self.request.max_total_tokens:
             return FinishReason.LENGTH
+        if self.thinking is not None:
+            self.thinking.observe(token_id)
         if self.grammar is not None and (not self.grammar.accept(token_id) or self.grammar.is_terminated):
             return FinishReason.STOP  # the grammar is complete (a refused token cannot be sampled)
         if self.loop_guard is not None and self.loop_guard.feed(token_id):

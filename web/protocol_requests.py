@@ -156,12 +156,22 @@ def _sampling_params(body: dict, max_tokens_field: str, max_tokens: int | None, 
         skip_special_tokens=_or(read_bool(body, "skip_special_tokens"), True),
         repetition_detection=read_repetition_detection(body),
         grammar=read_grammar(body),
+        thinking_token_budget=_thinking_budget(body),
     )
     try:
         params.validate()
     except ValueError as exc:
         raise _validation_error(str(exc), wire_names) from exc
     return params
+
+
+def _thinking_budget(body: dict) -> int | None:
+    """`thinking_token_budget`, or its alias `max_thinking_tokens` (not both)."""
+    budget = read_int(body, "thinking_token_budget", minimum=0)
+    alias = read_int(body, "max_thinking_tokens", minimum=0)
+    if budget is not None and alias is not None and budget != alias:
+        raise bad_request("give thinking_token_budget or max_thinking_tokens, not both", "thinking_token_budget")
+    return budget if budget is not None else alias
 
 
 def _validation_error(message: str, wire_names: dict[str, str]) -> APIError:

@@ -21,7 +21,6 @@ from dataclasses import dataclass
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
 from pipeline.runner.sampler import SamplerOutput
-from pipeline.runner.sampling_batch import depends_on_output_tokens
 from pipeline.runner.step_plan import ScheduledChunk, StepPlan
 from pipeline.scheduler import blocks_to_grow, decode_victim
 from pipeline.sequence import Sequence
@@ -90,9 +89,7 @@ class DecodeStage(DeviceStage):
         self.running = keep
 
     def _can_run_ahead(self, in_flight: InFlightStep) -> bool:
-        return self.run_ahead and not any(
-            seq.grammar is not None or depends_on_output_tokens(seq.request.params, seq.num_output_tokens)
-            for seq in self.running)
+        return self.run_ahead and not any(seq.reads_own_tokens for seq in self.running)
 
     @staticmethod
     def _ends_in_flight(seq: Sequence, in_flight: InFlightStep | None) -> bool:

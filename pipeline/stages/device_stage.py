@@ -46,6 +46,7 @@ class DeviceStage(Stage):
             seed=seq.seed if seed is None else seed,
             counter=seq.num_output_tokens + ahead,
             grammar=seq.grammar if grammar is _OWN else grammar,
+            forced_token=seq.thinking.forced_token if seq.thinking is not None else None,
         )
 
     def release(self, seq: Sequence) -> None:

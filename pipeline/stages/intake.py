@@ -20,6 +20,7 @@ from pipeline.prompt import PromptRenderer
 from pipeline.request import RepetitionDetection, Request, SamplingParams
 from pipeline.scheduler import WaitingGauge
 from pipeline.stage import Stage
+from pipeline.thinking import ThinkingTags
 
 if TYPE_CHECKING:
     from pipeline.grammar.compiler import GrammarCompiler
@@ -37,6 +38,7 @@ class ModelLimits:
     generation_defaults: dict[str, float]
     chat_template: str | None
     repetition_detection: RepetitionDetection | None = None  # the server's default loop guard
+    thinking_tags: ThinkingTags | None = None  # the ids of <think> and </think> in this tokenizer
 
 
 def generation_defaults(generation_config: dict) -> dict[str, float]:
@@ -102,6 +104,7 @@ class IntakeStage(Stage[IntakeItem]):
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt_ids) + params.max_tokens)
         self._arrivals += 1
+        thinking = self.limits.thinking_tags if params.thinking_token_budget is not None else None
         return Request(
             request_id=item.request_id,
             prompt_token_ids=prompt_ids,
@@ -111,6 +114,8 @@ class IntakeStage(Stage[IntakeItem]):
             arrival_seq=self._arrivals,
             prompt_text=item.prompt,
             channel=item.channel,
+            thinking=thinking,
+            prompt_opens_thinking=thinking is not None and thinking.prompt_opens_block(prompt_ids),
         )
 
     def tokenize(self, item: IntakeItem) -> list[int]:

@@ -1,0 +1,60 @@
+"""The grammar that makes tool calls well-formed by construction (xgrammar structural tags).
+
+With tools offered, everything after a tool-call opener is constrained: the function name is one
+of the offered tools and its arguments match that tool's parameter schema, so arguments always
+parse. tool_choice decides what else is allowed:
+
+- "auto": free text, with any number of calls (one with parallel_tool_calls=false) triggered by
+  the opener;
+- "required": only calls, at least one, from the first token;
+- a named function: exactly one call of that function, from the first token.
+
+With a reasoning parser and thinking on, a required or named call comes after the thinking block
+(the block itself is free text). Markup written inside thinking is reasoning, never a call.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.grammar.spec import GrammarSpec
+
+
+def _tag(parser: str, function: dict[str, Any]) -> dict[str, Any]:
+    name = function["name"]
+    schema = function.get("parameters") or {"type": "object"}
+    if parser == "qwen3_coder":
+        return {"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
+                "content": {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"},
+                "end": "\n</function>\n</tool_call>"}
+    name_json = _json_string(name)
+    return {"type": "tag", "begin": f'<tool_call>\n{{"name": {name_json}, "arguments": ',
+            "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"}
+
+
+def _json_string(text: str) -> str:
+    import json
+
+    return json.dumps(text, ensure_ascii=False)
+
+
+def tool_call_grammar(parser: str, tools: list[dict] | None, tool_choice: object, parallel_tool_calls: bool = True,
+                      thinking: bool = False, prompt_opens_thinking: bool = False) -> GrammarSpec | None:
+    """The structural tag for these tools and this tool_choice (None: nothing to enforce)."""
+    if not tools or tool_choice == "none":
+        return None
+    functions = [tool["function"] for tool in tools]
+    if isinstance(tool_choice, dict):
+        wanted = tool_choice["function"]["name"]
+        functions = [f for f in functions if f["name"] == wanted]
+    tags = [_tag(parser, f) for f in functions]
+    if tool_choice == "auto":
+        calls: dict[str, Any] = {"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": tags,
+                                 "at_least_one": False, "stop_after_first": not parallel_tool_calls}
+    else:
+        calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                 "stop_after_first": isinstance(tool_choice, dict) or not parallel_tool_calls}
+        if thinking:
+            think = {"type": "tag", "begin": "" if prompt_opens_thinking else "<think>",
+                     "content": {"type": "any_text"}, "end": "</think>"}
+            calls = {"type": "sequence", "elements": [think, {"type": "const_string", "value": "\n\n"}, calls]}
+    return GrammarSpec.structural_tag({"type": "structural_tag", "format": calls})
