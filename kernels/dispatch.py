@@ -14,6 +14,7 @@ import torch
 from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
+from kernels.triton_gemv import SKINNY_MAX_M, gemv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
 from kernels.triton_qkv_prologue import qkv_prologue_ref, qkv_prologue_triton
 from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
@@ -50,6 +51,17 @@ def apply_rotary_(
         apply_rotary_triton_(q, k, cos, sin, is_neox_style)
     else:
         apply_rotary_ref_(q, k, cos, sin, is_neox_style)
+
+
+def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Decode-sized bf16/fp16 projections on the GPU: our weight-streaming kernel beat cuBLAS there
+    (kernels/triton_gemv.py; H100, every Qwen3-8B projection shape at M = 1..16)."""
+    return (use_triton(x.device) and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_M
+            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
+
+
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    return gemv_triton(x, weight, bias)
 
 
 def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,

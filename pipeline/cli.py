@@ -133,7 +133,9 @@ async def serve_main(args: argparse.Namespace) -> int:
     config.chat_template = args.chat_template
     names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes)
+                              request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              enforce_tool_grammar=not args.no_tool_grammar)
     return await run_server(config, settings, args.host, args.port, args.drain_timeout)
 
 
@@ -151,6 +153,12 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--api-key", default=None, help="require Authorization: Bearer <key> on /v1")
     serve.add_argument("--chat-template", default=None, help="a chat template file overriding the model's")
     serve.add_argument("--max-body-bytes", type=int, default=32 << 20)
+    serve.add_argument("--tool-call-parser", choices=["hermes", "qwen3_coder"], default=None,
+                       help="tool-call format (default: the one the chat template writes)")
+    serve.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
+                       help="split <think> blocks into reasoning_content")
+    serve.add_argument("--no-tool-grammar", action="store_true",
+                       help="do not constrain tool calls with a grammar (parse only)")
     add_engine_args(serve)
 
 

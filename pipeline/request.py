@@ -185,6 +185,7 @@ class OutputDelta:
     error: str | None = None
     prompt_token_count: int = 0
     output_token_count: int = 0  # cumulative for this child
+    prompt_opens_thinking: bool = False  # the prompt ends inside <think>: output starts as reasoning
 
     def merge(self, later: OutputDelta) -> None:
         self.text += later.text

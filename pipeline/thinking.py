@@ -16,9 +16,11 @@ class ThinkingTags:
     start_ids: tuple[int, ...]  # "<think>"
     end_ids: tuple[int, ...]  # "</think>"
 
-    def prompt_opens_block(self, prompt_ids: list[int]) -> bool:
-        """Whether the prompt ends inside an open thinking block."""
-        start, end = _last_index(prompt_ids, self.start_ids), _last_index(prompt_ids, self.end_ids)
+    def prompt_opens_block(self, prompt_ids: list[int], window: int = 64) -> bool:
+        """Whether the prompt ends inside an open thinking block. Templates open it in the generation
+        prompt, so only the last `window` tokens are looked at (cheap for 100k-token prompts)."""
+        tail = prompt_ids[-window:]
+        start, end = _last_index(tail, self.start_ids), _last_index(tail, self.end_ids)
         return start > end
 
 

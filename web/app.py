@@ -27,6 +27,9 @@ class ServerSettings:
     request_timeout_s: float | None = None
     max_body_bytes: int = 32 << 20
     retry_after_s: int = 1
+    tool_call_parser: str | None = None  # None: the format the chat template writes
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": split <think> blocks into reasoning_content
+    enforce_tool_grammar: bool = True  # constrain tool calls to the offered tools' schemas
 
 
 @dataclass(slots=True)

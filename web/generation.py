@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +17,8 @@ from aiohttp import web
 
 from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogprob
 from web.app import STATE, ServerState, json_response, read_json
+from web.chat_output import ChatOutputParser, ChatPiece, wire_tool_call, wire_tool_call_delta
+from web.chat_tools import chat_output_parsers
 from web.protocol import (SSE_DONE, APIError, chat_chunk, chat_choice, chat_completion, chat_delta_choice,
                           chat_logprobs, chat_usage_chunk, completion_choice, completion_chunk, completion_logprobs,
                           completion_response, completion_usage_chunk, new_chat_id, new_completion_id,
@@ -31,6 +33,7 @@ class Choice:
     output_tokens: int = 0
     text_offset: int = 0  # characters sent so far (completions logprobs offsets)
     error: str | None = None
+    prompt_opens_thinking: bool = False
 
 
 @dataclass(slots=True)
@@ -53,6 +56,7 @@ class Tracker:
             self.last_delta = now
         self.prompt_tokens = delta.prompt_token_count
         choice = self.choices.setdefault(delta.index, Choice())
+        choice.prompt_opens_thinking = delta.prompt_opens_thinking
         choice.output_tokens = max(choice.output_tokens, delta.output_token_count)
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
@@ -97,9 +101,27 @@ class Endpoint:
 
 
 class ChatEndpoint(Endpoint):
-    def __init__(self, *args: Any) -> None:
+    def __init__(self, *args: Any, parsers: Callable[[], ChatOutputParser] | None = None) -> None:
         super().__init__(*args)
         self.id = new_chat_id()
+        self.new_parser = parsers
+        self.parsers: dict[int, ChatOutputParser] = {}
+
+    def parse(self, index: int, text: str, finished: bool, prompt_opens_thinking: bool) -> ChatPiece | None:
+        """Reasoning / content / tool calls of a choice's new text (None: no parsing configured)."""
+        if self.new_parser is None:
+            return None
+        parser = self.parsers.get(index)
+        if parser is None:
+            parser = self.parsers[index] = self.new_parser()
+        piece = parser.feed(text, prompt_opens_thinking)
+        return piece.extend(parser.finish()) if finished else piece
+
+    def finish_reason(self, index: int, reason: FinishReason | None) -> FinishReason | str | None:
+        parser = self.parsers.get(index)
+        if reason is FinishReason.STOP and parser is not None and parser.calls:
+            return "tool_calls"
+        return reason
 
     def opening(self, n: int) -> list[dict]:
         return [chat_chunk(self.id, self.created, self.model, [chat_delta_choice(i, role="assistant", content="")],
@@ -107,10 +129,17 @@ class ChatEndpoint(Endpoint):
 
     def chunk(self, delta: OutputDelta, choice: Choice) -> dict | None:
         logprobs = chat_logprobs(delta.logprobs, self.token_text) if self.want_logprobs and delta.logprobs else None
-        if not delta.text and logprobs is None and delta.finish_reason is None:
+        piece = self.parse(delta.index, delta.text, delta.finish_reason is not None, delta.prompt_opens_thinking)
+        if piece is None:
+            piece = ChatPiece(content=delta.text)
+        if not (piece.content or piece.reasoning or piece.tool_calls) and logprobs is None \
+                and delta.finish_reason is None:
             return None
-        part = chat_delta_choice(delta.index, content=delta.text if delta.text or delta.finish_reason is None else None,
-                                 logprobs=logprobs, finish_reason=delta.finish_reason)
+        content = piece.content if piece.content or (delta.finish_reason is None and not piece.reasoning
+                                                     and not piece.tool_calls) else None
+        part = chat_delta_choice(delta.index, content=content, reasoning_content=piece.reasoning or None,
+                                 tool_calls=[wire_tool_call_delta(d) for d in piece.tool_calls] or None,
+                                 logprobs=logprobs, finish_reason=self.finish_reason(delta.index, delta.finish_reason))
         return chat_chunk(self.id, self.created, self.model, [part], include_usage=self.include_usage)
 
     def usage_chunk(self, usage_: dict) -> dict:
@@ -121,7 +150,15 @@ class ChatEndpoint(Endpoint):
         for index in sorted(tracker.choices):
             c = tracker.choices[index]
             logprobs = chat_logprobs(c.logprobs, self.token_text) if self.want_logprobs else None
-            choices.append(chat_choice(index, "".join(c.text), c.finish_reason, logprobs=logprobs))
+            text = "".join(c.text)
+            piece = self.parse(index, text, True, c.prompt_opens_thinking)
+            if piece is None:
+                choices.append(chat_choice(index, text, c.finish_reason, logprobs=logprobs))
+                continue
+            calls = [wire_tool_call(call) for call in self.parsers[index].calls]
+            content = piece.content if piece.content or not calls else None
+            choices.append(chat_choice(index, content, self.finish_reason(index, c.finish_reason), logprobs=logprobs,
+                                       reasoning_content=piece.reasoning or None, tool_calls=calls or None))
         return chat_completion(self.id, self.created, self.model, choices,
                                usage(tracker.prompt_tokens, tracker.completion_tokens))
 
@@ -168,7 +205,9 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
     parsed = parse_chat_request(await read_json(request))
-    endpoint = ChatEndpoint(state, state.model_name(parsed.model), parsed.include_usage, parsed.logprobs)
+    parsers = chat_output_parsers(state, parsed)
+    endpoint = ChatEndpoint(state, state.model_name(parsed.model), parsed.include_usage, parsed.logprobs,
+                            parsers=parsers)
     stream = state.ready_engine().generate(messages=parsed.messages, params=parsed.params, request_id=endpoint.id,
                                            chat_template_kwargs=parsed.chat_template_kwargs)
     return await serve(request, stream, endpoint, parsed.stream, parsed.params.n, arrival)

@@ -39,6 +39,7 @@ class ChatRequest:
     top_logprobs: int = 0
     tools: list[dict] | None = None
     tool_choice: object = "none"
+    parallel_tool_calls: bool = True
     chat_template_kwargs: dict = field(default_factory=dict)
     user: str | None = None
 
@@ -81,6 +82,7 @@ def parse_chat_request(body: object) -> ChatRequest:
         top_logprobs=top_logprobs or 0,
         tools=tools,
         tool_choice=tool_choice,
+        parallel_tool_calls=_or(read_bool(body, "parallel_tool_calls"), True),
         chat_template_kwargs=_chat_template_kwargs(body, tools),
         user=read_str(body, "user"),
     )

@@ -18,17 +18,23 @@ from typing import Any
 
 from pipeline.grammar.spec import GrammarSpec
 
+# Whitespace allowed between JSON tokens: room for indented arguments, none for a degenerate run of
+# blank tokens (a weak model under a grammar otherwise fills its budget with whitespace).
+MAX_WHITESPACE = 16
+
 
 def _tag(parser: str, function: dict[str, Any]) -> dict[str, Any]:
     name = function["name"]
     schema = function.get("parameters") or {"type": "object"}
     if parser == "qwen3_coder":
         return {"type": "tag", "begin": f"<tool_call>\n<function={name}>\n",
-                "content": {"type": "json_schema", "json_schema": schema, "style": "qwen_xml"},
+                "content": {"type": "json_schema", "json_schema": schema, "style": "qwen_xml",
+                            "max_whitespace_cnt": MAX_WHITESPACE},
                 "end": "\n</function>\n</tool_call>"}
     name_json = _json_string(name)
     return {"type": "tag", "begin": f'<tool_call>\n{{"name": {name_json}, "arguments": ',
-            "content": {"type": "json_schema", "json_schema": schema}, "end": "}\n</tool_call>"}
+            "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
+            "end": "}\n</tool_call>"}
 
 
 def _json_string(text: str) -> str:
@@ -38,7 +44,7 @@ def _json_string(text: str) -> str:
 
 
 def tool_call_grammar(parser: str, tools: list[dict] | None, tool_choice: object, parallel_tool_calls: bool = True,
-                      thinking: bool = False, prompt_opens_thinking: bool = False) -> GrammarSpec | None:
+                      thinking: bool = False) -> GrammarSpec | None:
     """The structural tag for these tools and this tool_choice (None: nothing to enforce)."""
     if not tools or tool_choice == "none":
         return None
@@ -54,7 +60,7 @@ def tool_call_grammar(parser: str, tools: list[dict] | None, tool_choice: object
         calls = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
                  "stop_after_first": isinstance(tool_choice, dict) or not parallel_tool_calls}
         if thinking:
-            think = {"type": "tag", "begin": "" if prompt_opens_thinking else "<think>",
-                     "content": {"type": "any_text"}, "end": "</think>"}
+            # begin "" so it holds whether the model or the prompt wrote the opening <think>
+            think = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": "</think>"}
             calls = {"type": "sequence", "elements": [think, {"type": "const_string", "value": "\n\n"}, calls]}
     return GrammarSpec.structural_tag({"type": "structural_tag", "format": calls})

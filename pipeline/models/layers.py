@@ -34,7 +34,10 @@ _ONEDNN_LINEAR = _probe_onednn_linear()
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, routed to oneDNN for contiguous 2-D float32 inputs on CPU (inference only: no autograd)."""
+    """F.linear, routed to oneDNN for contiguous 2-D float32 inputs on CPU (inference only: no autograd),
+    and to the skinny Triton kernel for decode-sized batches on the GPU."""
+    if dispatch.skinny_linear_applies(x, weight):
+        return dispatch.skinny_linear(x, weight, bias)
     if (
         _ONEDNN_LINEAR is not None
         and x.dtype == torch.float32

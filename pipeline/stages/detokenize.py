@@ -90,6 +90,7 @@ class DetokenizeStage(Stage[StepTokens]):
                 finish_reason=finish,
                 error=request.cancel.message or "request failed" if finish is FinishReason.ERROR else None,
                 prompt_token_count=len(request.prompt_token_ids),
+                prompt_opens_thinking=request.prompt_opens_thinking,
                 output_token_count=message.output_counts[r],
             )
             out.append((request, delta))

@@ -104,7 +104,8 @@ class IntakeStage(Stage[IntakeItem]):
         if params.max_tokens is not None:
             max_total = min(max_total, len(prompt_ids) + params.max_tokens)
         self._arrivals += 1
-        thinking = self.limits.thinking_tags if params.thinking_token_budget is not None else None
+        tags = self.limits.thinking_tags
+        thinking = tags if params.thinking_token_budget is not None else None
         return Request(
             request_id=item.request_id,
             prompt_token_ids=prompt_ids,
@@ -115,7 +116,7 @@ class IntakeStage(Stage[IntakeItem]):
             prompt_text=item.prompt,
             channel=item.channel,
             thinking=thinking,
-            prompt_opens_thinking=thinking is not None and thinking.prompt_opens_block(prompt_ids),
+            prompt_opens_thinking=tags is not None and tags.prompt_opens_block(prompt_ids),
         )
 
     def tokenize(self, item: IntakeItem) -> list[int]:

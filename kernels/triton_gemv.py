@@ -1,0 +1,208 @@
+"""Skinny GEMM ``y = x @ W^T (+ bias)`` for batch-1..16 decode: Triton kernel, torch reference, benchmark.
+
+At M <= 16 a linear layer streams its weight: N*K*elt bytes read, almost no math, so the kernel is built for
+bandwidth. Each program owns BLOCK_N rows of W (nn.Linear layout, K contiguous) and walks K in BLOCK_K-wide
+coalesced tiles, reading every weight byte once; x (at most 16 rows, from L1/L2) is re-read per tile. M = 1
+(and fp32 at any M) multiplies in fp32 on the CUDA cores into a [BLOCK_N, BLOCK_M, BLOCK_K] accumulator reduced
+once after the loop; 16-bit M >= 2 uses ``tl.dot(W, x^T)`` (swap-AB: W is the A operand, x padded to 16 rows) so
+the tensor cores do the math. When N / BLOCK_N programs cannot fill the GPU, K is split: the programs write fp32
+partials to a workspace that a tiny second kernel sums in a fixed order (deterministic, no atomics). Launch
+parameters come from a small deterministic heuristic, not triton.autotune, so calls are CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+import torch.nn.functional as F
+
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl, triton
+
+SKINNY_MAX_M = 16
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
+
+
+def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The oracle: ``F.linear`` in float32, cast to x's dtype."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), weight.float(), b).to(x.dtype)
+
+
+@_jit
+def _gemv_kernel(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
+    M, N, K, k_split, x_s0,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split)."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    # clamped rows: loads need no N/M mask (out-of-range rows re-read the last row and are never stored)
+    rows_n = tl.minimum(offs_n, N - 1).to(tl.int64)
+    rows_m = tl.minimum(offs_m, M - 1)
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    w_ptrs = w_ptr + rows_n[:, None] * K + (k_lo + offs_k)[None, :]
+    x_ptrs = x_ptr + rows_m[:, None] * x_s0 + (k_lo + offs_k)[None, :]
+    if USE_DOT:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_N, BLOCK_M, BLOCK_K), dtype=tl.float32)
+    for k in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs)
+            x = tl.load(x_ptrs)
+        else:
+            k_mask = (k + offs_k < K)[None, :]
+            w = tl.load(w_ptrs, mask=k_mask, other=0.0)
+            x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        elif USE_DOT:
+            acc = tl.dot(w, tl.trans(x), acc)
+        else:  # elementwise FMAs only; the cross-lane reduction over K happens once, after the loop
+            acc3 += w.to(tl.float32)[:, None, :] * x.to(tl.float32)[None, :, :]
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not USE_DOT:
+        acc = tl.sum(acc3, axis=2)
+    out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    if SPLIT:
+        tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_mask)
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
+        y = acc.to(y_ptr.dtype.element_ty)
+        tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], y, mask=out_mask)
+
+
+@_jit
+def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, N, MN, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """y[i] = sum over the SPLIT_K fp32 partials of element i (+ bias), split 0 first: a fixed order."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132,
+                use_dot: bool | None = None) -> dict[str, int | bool]:
+    """Launch parameters from the shape alone (deterministic); the defaults won an H100 sweep over the Qwen3-8B
+    shapes. M = 1: CUDA-core FMAs on [2, 2 KiB] tiles (many small programs). M >= 2 (16-bit): tl.dot on
+    [64, 512 B] W tiles, 4 pipeline stages. fp32 stays on FMAs (an exact fp32 tl.dot was 3-5x slower)."""
+    use_dot = dtype != torch.float32 and m > 1 if use_dot is None else use_dot
+    if use_dot:
+        block_m, block_n, block_k, stages = 16, 64, 512 // dtype.itemsize, 4  # 4 x 40 KiB of shared memory
+    else:  # the [BLOCK_N, BLOCK_M, BLOCK_K] fp32 accumulator stays at <= 32 registers a thread (4 warps)
+        block_m, stages = triton.next_power_of_2(m), 3
+        block_k = min(2048 // dtype.itemsize, 1024 // block_m)
+        block_n = 2 if block_m == 1 else 4
+    lo = 16 if use_dot else 1
+    block_k = min(block_k, max(lo, triton.next_power_of_2(k)))
+    block_n = min(block_n, max(lo, triton.next_power_of_2(n)))
+    # split K (powers of two) only while at most a quarter of the SMs have a program, keeping >= 4 K tiles a
+    # program: the reduce kernel costs ~1 us, more than 64 deep-pipelined programs lose (N = 4096, dot path)
+    tiles_n, tiles_k, split_k = triton.cdiv(n, block_n), triton.cdiv(k, block_k), 1
+    while tiles_n * split_k <= num_sms // 4 and tiles_k >= 8 * split_k:
+        split_k *= 2
+    return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "split_k": split_k,
+            "num_warps": 4, "num_stages": stages, "use_dot": use_dot}
+
+
+def gemv_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
+    block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
+    num_warps: int | None = None, num_stages: int | None = None, use_dot: bool | None = None,
+) -> torch.Tensor:
+    """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic."""
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    (m, k), n = x.shape, weight.shape[0]
+    if m > SKINNY_MAX_M:
+        raise ValueError(f"M = {m} exceeds SKINNY_MAX_M = {SKINNY_MAX_M}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype in {_DTYPES}, got {x.dtype} and {weight.dtype}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous ([N, K] row-major)")
+    if bias is not None and bias.shape != (n,):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({n},)")
+    if m == 0 or n == 0 or k == 0:
+        return gemv_ref(x, weight, bias)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    bias = None if bias is None else bias.contiguous()
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+    cfg = gemv_config(m, n, k, x.dtype, sms, use_dot)
+    bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
+    if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
+        raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two (>= 16 for the dot path)")
+    k_split = triton.cdiv(triton.cdiv(k, bk), split_k or cfg["split_k"]) * bk  # a multiple of BLOCK_K
+    splits = triton.cdiv(k, k_split)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
+    b = bias if bias is not None else y
+    _gemv_kernel[(triton.cdiv(n, bn), splits)](
+        x, weight, b, y, ws, m, n, k, k_split, x.stride(0),
+        HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=cfg["use_dot"],
+        DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
+        BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
+        num_stages=num_stages or cfg["num_stages"],
+    )
+    if splits > 1:
+        _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
+            ws, b, y, n, m * n, SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
+    return y
+
+
+def bench_gemv(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, iters: int = 50,
+               **overrides: int | bool) -> dict:
+    """Time gemv_triton and F.linear (CUDA only) as CUDA-graph replays of ``iters`` calls, by CUDA events.
+
+    The weight rotates over enough copies to overflow L2, so GB/s (weight + x + y bytes) is an HBM figure, as
+    in decode, where each layer's weight arrives cold."""
+    dev = torch.device("cuda")
+    gen = torch.Generator(device=dev).manual_seed(0)
+    elt = dtype.itemsize
+    copies = max(1, min(iters, triton.cdiv(3 * torch.cuda.get_device_properties(dev).L2_cache_size, n * k * elt)))
+    x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
+    ws = [(torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(dtype) for _ in range(copies)]
+
+    def timed(fn) -> float:
+        for w in ws:
+            fn(w)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for i in range(iters):
+                fn(ws[i % copies])
+        graph.replay()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / iters
+
+    triton_ms = timed(lambda w: gemv_triton(x, w, **overrides))
+    torch_ms = timed(lambda w: F.linear(x, w))
+    err = (gemv_triton(x, ws[0], **overrides).float() - gemv_ref(x, ws[0]).float()).abs().max().item()
+    nbytes = (n * k + m * k + m * n) * elt
+    return {"m": m, "n": n, "k": k, "triton_ms": triton_ms, "torch_ms": torch_ms,
+            "triton_GBps": nbytes / triton_ms / 1e6, "torch_GBps": nbytes / torch_ms / 1e6, "max_abs_err": err}

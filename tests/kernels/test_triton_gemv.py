@@ -1,0 +1,127 @@
+"""Skinny GEMM (decode linear layers, M <= 16) against its torch reference.
+
+On CPU the kernel runs under the Triton interpreter (conftest sets TRITON_INTERPRET=1) on tiny shapes; there bf16
+casts truncate instead of rounding, so bf16 is compared within two ulps of the output. The interpreter runs the
+dot path in fp32 (its 16-bit tl.dot is wrong), so the 16-bit tensor-core path itself is checked by the gpu tests.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kernels.triton_gemv import SKINNY_MAX_M, gemv_config, gemv_ref, gemv_triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=DEVICE)
+
+
+def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """fp32: summation-order error, relative to the output's magnitude; 16-bit: two ulps (2**-7 for bf16)."""
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    scale = expected.float().abs().max().item() + 1.0
+    if expected.dtype == torch.float32:
+        torch.testing.assert_close(actual, expected, atol=1e-5 * scale, rtol=1e-5)
+    else:
+        ulp = torch.finfo(expected.dtype).eps
+        torch.testing.assert_close(actual.float(), expected.float(), atol=2 * ulp * scale, rtol=2 * ulp)
+
+
+def operands(m: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    x = randn(m, k, dtype=dtype, seed=seed)
+    weight = randn(n, k, dtype=dtype, seed=seed + 1, scale=k**-0.5)
+    return x, weight, randn(n, dtype=dtype, seed=seed + 2) if bias else None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("n,k", [(1, 16), (7, 100), (64, 256), (130, 100)])
+def test_gemv_default_heuristic(dtype, m, n, k):
+    x, weight, bias = operands(m, n, k, dtype, bias=n % 2 == 0)
+    close(gemv_triton(x, weight, bias), gemv_ref(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("use_dot", [False, True])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("m,n,k,split_k", [(1, 130, 256, 4), (3, 7, 100, 3), (16, 64, 256, 2), (2, 33, 1000, 8)])
+def test_gemv_split_k_and_paths(dtype, use_dot, bias, m, n, k, split_k):
+    """Forced split-K (workspace + reduce kernel, a ragged last split too) on both the FMA and the dot path."""
+    x, weight, b = operands(m, n, k, dtype, bias)
+    block_n, block_k = (16, 64) if use_dot else (4, 64)
+    out = gemv_triton(x, weight, b, block_n=block_n, block_k=block_k, split_k=split_k, use_dot=use_dot)
+    close(out, gemv_ref(x, weight, b))
+
+
+def test_gemv_strided_x_and_zero_sizes():
+    x, weight, bias = operands(4, 64, 256, torch.float32, bias=True)
+    wide = randn(4, 512)
+    wide[:, :256] = x
+    close(gemv_triton(wide[:, :256], weight, bias), gemv_ref(x, weight, bias))  # row stride 512
+    close(gemv_triton(x.t().contiguous().t(), weight), gemv_ref(x, weight))  # column-major x
+    assert gemv_triton(x[:0], weight).shape == (0, 64)
+    torch.testing.assert_close(gemv_triton(x[:, :0], weight[:, :0], bias), bias.expand(4, 64))
+
+
+def test_gemv_config_is_deterministic_and_valid():
+    for m in range(1, SKINNY_MAX_M + 1):
+        for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (1024, 4096), (5, 3)]:
+            for dtype in (torch.bfloat16, torch.float32):
+                cfg = gemv_config(m, n, k, dtype)
+                assert cfg == gemv_config(m, n, k, dtype)
+                assert cfg["block_m"] >= m and all(cfg[key] & (cfg[key] - 1) == 0 for key in
+                                                   ("block_m", "block_n", "block_k", "split_k"))
+                if cfg["use_dot"]:
+                    assert min(cfg["block_m"], cfg["block_n"], cfg["block_k"]) >= 16
+    assert gemv_config(1, 4096, 4096, torch.bfloat16)["split_k"] == 1  # enough N tiles: no reduce kernel
+    assert gemv_config(16, 512, 12288, torch.bfloat16)["split_k"] > 1  # 8 N tiles of 64 rows: split K
+
+
+def test_gemv_errors():
+    x, weight, bias = operands(2, 8, 32, torch.float32, bias=True)
+    with pytest.raises(ValueError, match="SKINNY_MAX_M"):
+        gemv_triton(randn(SKINNY_MAX_M + 1, 32), weight)
+    with pytest.raises(ValueError, match="weight"):
+        gemv_triton(x, randn(8, 33))
+    with pytest.raises(ValueError, match="x \\[M, K\\]"):
+        gemv_triton(x[0], weight)
+    with pytest.raises(ValueError, match="dtype"):
+        gemv_triton(x, weight.bfloat16())
+    with pytest.raises(ValueError, match="dtype"):
+        gemv_triton(x.double(), weight.double())
+    with pytest.raises(ValueError, match="contiguous"):
+        gemv_triton(x, randn(32, 8).t())
+    with pytest.raises(ValueError, match="bias"):
+        gemv_triton(x, weight, bias[:4])
+    with pytest.raises(ValueError, match="powers of two"):
+        gemv_triton(x, weight, block_n=3)
+    with pytest.raises(ValueError, match="powers of two"):
+        gemv_triton(x, weight, block_n=8, use_dot=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288)])
+def test_gpu_gemv_bf16_real_shapes(m, n, k):
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+    weight = (torch.randn(n, k, device="cuda", generator=gen) * k**-0.5).bfloat16()
+    bias = torch.randn(n, device="cuda", generator=gen).bfloat16()
+    for b in (None, bias):
+        expected = gemv_ref(x, weight, b)
+        close(gemv_triton(x, weight, b), expected)
+        close(gemv_triton(x, weight, b, split_k=4), expected)
+    graph_out = torch.empty(m, n, dtype=torch.bfloat16, device="cuda")
+    graph = torch.cuda.CUDAGraph()  # the default launch is capturable (no autotuning, no host sync)
+    with torch.cuda.graph(graph):
+        graph_out.copy_(gemv_triton(x, weight, bias))
+    graph.replay()
+    torch.cuda.synchronize()
+    close(graph_out, gemv_ref(x, weight, bias))
