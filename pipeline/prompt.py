@@ -10,6 +10,7 @@ from typing import Any
 from pipeline.chat_template import render_chat_template
 from pipeline.errors import InvalidRequest
 from pipeline.tokenizer import Tokenizer
+from pipeline.tool_turns import inline_tool_turns, template_knows_tools
 
 
 class PromptRenderer:
@@ -25,6 +26,9 @@ class PromptRenderer:
             raise InvalidRequest("messages must not be empty", "messages")
         kwargs = dict(chat_template_kwargs)
         kwargs.setdefault("add_generation_prompt", True)
+        if not template_knows_tools(self.chat_template) and (kwargs.get("tools") or any(
+                m.get("role") == "tool" or m.get("tool_calls") for m in messages)):
+            messages = inline_tool_turns(messages, kwargs.pop("tools", None))
         try:
             return render_chat_template(self.chat_template, messages, bos_token=self.tokenizer.bos_token or "",
                                         eos_token=self.tokenizer.eos_token or "", **kwargs)
