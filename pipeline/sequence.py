@@ -16,6 +16,7 @@ from pipeline.thinking import ThinkingBudget
 
 _seq_ids = itertools.count(1)
 RepetitionDetector = ext.load("repetition").RepetitionDetector
+_penalties = ext.load("penalties")
 
 
 def new_grammar_state(request: Request) -> Any:
@@ -25,6 +26,14 @@ def new_grammar_state(request: Request) -> Any:
     from pipeline.grammar.state import GrammarState
 
     return GrammarState(request.grammar)
+
+
+def new_token_counts(request: Request) -> Any:
+    """Penalty bookkeeping for a sample of a request that uses penalties (None otherwise)."""
+    p = request.params
+    if p.repetition_penalty in (None, 1.0) and not p.presence_penalty and not p.frequency_penalty:
+        return None
+    return _penalties.TokenCounts(request.prompt_token_ids)
 
 
 def new_thinking_budget(request: Request) -> ThinkingBudget | None:
@@ -65,6 +74,7 @@ class Sequence:
     loop_guard: RepetitionDetector | None = None  # fed every output token (survives preemption)
     grammar: Any = None  # GrammarState when the request constrains its output; advanced per token
     thinking: ThinkingBudget | None = None  # the thinking budget's state; forces </think> when spent
+    token_counts: Any = None  # TokenCounts (ext/penalties) when the request uses penalties
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:
@@ -78,6 +88,7 @@ class Sequence:
             loop_guard=new_loop_guard(request),
             grammar=new_grammar_state(request),
             thinking=new_thinking_budget(request),
+            token_counts=new_token_counts(request),
         )
 
     def fork(self, index: int, shared_blocks: list[int], block_size: int, grammar: Any = None) -> Sequence:
@@ -96,6 +107,7 @@ class Sequence:
             loop_guard=new_loop_guard(self.request),
             grammar=grammar,
             thinking=new_thinking_budget(self.request),
+            token_counts=new_token_counts(self.request),
         )
 
     @property
@@ -140,6 +152,8 @@ class Sequence:
     def append_token(self, token_id: int) -> FinishReason | None:
         """Record a sampled token and say whether it ends the sequence."""
         self.token_ids.append(token_id)
+        if self.token_counts is not None:
+            self.token_counts.add(token_id)
         params = self.request.params
         if token_id in params.stop_token_ids:
             return FinishReason.STOP

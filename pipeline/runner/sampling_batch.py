@@ -19,7 +19,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
+import ext
 from pipeline.request import SamplingParams
+
+_penalties = ext.load("penalties")
 
 GREEDY_EPS = 1e-5  # temperatures below this are greedy: dividing by them would overflow the logits
 _MASK64 = (1 << 64) - 1
@@ -52,13 +55,15 @@ class SamplingRow:
     """One token to pick for one sequence."""
 
     params: SamplingParams  # resolved by the engine; None fields still mean neutral
-    prompt_token_ids: Sequence[int]  # list or np.ndarray; for the repetition penalty
-    output_token_ids: Sequence[int]  # generated so far; for penalties and min_tokens
+    prompt_token_ids: Sequence[int]  # for penalties when `counts` is None (else may be empty)
+    output_token_ids: Sequence[int]  # generated so far; for penalties (when `counts` is None) and min_tokens
     eos_token_ids: frozenset[int]  # suppressed while len(output) < min_tokens, unless ignore_eos
     seed: int  # per-sequence seed (the engine draws one when the request has none)
     counter: int  # RNG counter: the output position of the token being picked
     grammar: Any = None  # GrammarState: its bitmask is filled by the runner while the forward runs
     forced_token: int | None = None  # the only token this row may pick (e.g. closing a thinking budget)
+    counts: Any = None  # the sequence's TokenCounts (ext/penalties), kept up to date per token
+    num_output_tokens: int | None = None  # None: len(output_token_ids)
 
 
 @dataclass(slots=True)
@@ -142,8 +147,8 @@ class SamplingBatch:
         top_p_rows: list[int] = []
         top_p: list[float] = []
         top_p_sort_k: list[int] = []  # per top-p row: its k, or 0 when it has no top-k
-        seen_ids: list[tuple[int, Sequence[int]]] = []
-        counted_ids: list[tuple[int, Sequence[int]]] = []
+        seen_rows: list[tuple[int, Any]] = []
+        counted_rows: list[tuple[int, Any]] = []
         bias: list[tuple[int, int, float]] = []
         suppress: list[tuple[int, int]] = []
         grammar_rows: list[tuple[int, Any]] = []
@@ -171,16 +176,17 @@ class SamplingBatch:
                     min_p[i] = float(p.min_p)
             if p.repetition_penalty is not None and p.repetition_penalty != 1.0:
                 rep[i] = float(p.repetition_penalty)
-                seen_ids += [(i, row.prompt_token_ids), (i, row.output_token_ids)]
+                seen_rows.append((i, _counts_of(row)))
             if p.presence_penalty or p.frequency_penalty:
                 presence[i], frequency[i] = float(p.presence_penalty), float(p.frequency_penalty)
-                counted_ids.append((i, row.output_token_ids))
+                counted_rows.append((i, _counts_of(row)))
             # Ids outside [0, V) cannot be sampled, so biasing or suppressing them is a no-op;
             # the intake rejects bad logit_bias ids for the client.
             for tok, value in (p.logit_bias or {}).items():
                 if 0 <= int(tok) < vocab:
                     bias.append((i, int(tok), float(value)))
-            if len(row.output_token_ids) < p.min_tokens:
+            num_output = len(row.output_token_ids) if row.num_output_tokens is None else row.num_output_tokens
+            if num_output < p.min_tokens:
                 # ignore_eos: eos does not end the sequence, so there is nothing to hold back.
                 stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | row.eos_token_ids
                 suppress += [(i, tok) for tok in sorted(stops) if 0 <= tok < vocab]
@@ -191,6 +197,7 @@ class SamplingBatch:
             if row.forced_token is not None and 0 <= row.forced_token < vocab:
                 forced.append((i, row.forced_token))
 
+        seen_flat, counted_flat, counted_values = _penalties.penalty_inputs(seen_rows, counted_rows, vocab)
         upload = _Upload(device)
         upload.f32(temperature=temperature, top_p=top_p, min_p=min_p, repetition_penalty=rep,
                    presence_penalty=presence, frequency_penalty=frequency, bias_values=[b[2] for b in bias])
@@ -199,7 +206,8 @@ class SamplingBatch:
                    bias_index=[b[j] for j in range(2) for b in bias],
                    suppress_index=[s[j] for j in range(2) for s in suppress],
                    forced_index=[f[j] for j in range(2) for f in forced],
-                   seen_ids=_flat_token_ids(seen_ids, vocab), counted_ids=_flat_token_ids(counted_ids, vocab))
+                   seen_ids=seen_flat, counted_ids=counted_flat)
+        upload.f32(counted_values=counted_values)
         on_device = upload.send()
 
         def subset(name: str, indices: list[int]) -> Tensor | None:
@@ -227,8 +235,9 @@ class SamplingBatch:
             repetition_penalty=on_device["repetition_penalty"],
             presence_penalty=on_device["presence_penalty"],
             frequency_penalty=on_device["frequency_penalty"],
-            seen_mask=_token_counts(on_device["seen_ids"], num_rows, vocab) > 0 if seen_ids else None,
-            output_counts=_token_counts(on_device["counted_ids"], num_rows, vocab) if counted_ids else None,
+            seen_mask=_scatter(on_device["seen_ids"], None, num_rows, vocab) > 0 if seen_rows else None,
+            output_counts=_scatter(on_device["counted_ids"], on_device["counted_values"], num_rows, vocab)
+            if counted_rows else None,
             bias_index=on_device["bias_index"].view(2, -1) if bias else None,
             bias_values=on_device["bias_values"] if bias else None,
             suppress_index=on_device["suppress_index"].view(2, -1) if suppress else None,
@@ -271,18 +280,17 @@ class _Upload:
         return views
 
 
-def _flat_token_ids(ids_by_row: list[tuple[int, Sequence[int]]], vocab_size: int) -> np.ndarray:
-    """Every row's ids shifted by row * V, so one scatter counts them all."""
-    parts = [np.asarray(ids, dtype=np.int64) + row * vocab_size for row, ids in ids_by_row if len(ids)]
-    return np.concatenate(parts) if parts else np.empty(0, dtype=np.int64)
+def _counts_of(row: SamplingRow) -> Any:
+    """The row's TokenCounts; rows built from plain token lists (tests, tools) get one on the fly."""
+    if row.counts is not None:
+        return row.counts
+    counts = _penalties.TokenCounts(row.prompt_token_ids)
+    counts.add_all(row.output_token_ids)
+    return counts
 
 
-def _token_counts(flat_ids: Tensor, num_rows: int, vocab_size: int) -> Tensor:
-    """[S, V] float32 occurrence counts from ids already shifted by row * V (one scatter_add).
-
-    Rebuilt each step from the token lists; a device-resident buffer updated incrementally is the
-    next step if profiling shows this on long prompts.
-    """
-    counts = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=flat_ids.device)
-    counts.scatter_add_(0, flat_ids, torch.ones(flat_ids.shape, dtype=torch.float32, device=flat_ids.device))
-    return counts.view(num_rows, vocab_size)
+def _scatter(flat_ids: Tensor, values: Tensor | None, num_rows: int, vocab_size: int) -> Tensor:
+    """[S, V] float32: `values` (or 1) at the flat row * V + token indices, 0 elsewhere."""
+    dense = torch.zeros(num_rows * vocab_size, dtype=torch.float32, device=flat_ids.device)
+    dense[flat_ids] = 1.0 if values is None else values
+    return dense.view(num_rows, vocab_size)

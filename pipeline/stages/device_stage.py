@@ -40,8 +40,10 @@ class DeviceStage(Stage):
         request = seq.request
         return SamplingRow(
             params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=seq.output_token_ids,
+            prompt_token_ids=(),  # penalties read seq.token_counts: no per-step copy of the token lists
+            output_token_ids=(),
+            num_output_tokens=seq.num_output_tokens + ahead,
+            counts=seq.token_counts,
             eos_token_ids=request.eos_token_ids,
             seed=seq.seed if seed is None else seed,
             counter=seq.num_output_tokens + ahead,

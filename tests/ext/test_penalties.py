@@ -1,0 +1,40 @@
+"""Penalty bookkeeping: compiled == twin == counting the token lists directly."""
+import importlib
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+
+from ext import penalties_py
+
+try:
+    compiled = importlib.import_module("ext.penalties")
+except ImportError:  # not built
+    compiled = None
+
+MODULES = [pytest.param(penalties_py, id="twin"),
+           pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))]
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("seed", range(10))
+def test_sparse_inputs_equal_direct_counts(module, seed):
+    rng = random.Random(seed)
+    vocab = 50
+    rows = []
+    for row in range(rng.randint(1, 5)):
+        prompt = [rng.randrange(vocab) for _ in range(rng.randint(0, 20))]
+        output = [rng.randrange(vocab) for _ in range(rng.randint(0, 20))]
+        counts = module.TokenCounts(prompt)
+        for token in output:  # incremental, as the engine appends
+            counts.add(token)
+        rows.append((row, prompt, output, counts))
+    seen_rows = [(r, c) for r, _, _, c in rows if r % 2 == 0]
+    counted_rows = [(r, c) for r, _, _, c in rows]
+    seen, counted, values = module.penalty_inputs(seen_rows, counted_rows, vocab)
+    expected_seen = sorted(r * vocab + t for r, p, o, _ in rows if r % 2 == 0 for t in set(p) | set(o))
+    assert sorted(seen.tolist()) == expected_seen
+    expected_counts = {r * vocab + t: n for r, _, o, _ in rows for t, n in Counter(o).items()}
+    assert dict(zip(counted.tolist(), values.tolist())) == expected_counts
+    assert seen.dtype == np.int64 and counted.dtype == np.int64 and values.dtype == np.float32
