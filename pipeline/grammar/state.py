@@ -11,6 +11,10 @@ import numpy as np
 import torch
 import xgrammar as xgr
 
+import ext
+
+_bitmask = ext.load("bitmask")
+
 
 class GrammarState:
     __slots__ = ("matcher",)
@@ -42,9 +46,9 @@ def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vo
     Rows without a grammar allow everything. Filled in pinned memory on CUDA and copied without
     blocking, so it never waits behind the step's kernels.
     """
-    host = torch.from_numpy(np.full((num_rows, bitmask_words(vocab_size)), -1, dtype=np.int32))
-    for row, state in states:
-        state.fill(host, row)
+    array = np.empty((num_rows, bitmask_words(vocab_size)), dtype=np.int32)
+    _bitmask.fill_batch_bitmask(array, states)
+    host = torch.from_numpy(array)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host
