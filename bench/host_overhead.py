@@ -1,38 +1,49 @@
-"""Host time per decode step with a null device: the step itself costs nothing, so what is timed is
-everything the host does per token (scheduling, step inputs, sampling rows, detokenization, the
-output channels and, with --http, SSE writes to real clients).
+"""Host time per decode step with a null device: the step's math costs nothing, so what is timed is
+everything the host does per token: scheduling, step inputs, the sampling batch, grammar bitmasks,
+detokenization, stop strings, the output channels, and (--http) SSE writes to real HTTP clients.
 
 The embedded SmolLM2 model is loaded for its tokenizer and limits; the executor is then bound to a
-null launch that "samples" a pseudo-random token per row with no math.
+null launch that does the runner's host work (step inputs, sampling batch, grammar bitmask fill)
+and "samples" without math: a hash of the position, or for a constrained row the lowest token its
+grammar allows.
 
-    python bench/host_overhead.py --batch 1 32 256 [--http] [--out bench/results/host.json]
+    python bench/host_overhead.py --all --out bench/results/host-overhead.json   # every mode, subprocesses
+    python bench/host_overhead.py --batch 1 32 256 --http --grammar               # one mode
+CONVEYOR_PURE_PYTHON=1 selects the pure-Python twins of the Cython modules (--all runs both).
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
-import cProfile
+import json
 import os
-import pstats
+import platform
+import subprocess
 import sys
 import time
 
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
 
+import ext  # noqa: E402
 from bench.report import emit_json  # noqa: E402
 from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
+from pipeline.grammar.spec import GrammarSpec  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
 from pipeline.runner.sampler import SamplerOutput  # noqa: E402
+from pipeline.runner.sampling_batch import SamplingBatch  # noqa: E402
 from pipeline.runner.step_plan import StepPlan  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
+          "items": {"type": "string"}}}, "required": ["name", "tags"]}
+TARGET_MS = {1: 0.25, 256: 3.0}
 
 
 class NullSample:
-    """A step's "results": token ids from a cheap hash of each row's position; always ready."""
-
     def __init__(self, token_ids: np.ndarray) -> None:
         self.token_ids = torch.from_numpy(token_ids)
         self._output = SamplerOutput(token_ids, None, None, None)
@@ -44,71 +55,148 @@ class NullSample:
         return self._output
 
 
-def null_launch(vocab: int):
+def null_launch(vocab: int, block_size: int):
+    step_inputs = ext.load("step_inputs")
+    cpu = torch.device("cpu")
+
     def launch(plan: StepPlan, previous_tokens) -> NullSample:
-        ids = [((c.start_pos + len(c.token_ids)) * 2654435761 + i * 97) % (vocab - 300) + 256
-               for c in plan.chunks for i, _ in enumerate(c.rows)]
-        return NullSample(np.asarray(ids, dtype=np.int64))
+        chunks = plan.chunks
+        step_inputs.build_step_inputs([c.token_ids for c in chunks], [c.start_pos for c in chunks],
+                                      [c.block_ids for c in chunks], block_size)
+        rows = [row for c in chunks for row in c.rows]
+        ids = np.asarray([((c.start_pos + len(c.token_ids)) * 2654435761 + i * 97) % (vocab - 300) + 256
+                          for c in chunks for i, _ in enumerate(c.rows)], dtype=np.int64)
+        if rows:
+            batch = SamplingBatch.from_rows(rows, vocab, cpu)
+            batch.fill_grammar_bitmask()
+            if batch.grammar_bitmask is not None:
+                words = batch.grammar_bitmask.numpy()
+                for row, _ in batch.grammar_rows:
+                    word = int(np.flatnonzero(words[row])[0])
+                    bits = int(words[row, word]) & 0xFFFFFFFF
+                    ids[row] = word * 32 + (bits & -bits).bit_length() - 1
+        return NullSample(ids)
 
     return launch
 
 
-async def engine_run(engine: Engine, batch: int, tokens: int) -> dict:
-    params = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True)
+def request_params(tokens: int, grammar: bool) -> SamplingParams:
+    return SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, repetition_detection=False,
+                          grammar=GrammarSpec.json_schema(SCHEMA) if grammar else None)
+
+
+async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> list[float]:
     firsts: list[float] = []
 
     async def one(i: int) -> None:
         first = True
-        async for _ in engine.generate(prompt_token_ids=[300 + i, 400 + i, 500], params=params):
+        async for _ in engine.generate(prompt_token_ids=[300 + i, 400 + i, 500], params=request_params(tokens, grammar)):
             if first:
                 firsts.append(time.perf_counter())
                 first = False
 
-    before = engine.stats()["device_steps"]
     await asyncio.gather(*(one(i) for i in range(batch)))
-    end = time.perf_counter()
-    steps = engine.stats()["device_steps"] - before
-    decode_s = end - max(firsts)  # every sequence decoding: the steady state
-    return {"batch": batch, "tokens": tokens, "device_steps": steps,
-            "ms_per_step": decode_s / (tokens - 1) * 1e3, "wall_s": end - min(firsts)}
+    return firsts
 
 
-async def main_async(a: argparse.Namespace) -> dict:
-    engine = await Engine.create(EngineConfig(model=a.model, load_format="dummy" if a.model else "auto",
-                                              max_num_seqs=max(a.batch), run_ahead=not a.disable_run_ahead,
-                                              num_kv_blocks=max(a.batch) * (a.tokens // 16 + 4) + 16))
-    engine.executor.bind(null_launch(engine.loaded.limits.vocab_size))
+async def via_http(url: str, batch: int, tokens: int, grammar: bool) -> list[float]:
+    import aiohttp
+
+    firsts: list[float] = []
+    body = {"model": "m", "prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
+            "stream": True, "repetition_detection": False}
+    if grammar:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
+
+    async def one(session) -> None:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+            first = True
+            async for _ in response.content:
+                if first:
+                    firsts.append(time.perf_counter())
+                    first = False
+
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(one(session) for _ in range(batch)))
+    return firsts
+
+
+async def measure(a: argparse.Namespace) -> dict:
+    config = EngineConfig(max_num_seqs=max(a.batch), max_num_batched_tokens=max(512, 4 * max(a.batch)),
+                          num_kv_blocks=max(a.batch) * (a.tokens // 16 + 4) + 16)
+    engine = await Engine.create(config)
+    engine.executor.bind(null_launch(engine.loaded.limits.vocab_size, config.block_size))
+    runner = url = None
+    if a.http:
+        from aiohttp import web
+
+        from web.app import ServerSettings, ServerState, build_app
+        from web.metrics import ServerMetrics
+
+        state = ServerState(ServerSettings(served_model_names=["m"]), ServerMetrics(engine.stats, "m"))
+        state.engine = engine
+        runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     results = []
     try:
         for batch in a.batch:
-            await engine_run(engine, min(batch, 8), 8)  # warm-up
-            profiler = cProfile.Profile() if a.profile else None
-            if profiler:
-                profiler.enable()
-            results.append(await engine_run(engine, batch, a.tokens))
-            if profiler:
-                profiler.disable()
-                stats = pstats.Stats(profiler).sort_stats("tottime")
-                print(f"--- batch {batch}", file=sys.stderr)
-                stats.stream = sys.stderr
-                stats.print_stats(25)
-            print(f"batch {batch}: {results[-1]['ms_per_step']:.3f} ms/step", file=sys.stderr)
+            run = (lambda b, t: via_http(url, b, t, a.grammar)) if a.http else (
+                lambda b, t: via_engine(engine, b, t, a.grammar))
+            await run(min(batch, 8), 8)  # warm-up (grammar compiled here)
+            before = engine.stats()["device_steps"]
+            firsts = await run(batch, a.tokens)
+            end = time.perf_counter()
+            steps = engine.stats()["device_steps"] - before
+            ms = (end - max(firsts)) / (a.tokens - 1) * 1e3  # every stream decoding: the steady state
+            results.append({"batch": batch, "tokens": a.tokens, "device_steps": steps, "ms_per_step": ms,
+                            "target_ms": TARGET_MS.get(batch)})
+            print(f"batch {batch}: {ms:.3f} ms/step", file=sys.stderr)
     finally:
+        if runner is not None:
+            await runner.cleanup()
         await engine.shutdown()
-    return {"benchmark": "host_overhead", "path": "engine.generate", "run_ahead": not a.disable_run_ahead,
-            "results": results}
+    return {"http": a.http, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"), "results": results}
+
+
+def run_all(a: argparse.Namespace) -> dict:
+    modes = []
+    for cython in (True, False):
+        for http in (False, True):
+            for grammar in (False, True):
+                cmd = [sys.executable, __file__, "--batch", *map(str, a.batch), "--tokens", str(a.tokens)]
+                cmd += ["--http"] if http else []
+                cmd += ["--grammar"] if grammar else []
+                env = dict(os.environ, CONVEYOR_PURE_PYTHON="0" if cython else "1")
+                done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+                if done.returncode:
+                    raise RuntimeError(done.stderr[-2000:])
+                modes.append(json.loads(done.stdout))
+                print(done.stderr.strip(), file=sys.stderr)
+    return {"benchmark": "host_overhead", "date": time.strftime("%Y-%m-%d"),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or ''}".strip(", "),
+            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                     cwd=ROOT).stdout.strip(),
+            "method": "null device (runner host work kept, no math); ms/step = steady-state time with every "
+                      "stream decoding / (tokens - 1); --http streams SSE to real aiohttp clients",
+            "targets_ms": TARGET_MS, "modes": modes}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--tokens", type=int, default=128)
-    parser.add_argument("--model", default=None, help="a model dir for its tokenizer (dummy weights); default: embedded")
-    parser.add_argument("--disable-run-ahead", action="store_true")
-    parser.add_argument("--profile", action="store_true", help="cProfile each batch (stderr)")
+    parser.add_argument("--http", action="store_true", help="through the HTTP server to real SSE clients")
+    parser.add_argument("--grammar", action="store_true", help="every request json_schema-constrained")
+    parser.add_argument("--all", action="store_true", help="every mode (Cython on/off x http x grammar)")
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
-    emit_json(asyncio.run(main_async(a)), a.out)
+    report = run_all(a) if a.all else asyncio.run(measure(a))
+    emit_json(report, a.out)
 
 
 if __name__ == "__main__":

@@ -7,12 +7,9 @@ from libc.string cimport memset
 cnp.import_array()
 
 
-def fill_batch_bitmask(cnp.ndarray[cnp.int32_t, ndim=2] bitmask, list grammar_rows):
+def fill_batch_bitmask(cnp.ndarray[cnp.int32_t, ndim=2] bitmask, list rows, fill):
     if not bitmask.flags.c_contiguous:
         raise ValueError("the bitmask buffer must be C-contiguous")
     memset(<void *>bitmask.data, 0xFF, bitmask.shape[0] * bitmask.shape[1] * sizeof(cnp.int32_t))
-    if not grammar_rows:
-        return
-    tensor = torch.from_numpy(bitmask)
-    for row, state in grammar_rows:
-        state.fill(tensor, row)
+    if rows:
+        fill(torch.from_numpy(bitmask), rows)

@@ -59,7 +59,7 @@ def mix_seed(seed: int, salt: int) -> int:
     return (z ^ (z >> 31)) & _MASK63
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)  # an entity: compared by identity (list membership stays O(1) per item)
 class Sequence:
     request: Request
     index: int  # which of the request's n samples

@@ -35,6 +35,24 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, rows: list[int]) -> None:
+    if all(isinstance(state, GrammarState) for _, state in states):
+        _batch_matcher().batch_fill_next_token_bitmask([state.matcher for _, state in states], tensor, rows)
+    else:  # any object with fill(tensor, row) (tests)
+        for row, state in states:
+            state.fill(tensor, row)
+
+
+_BATCH: list[xgr.BatchGrammarMatcher] = []
+
+
+def _batch_matcher() -> xgr.BatchGrammarMatcher:
+    """xgrammar's batch filler (its own thread pool), made once."""
+    if not _BATCH:
+        _BATCH.append(xgr.BatchGrammarMatcher(max_threads="auto"))
+    return _BATCH[0]
+
+
 def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
@@ -47,7 +65,7 @@ def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vo
     blocking, so it never waits behind the step's kernels.
     """
     array = np.empty((num_rows, bitmask_words(vocab_size)), dtype=np.int32)
-    _bitmask.fill_batch_bitmask(array, states)
+    _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda tensor, rows: _fill_rows(states, tensor, rows))
     host = torch.from_numpy(array)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)

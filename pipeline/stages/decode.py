@@ -117,15 +117,17 @@ class DecodeStage(DeviceStage):
                 if n:
                     seq.block_ids.extend(self.pool.allocate(n))
             return True
+        preempted: set[int] = set()
         for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq not in self.running:
+            if seq.seq_id in preempted:
                 continue  # preempted below while making room for an earlier arrival
             while needed(seq) > self.pool.num_free:
                 victim = decode_victim(self.running)
                 await self._preempt(victim)
+                preempted.add(victim.seq_id)
                 if victim is seq:
                     break
-            if seq in self.running and needed(seq):
+            if seq.seq_id not in preempted and needed(seq):
                 seq.block_ids.extend(self.pool.allocate(needed(seq)))
         return True
 

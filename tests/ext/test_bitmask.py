@@ -15,19 +15,20 @@ MODULES = [pytest.param(bitmask_py, id="twin"),
            pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))]
 
 
-class Allow:
-    def __init__(self, words: list[int]) -> None:
-        self.words = words
+WORDS = {1: [1, 0, 5], 3: [0, -2, 7]}
 
-    def fill(self, tensor, row: int) -> None:
-        for i, word in enumerate(self.words):
-            tensor[row, i] = word
+
+def fill(tensor, rows):
+    for row in rows:
+        tensor[row] = tensor.new_tensor(WORDS[row])
 
 
 @pytest.mark.parametrize("module", MODULES)
 def test_assembly(module):
     bitmask = np.zeros((4, 3), dtype=np.int32)
-    module.fill_batch_bitmask(bitmask, [(1, Allow([1, 0, 5])), (3, Allow([0, -2, 7]))])
+    module.fill_batch_bitmask(bitmask, [1, 3], fill)
     assert bitmask.tolist() == [[-1, -1, -1], [1, 0, 5], [-1, -1, -1], [0, -2, 7]]
-    module.fill_batch_bitmask(bitmask, [])
+    module.fill_batch_bitmask(bitmask, [], fill)
     assert (bitmask == -1).all()
+    with pytest.raises(ValueError):
+        module.fill_batch_bitmask(np.zeros((3, 4), dtype=np.int32).T, [], fill)
