@@ -23,6 +23,9 @@ PREFIX_CONTEXT_TOKENS = 4
 # A held tail longer than this tries to re-anchor the window at a settled split point, which keeps
 # each step's cost bounded even for garbage ids whose decode keeps ending in U+FFFD.
 MAX_HELD_TOKENS = 8
+# A fully settled window is re-anchored every this many tokens (not every token: that costs a second
+# decode call per token); must not exceed MAX_HELD_TOKENS.
+ADVANCE_EVERY = 8
 REANCHOR_ATTEMPTS = 8
 # Characters that must follow a split point before the text left of it is settled: a UTF-8
 # sequence is at most 4 bytes, and every decoded character consumes at least one byte.
@@ -114,8 +117,8 @@ class IncrementalDetokenizer:
             before_run = self._decode(self._window[: self._byte_run_start])
             settled = min(settled, len(before_run) - self._prefix_chars)
         delta = tail[self._tail_emitted : settled]
-        if settled == len(tail) and self._byte_run_start is None:
-            self._advance()
+        if settled == len(tail) and self._byte_run_start is None and len(self._window) - self._read >= ADVANCE_EVERY:
+            self._advance()  # every few tokens, not every token: one decode call per push instead of two
         else:
             self._tail_emitted = max(self._tail_emitted, settled)
             if len(self._window) - self._read > MAX_HELD_TOKENS:

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from pipeline.detokenizer import MAX_HELD_TOKENS, PREFIX_CONTEXT_TOKENS, IncrementalDetokenizer
+from pipeline.detokenizer import ADVANCE_EVERY, MAX_HELD_TOKENS, PREFIX_CONTEXT_TOKENS, IncrementalDetokenizer
 
 FFFD = "\ufffd"
 
@@ -289,7 +289,7 @@ def test_cost_per_step_is_bounded_by_the_window(backend: Tokenizer) -> None:
         detokenizer = IncrementalDetokenizer(detokenizer_calls)
         streamed = "".join(detokenizer.push([t]) for t in ids) + detokenizer.flush()
         assert streamed == backend.decode(ids)
-        bound = PREFIX_CONTEXT_TOKENS + MAX_HELD_TOKENS + 1 + longest_byte_fallback_run(backend, ids)
+        bound = PREFIX_CONTEXT_TOKENS + MAX_HELD_TOKENS + ADVANCE_EVERY + 1 + longest_byte_fallback_run(backend, ids)
         assert max(detokenizer_calls.decode_lengths) <= bound
 
 
