@@ -5,7 +5,7 @@ speculative verify — goes through `Sampler`, which calls `apply_logits_pipelin
 steps run in the order of `LOGITS_STEPS`:
 
     repetition penalty -> presence/frequency penalties -> logit_bias -> min_tokens
-    -> grammar bitmask -> forced tokens -> temperature -> top-k -> top-p -> min-p
+    -> grammar bitmask -> forced tokens -> temperature -> truncation (top-k -> top-p -> min-p)
 
 Edits that change which tokens are allowed or how likely they are (penalties, bias, masks) come
 before temperature; truncation filters come last, on the tempered distribution. Each step takes
@@ -20,10 +20,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from kernels import dispatch
+from kernels.triton_sampling import apply_cutoff_, topk_topp_minp_cutoff_triton
 from pipeline.runner.sampling_batch import SamplingBatch
 
 Step = Callable[[Tensor, SamplingBatch], Tensor]
 NEG_INF = float("-inf")
+CUTOFF_KERNEL_MIN_ROWS = 32  # below this a sort of k_max values (or of the row) is faster on an H100
 
 
 def _on_rows(logits: Tensor, rows: Tensor | None, fn: Callable[[Tensor], Tensor]) -> Tensor:
@@ -97,19 +100,16 @@ def apply_temperature(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def apply_top_k(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Keep exactly k tokens per row (ties at the k-th value broken by topk's order).
-
-    Exactly k, not "everything >= the k-th value", so top-p can sort just k_max values.
-    """
+    """Keep the tokens whose logit is >= the row's k-th largest (ties at the k-th value stay, as in
+    vLLM); at most k_max values are selected, never the whole vocabulary sorted."""
     if not batch.any_top_k:
         return logits
     k_max = batch.top_k_max
 
     def keep_top_k(rows: Tensor) -> Tensor:
-        values, indices = rows.topk(k_max, dim=-1)
-        rank = torch.arange(k_max, device=rows.device)
-        values = values.masked_fill(rank >= batch.top_k[:, None], NEG_INF)
-        return torch.full_like(rows, NEG_INF).scatter_(1, indices, values)
+        values = rows.topk(k_max, dim=-1).values
+        kth = values.gather(1, (batch.top_k[:, None] - 1).clamp_(max=k_max - 1))
+        return rows.masked_fill(rows < kth, NEG_INF)
 
     return _on_rows(logits, batch.top_k_rows, keep_top_k)
 
@@ -137,6 +137,18 @@ def apply_top_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
     return _on_rows(logits, batch.top_p_rows, keep_top_p)
 
 
+def apply_truncation(logits: Tensor, batch: SamplingBatch) -> Tensor:
+    """top-k, then top-p on its survivors, then min-p: each keeps {x >= threshold}. Large batches on the
+    GPU find the three thresholds at once without sorting (kernels/triton_sampling.py, ~6x faster than
+    sorting at 256 rows of a 152k vocabulary); small ones sort only top-k's k_max values, or the row."""
+    if not (batch.any_top_k or batch.any_top_p or batch.any_min_p):
+        return logits
+    if batch.num_rows >= CUTOFF_KERNEL_MIN_ROWS and dispatch.use_triton(logits.device):
+        cutoff = topk_topp_minp_cutoff_triton(logits, batch.top_k_all, batch.top_p_all, batch.min_p)
+        return apply_cutoff_(logits, cutoff)
+    return apply_min_p(apply_top_p(apply_top_k(logits, batch), batch), batch)
+
+
 def apply_min_p(logits: Tensor, batch: SamplingBatch) -> Tensor:
     """Drop tokens with prob < min_p * max prob, i.e. logit < max logit + log(min_p)."""
     if not batch.any_min_p:
@@ -156,9 +168,7 @@ LOGITS_STEPS: list[tuple[str, Step]] = [
     ("grammar_bitmask", apply_grammar_bitmask),
     ("forced_tokens", apply_forced_tokens),
     ("temperature", apply_temperature),
-    ("top_k", apply_top_k),
-    ("top_p", apply_top_p),
-    ("min_p", apply_min_p),
+    ("truncation", apply_truncation),  # top-k -> top-p -> min-p
 ]
 
 

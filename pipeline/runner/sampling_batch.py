@@ -92,6 +92,9 @@ class SamplingBatch:
     top_p_rows: Tensor | None
     any_top_p: bool
     top_p_sort_k: int
+    # the same per row for the truncation kernel: k [S] int64 (0 = off), p [S] float32 (1.0 = off)
+    top_k_all: Tensor
+    top_p_all: Tensor
     # min-p [S] float32, 0.0 = off
     min_p: Tensor
     any_min_p: bool
@@ -139,6 +142,7 @@ class SamplingBatch:
         """One pass over the rows on the host, then one small host->device copy per tensor."""
         num_rows, vocab = len(rows), vocab_size
         temperature, min_p = [1.0] * num_rows, [0.0] * num_rows
+        top_k_all, top_p_all = [0] * num_rows, [1.0] * num_rows
         rep, presence, frequency = [1.0] * num_rows, [0.0] * num_rows, [0.0] * num_rows
         random_rows: list[int] = []
         rng_keys: list[tuple[int, int]] = []
@@ -168,9 +172,11 @@ class SamplingBatch:
                 if has_k:
                     top_k_rows.append(i)
                     top_k.append(k)
+                    top_k_all[i] = k
                 if p.top_p is not None and p.top_p < 1.0:
                     top_p_rows.append(i)
                     top_p.append(float(p.top_p))
+                    top_p_all[i] = float(p.top_p)
                     top_p_sort_k.append(k if has_k else 0)
                 if p.min_p:
                     min_p[i] = float(p.min_p)
@@ -199,9 +205,9 @@ class SamplingBatch:
 
         seen_flat, counted_flat, counted_values = _penalties.penalty_inputs(seen_rows, counted_rows, vocab)
         upload = _Upload(device)
-        upload.f32(temperature=temperature, top_p=top_p, min_p=min_p, repetition_penalty=rep,
+        upload.f32(temperature=temperature, top_p=top_p, top_p_all=top_p_all, min_p=min_p, repetition_penalty=rep,
                    presence_penalty=presence, frequency_penalty=frequency, bias_values=[b[2] for b in bias])
-        upload.i64(random_rows=random_rows, rng_keys=[half for key in rng_keys for half in key], top_k=top_k,
+        upload.i64(top_k_all=top_k_all, random_rows=random_rows, rng_keys=[half for key in rng_keys for half in key], top_k=top_k,
                    top_k_rows=top_k_rows, top_p_rows=top_p_rows,
                    bias_index=[b[j] for j in range(2) for b in bias],
                    suppress_index=[s[j] for j in range(2) for s in suppress],
@@ -230,6 +236,8 @@ class SamplingBatch:
             top_p_rows=subset("top_p_rows", top_p_rows),
             any_top_p=any_top_p,
             top_p_sort_k=max(top_p_sort_k) if any_top_p and min(top_p_sort_k) > 0 else 0,
+            top_k_all=on_device["top_k_all"],
+            top_p_all=on_device["top_p_all"],
             min_p=on_device["min_p"],
             any_min_p=any(min_p),
             repetition_penalty=on_device["repetition_penalty"],

@@ -128,8 +128,8 @@ def ref_top_k(x: list[float], row: SamplingRow) -> list[float]:
     k = row.params.top_k or 0
     if is_greedy(row.params) or not 0 < k < V:
         return x
-    kept = set(sorted(range(V), key=lambda t: -x[t])[:k])
-    return [v if t in kept else NEG_INF for t, v in enumerate(x)]
+    kth = sorted(x, reverse=True)[k - 1]  # ties at the k-th value stay
+    return [v if v >= kth else NEG_INF for v in x]
 
 
 def probs_of(x: list[float]) -> list[float]:
@@ -167,10 +167,15 @@ STEPS = [
     ("grammar_bitmask", lp.apply_grammar_bitmask, ref_grammar),
     ("forced_tokens", lp.apply_forced_tokens, ref_forced),
     ("temperature", lp.apply_temperature, ref_temperature),
-    ("top_k", lp.apply_top_k, ref_top_k),
-    ("top_p", lp.apply_top_p, ref_top_p),
-    ("min_p", lp.apply_min_p, ref_min_p),
+    ("truncation", lp.apply_truncation, lambda x, row: ref_min_p(ref_top_p(ref_top_k(x, row), row), row)),
 ]
+
+
+def test_truncation_keeps_ties_at_the_kth_value():
+    rows = [SamplingRow(P(top_k=2, temperature=1.0), [], [], frozenset(), 0, 0)]
+    logits = torch.tensor([[1.0, 3.0, 2.0, 2.0, 0.5]])
+    got = lp.apply_truncation(logits.clone(), SamplingBatch.from_rows(rows, 5, CPU))
+    assert torch.isfinite(got).tolist() == [[False, True, True, True, False]]
 
 
 def reference(logits: torch.Tensor, rows: list[SamplingRow], refs) -> torch.Tensor:
@@ -279,3 +284,30 @@ def test_top_p_sorts_only_top_k_when_every_row_has_top_k():
     logits = make_logits(rows)
     want = reference(logits, rows, [ref_top_k, ref_top_p])
     torch.testing.assert_close(lp.apply_top_p(lp.apply_top_k(logits.clone(), batch), batch), want)
+
+
+def truncation_rows(count: int) -> list[SamplingRow]:
+    choices = [P(top_k=7), P(top_p=0.6), P(min_p=0.1), P(top_k=30, top_p=0.8, min_p=0.02), P(temperature=0.0), P()]
+    return [SamplingRow(choices[i % len(choices)], [], [], frozenset(), i, 0) for i in range(count)]
+
+
+@pytest.mark.parametrize("device", [
+    pytest.param("cpu", id="interpreter"),
+    pytest.param("cuda", id="gpu", marks=pytest.mark.gpu),
+])
+def test_truncation_kernel_keeps_what_the_torch_steps_keep(monkeypatch, device):
+    if device == "cpu":
+        if not lp.dispatch.triton_available():
+            pytest.skip("triton is not installed")
+        monkeypatch.setattr(lp.dispatch, "use_triton", lambda d: True)  # the kernel under the interpreter
+    monkeypatch.setattr(lp, "CUTOFF_KERNEL_MIN_ROWS", 1)
+    vocab = 300 if device == "cpu" else 151936
+    rows = truncation_rows(12 if device == "cpu" else 64)
+    gen = torch.Generator().manual_seed(3)
+    logits = (torch.randn(len(rows), vocab, generator=gen) * 2).round(decimals=1).to(device)  # many ties
+    batch = SamplingBatch.from_rows(rows, vocab, torch.device(device))
+    kernel = lp.apply_truncation(logits.clone(), batch)
+    steps = lp.apply_min_p(lp.apply_top_p(lp.apply_top_k(logits.clone(), batch), batch), batch)
+    differ = [i for i in range(len(rows)) if not torch.equal(torch.isfinite(kernel[i]), torch.isfinite(steps[i]))]
+    # only top-p may differ, and only by float32 rounding at its mass boundary
+    assert all(rows[i].params.top_p is not None for i in differ) and len(differ) <= len(rows) // 8
