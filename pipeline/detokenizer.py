@@ -38,12 +38,22 @@ class TokenDecoder(Protocol):
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
 
+_SPECIALS: dict[int, tuple[Any, frozenset[int]]] = {}  # id(backend) -> (backend, ids): asked once per tokenizer
+
+
 def _special_token_ids(backend: Any) -> frozenset[int]:
-    """Ids that decode(skip_special_tokens=True) drops; empty if the backend cannot say."""
+    """Ids that decode(skip_special_tokens=True) drops; empty if the backend cannot say. Listing the
+    added tokens costs ~1 ms on a large vocabulary, so it is done once per backend, not per request."""
+    cached = _SPECIALS.get(id(backend))
+    if cached is not None and cached[0] is backend:
+        return cached[1]
     added = getattr(backend, "get_added_tokens_decoder", None)
-    if added is None:
-        return frozenset()
-    return frozenset(int(i) for i, token in added().items() if getattr(token, "special", False))
+    ids = frozenset() if added is None else frozenset(
+        int(i) for i, token in added().items() if getattr(token, "special", False))
+    if len(_SPECIALS) > 64:
+        _SPECIALS.clear()
+    _SPECIALS[id(backend)] = (backend, ids)
+    return ids
 
 
 def _is_byte_fallback_token(token: str | None) -> bool:
