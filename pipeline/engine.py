@@ -92,6 +92,10 @@ class Engine:
             raise
         engine = cls(config, loaded, executor)
         engine.start()
+        # What is loaded now lives as long as the engine: keep it out of the cyclic GC's scans. Measured
+        # on the host bench: a 223 ms full collection mid-decode (700k tracked objects) became 37 ms.
+        gc.collect()
+        gc.freeze()
         return engine
 
     def start(self) -> None:
