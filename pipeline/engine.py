@@ -238,5 +238,6 @@ class Engine:
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         runner = self.loaded.runner
+        gc.unfreeze()  # what create() froze can be collected again (engines come and go in one process)
         await self.executor.call(lambda: (gc.collect(), runner.release()))  # frees device memory on its thread
         await asyncio.to_thread(self.executor.shutdown)
