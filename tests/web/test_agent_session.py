@@ -7,7 +7,6 @@ import json
 
 import jsonschema
 import openai
-import pytest
 
 from tests.web.server_utils import LiveServer
 from web.app import ServerSettings
