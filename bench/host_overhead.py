@@ -125,6 +125,7 @@ async def via_http(url: str, batch: int, tokens: int, grammar: bool) -> list[flo
 
 async def measure(a: argparse.Namespace) -> dict:
     config = EngineConfig(max_num_seqs=max(a.batch), max_num_batched_tokens=max(512, 4 * max(a.batch)),
+                          run_ahead=not a.disable_run_ahead,
                           num_kv_blocks=max(a.batch) * (a.tokens // 16 + 4) + 16)
     engine = await Engine.create(config)
     engine.executor.bind(null_launch(engine.loaded.limits.vocab_size, config.block_size))
@@ -160,7 +161,8 @@ async def measure(a: argparse.Namespace) -> dict:
         if runner is not None:
             await runner.cleanup()
         await engine.shutdown()
-    return {"http": a.http, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"), "results": results}
+    return {"http": a.http, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"),
+            "run_ahead": not a.disable_run_ahead, "results": results}
 
 
 def run_all(a: argparse.Namespace) -> dict:
@@ -193,6 +195,7 @@ def main() -> None:
     parser.add_argument("--http", action="store_true", help="through the HTTP server to real SSE clients")
     parser.add_argument("--grammar", action="store_true", help="every request json_schema-constrained")
     parser.add_argument("--all", action="store_true", help="every mode (Cython on/off x http x grammar)")
+    parser.add_argument("--disable-run-ahead", action="store_true", help="each step waits for the previous")
     parser.add_argument("--out", default=None)
     a = parser.parse_args()
     report = run_all(a) if a.all else asyncio.run(measure(a))
