@@ -59,7 +59,7 @@ def null_launch(vocab: int, block_size: int):
     step_inputs = ext.load("step_inputs")
     cpu = torch.device("cpu")
 
-    def launch(plan: StepPlan, previous_tokens) -> NullSample:
+    def launch(plan: StepPlan, previous_tokens, previous_host=None) -> NullSample:
         chunks = plan.chunks
         step_inputs.build_step_inputs([c.token_ids for c in chunks], [c.start_pos for c in chunks],
                                       [c.block_ids for c in chunks], block_size)
@@ -68,9 +68,9 @@ def null_launch(vocab: int, block_size: int):
                           for c in chunks for i, _ in enumerate(c.rows)], dtype=np.int64)
         if rows:
             batch = SamplingBatch.from_rows(rows, vocab, cpu)
-            batch.fill_grammar_bitmask()
+            batch.fill_grammar_bitmask(previous_host)
             if batch.grammar_bitmask is not None:  # the "device's" pick, vectorized: lowest allowed token
-                rows_ = np.asarray([row for row, _ in batch.grammar_rows])
+                rows_ = np.asarray([entry[0] for entry in batch.grammar_rows])
                 words = batch.grammar_bitmask.numpy()[rows_].view(np.uint32)
                 first = (words != 0).argmax(axis=1)
                 bits = words[np.arange(len(rows_)), first].astype(np.int64)

@@ -7,6 +7,8 @@ logits pipeline masks disallowed tokens in one call for the whole batch.
 """
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import torch
 import xgrammar as xgr
@@ -17,14 +19,32 @@ _bitmask = ext.load("bitmask")
 
 
 class GrammarState:
-    __slots__ = ("matcher",)
+    """Two threads advance it: the stage when it records a token, and the device thread when a step
+    one step ahead needs the mask after a token the stage has not recorded yet. Tokens are taken by
+    output position under a lock, so each is taken exactly once, by whichever thread comes first."""
+
+    __slots__ = ("matcher", "_lock", "_taken", "_ok")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
+        self._lock = threading.Lock()
+        self._taken = 0  # output tokens taken so far
+        self._ok = True  # every token taken was allowed
+
+    def accept_at(self, position: int, token_id: int) -> bool:
+        """Take the output token at `position` (once: a second call for it returns the first's answer);
+        False if the grammar refused it (the mask makes that impossible) or an earlier one."""
+        with self._lock:
+            if position == self._taken:
+                self._ok = self._ok and bool(self.matcher.accept_token(token_id))
+                self._taken += 1
+            elif position > self._taken:
+                raise ValueError(f"grammar token {position} taken before token {self._taken}")
+            return self._ok
 
     def accept(self, token_id: int) -> bool:
-        """Advance by a sampled token; False if the grammar forbids it (the mask makes that impossible)."""
-        return bool(self.matcher.accept_token(token_id))
+        """Take the next token (single-threaded callers)."""
+        return self.accept_at(self._taken, token_id)
 
     @property
     def is_terminated(self) -> bool:

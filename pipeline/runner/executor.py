@@ -20,6 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol, TypeVar
 
+import numpy as np
 from torch import Tensor
 
 from pipeline.runner.sampler import SamplerOutput
@@ -38,7 +39,8 @@ class LaunchedSample(Protocol):
     def to_host(self) -> SamplerOutput: ...
 
 
-Launch = Callable[[StepPlan, "Tensor | None"], LaunchedSample]
+# (plan, the feeding lane's previous device tokens, a getter of the same tokens on the host)
+Launch = Callable[[StepPlan, "Tensor | None", "Callable[[], np.ndarray] | None"], LaunchedSample]
 
 
 @dataclass(slots=True)
@@ -70,6 +72,7 @@ class DeviceExecutor:
         # Waits for device->host copies, so the device thread can launch the next step meanwhile.
         self._copy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-copies")
         self._lane_tokens: dict[str, Tensor] = {}  # each lane's last sampled tokens, still on the device
+        self._lane_samples: dict[str, tuple[LaunchedSample, int, int]] = {}  # (sample, first row, rows)
         self.steps = 0
         self.merged_steps = 0
         self._launching_since: float | None = None
@@ -157,10 +160,12 @@ class DeviceExecutor:
             if len(fed) > 1:
                 raise RuntimeError(f"several stages feed from their previous steps in one forward: {fed}")
             previous = self._lane_tokens.get(fed[0]) if fed else None
-            sample = self._launch(merge_plans([s.plan for s in steps]), previous)
+            previous_host = self._host_tokens(fed[0]) if fed else None
+            sample = self._launch(merge_plans([s.plan for s in steps]), previous, previous_host)
         except BaseException as exc:  # delivered to every fetch of these steps, never lost in the thread
             for step in steps:
                 self._lane_tokens.pop(step.lane, None)
+                self._lane_samples.pop(step.lane, None)
                 step.loop.call_soon_threadsafe(_set_exception, step.launched, exc)
             return
         self.steps += 1
@@ -169,8 +174,16 @@ class DeviceExecutor:
         for step in steps:
             rows = step.plan.num_rows
             self._lane_tokens[step.lane] = sample.token_ids[first_row : first_row + rows]
+            self._lane_samples[step.lane] = (sample, first_row, rows)
             step.loop.call_soon_threadsafe(_set_result, step.launched, (sample, first_row))
             first_row += rows
+
+    def _host_tokens(self, lane: str) -> Callable[[], np.ndarray] | None:
+        entry = self._lane_samples.get(lane)
+        if entry is None:
+            return None
+        sample, first_row, rows = entry
+        return lambda: sample.to_host().token_ids[first_row : first_row + rows]
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], function: Callable[[], Any]) -> None:

@@ -4,6 +4,8 @@ Owned by the executor thread; nothing here touches asyncio or stage state.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import torch
 
@@ -110,11 +112,13 @@ class ModelRunner:
         return self.launch(plan).to_host()
 
     @torch.inference_mode()
-    def launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None) -> DeviceSample:
+    def launch(self, plan: StepPlan, previous_tokens: torch.Tensor | None = None,
+               previous_host: Callable[[], np.ndarray] | None = None) -> DeviceSample:
         """Queue a step on the device and return at once; its results arrive with `to_host()`.
 
         `previous_tokens` are the device token ids of the previous step of the stage that planned
-        this one, for chunks that name theirs by row (`previous_row`).
+        this one, for chunks that name theirs by row (`previous_row`); `previous_host()` gives the
+        same ids on the host (waiting for them), for grammar rows one step ahead.
         """
         chunks = plan.chunks
         if not chunks:
@@ -131,7 +135,7 @@ class ModelRunner:
         if (self.graphs is not None and decode_only and len(rows) == len(chunks)
                 and self.graphs.fits(len(chunks), tables.shape[1])):
             logits = self.graphs.run(input_ids, positions, slots, seq_lens, tables, feed)
-            batch.fill_grammar_bitmask()  # host work while the graph runs
+            batch.fill_grammar_bitmask(previous_host)  # host work while the graph runs
             return self.sampler.sample(logits, batch)
         qsl_host = qsl.tolist()
         lens_host = seq_lens.tolist()
@@ -158,7 +162,7 @@ class ModelRunner:
         if batch is None:
             return empty_sample(self.device)
         logits = self.model.compute_logits(hidden[last_index])
-        batch.fill_grammar_bitmask()  # host work while the forward runs (on CUDA)
+        batch.fill_grammar_bitmask(previous_host)  # host work while the forward runs (on CUDA)
         return self.sampler.sample(logits, batch)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:

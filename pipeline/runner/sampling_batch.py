@@ -11,7 +11,7 @@ argmax of the penalized/biased logits, which top-k/top-p/min-p could not change 
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,6 +61,9 @@ class SamplingRow:
     seed: int  # per-sequence seed (the engine draws one when the request has none)
     counter: int  # RNG counter: the output position of the token being picked
     grammar: Any = None  # GrammarState: its bitmask is filled by the runner while the forward runs
+    # >= 0: `grammar` may not have taken the token sampled in this row of the stage's previous step yet
+    # (one step ahead; that token's output position is counter - 1): the runner takes it first
+    grammar_previous_row: int = -1
     forced_token: int | None = None  # the only token this row may pick (e.g. closing a thinking budget)
     counts: Any = None  # the sequence's TokenCounts (ext/penalties), kept up to date per token
     num_output_tokens: int | None = None  # None: len(output_token_ids)
@@ -113,17 +116,31 @@ class SamplingBatch:
     max_num_logprobs: int | None
     # grammar rows (host states) and their bitmask [S, ceil(V/32)] int32, set by the runner after
     # the forward is launched (fill_grammar_bitmask); forced tokens as indices [2, F]
-    grammar_rows: list[tuple[int, Any]] = field(default_factory=list)
+    grammar_rows: list[tuple[int, Any, int]] = field(default_factory=list)  # (row, state, previous row)
+    grammar_counters: dict[int, int] = field(default_factory=dict)  # row -> output position being picked
     grammar_bitmask: Tensor | None = None
     forced_index: Tensor | None = None
 
-    def fill_grammar_bitmask(self) -> None:
-        """Fill the grammar rows' masks from their states (host work the device step hides)."""
-        if self.grammar_rows:
-            from pipeline.grammar.state import fill_batch_bitmask
+    def fill_grammar_bitmask(self, previous_tokens: Callable[[], np.ndarray] | None = None) -> None:
+        """Fill the grammar rows' masks from their states (host work the device step hides). Rows one
+        step ahead first advance their private copy by their previous token: `previous_tokens()` gives
+        the host ids of the stage's previous step (waiting for its copy, which precedes this step)."""
+        if not self.grammar_rows:
+            return
+        from pipeline.grammar.state import fill_batch_bitmask
 
-            self.grammar_bitmask = fill_batch_bitmask(self.grammar_rows, self.num_rows, self.vocab_size,
-                                                      self.device)
+        states: list[tuple[int, Any]] = []
+        host = previous_tokens() if previous_tokens is not None and any(
+            previous >= 0 for _, _, previous in self.grammar_rows) else None
+        counters = self.grammar_counters
+        for row, state, previous in self.grammar_rows:
+            if previous >= 0:
+                if host is None:
+                    raise ValueError("a grammar row is one step ahead, but the previous step's tokens are unknown")
+                if not state.accept_at(counters[row] - 1, int(host[previous])) or state.is_terminated:
+                    continue  # the sample ends with its previous token: this row is dropped anyway
+            states.append((row, state))
+        self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device)
 
     @property
     def all_greedy(self) -> bool:
@@ -155,7 +172,8 @@ class SamplingBatch:
         counted_rows: list[tuple[int, Any]] = []
         bias: list[tuple[int, int, float]] = []
         suppress: list[tuple[int, int]] = []
-        grammar_rows: list[tuple[int, Any]] = []
+        grammar_rows: list[tuple[int, Any, int]] = []
+        grammar_counters: dict[int, int] = {}
         forced: list[tuple[int, int]] = []
         num_logprobs = np.full(num_rows, -1, dtype=np.int64)
 
@@ -199,7 +217,8 @@ class SamplingBatch:
             if p.logprobs is not None:
                 num_logprobs[i] = p.logprobs
             if row.grammar is not None:
-                grammar_rows.append((i, row.grammar))
+                grammar_rows.append((i, row.grammar, row.grammar_previous_row))
+                grammar_counters[i] = row.counter
             if row.forced_token is not None and 0 <= row.forced_token < vocab:
                 forced.append((i, row.forced_token))
 
@@ -252,6 +271,7 @@ class SamplingBatch:
             num_logprobs=num_logprobs,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
             grammar_rows=grammar_rows,
+            grammar_counters=grammar_counters,
             forced_index=on_device["forced_index"].view(2, -1) if forced else None,
         )
 

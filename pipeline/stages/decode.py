@@ -150,7 +150,8 @@ class DecodeStage(DeviceStage):
             row = in_flight.row_of(seq) if in_flight is not None else -1
             if row >= 0:  # its token is still on the device: feed it from there
                 chunk = ScheduledChunk([0], len(seq.token_ids), list(seq.block_ids),
-                                       [self.sampling_row(seq, ahead=1)], previous_row=row)
+                                       [self.sampling_row(seq, ahead=1, grammar_previous_row=row)],
+                                       previous_row=row)
             else:
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:], seq.num_computed,
                                        list(seq.block_ids), [self.sampling_row(seq)])

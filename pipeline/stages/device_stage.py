@@ -35,7 +35,8 @@ class DeviceStage(Stage):
         self.detokenize = detokenize
 
     @staticmethod
-    def sampling_row(seq: Sequence, seed: int | None = None, ahead: int = 0, grammar: Any = _OWN) -> SamplingRow:
+    def sampling_row(seq: Sequence, seed: int | None = None, ahead: int = 0, grammar: Any = _OWN,
+                     grammar_previous_row: int = -1) -> SamplingRow:
         """The row that picks the sequence's next token; `ahead` tokens are still on the device."""
         request = seq.request
         return SamplingRow(
@@ -48,6 +49,7 @@ class DeviceStage(Stage):
             seed=seq.seed if seed is None else seed,
             counter=seq.num_output_tokens + ahead,
             grammar=seq.grammar if grammar is _OWN else grammar,
+            grammar_previous_row=grammar_previous_row,
             forced_token=seq.thinking.forced_token if seq.thinking is not None else None,
         )
 

@@ -33,7 +33,7 @@ def test_plans_waiting_together_run_as_one_step_and_get_their_own_rows():
     gate = threading.Event()
     seen: list[list[int]] = []
 
-    def launch(plan: StepPlan, previous):
+    def launch(plan: StepPlan, previous, previous_host=None):
         gate.wait()
         seen.append([c.token_ids[0] for c in plan.chunks])
         return FakeSample([row for c in plan.chunks for row in c.rows])
@@ -62,7 +62,7 @@ def test_a_stage_next_step_is_never_merged_and_feeds_on_the_previous_tokens():
     gate = threading.Event()
     launches: list[tuple[list[int], list[int] | None]] = []
 
-    def launch(plan: StepPlan, previous):
+    def launch(plan: StepPlan, previous, previous_host=None):
         gate.wait()
         launches.append(([c.token_ids[0] for c in plan.chunks], None if previous is None else previous.tolist()))
         return FakeSample([10 * c.token_ids[0] + i for c in plan.chunks for i, _ in enumerate(c.rows)])
@@ -84,7 +84,7 @@ def test_a_stage_next_step_is_never_merged_and_feeds_on_the_previous_tokens():
 
 
 def test_a_failing_launch_fails_every_fetch_of_it():
-    def launch(plan: StepPlan, previous):
+    def launch(plan: StepPlan, previous, previous_host=None):
         raise RuntimeError("device fell over")
 
     async def main():

@@ -92,3 +92,17 @@ def test_run_ahead_equals_step_by_step_on_cuda_with_graphs(tiny_model_dir):
     stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests, **cuda))
     assert ahead == stepwise
     assert stats["decode_steps_ahead"] > 0
+
+
+def test_grammar_rows_run_ahead_and_give_the_same_outputs(tiny_model_dir):
+    from pipeline.grammar.spec import GrammarSpec
+    from tests.pipeline.grammar.test_structured_output import SCHEMA
+
+    grammars = [GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", "[a-z]{3,20}"), GrammarSpec("regex", "[0-9]{5,30}"),
+                GrammarSpec.choice(["yes", "no", "maybe later"]), GrammarSpec("json_object")]
+    requests = [(p, SamplingParams(max_tokens=40, temperature=0.9, seed=i, grammar=g, n=2 if i == 0 else 1))
+                for i, (p, g) in enumerate(zip(prompts(5, seed=13), grammars))]
+    ahead, stats = run_async(generate_all(tiny_model_dir, True, requests))
+    stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests))
+    assert ahead == stepwise
+    assert stats["decode_steps_ahead"] > 0
