@@ -102,3 +102,22 @@ def test_a_grammar_that_does_not_compile_is_a_client_error(tiny_model_dir, spec,
             await engine.shutdown()
 
     run_async(main())
+
+
+@pytest.mark.gpu
+def test_structured_output_on_cuda_with_graphs_and_run_ahead(tiny_model_dir):
+    async def main():
+        engine = await Engine.create(config_for(tiny_model_dir, device="cuda", cuda_graphs=True))
+        try:
+            runs = await asyncio.gather(*[generate(engine, GrammarSpec.json_schema(SCHEMA), seed=s) for s in range(6)])
+            stats = engine.stats()
+            await settle(engine)
+            assert_no_leaks(engine)
+            return runs, stats
+        finally:
+            await engine.shutdown()
+
+    runs, stats = run_async(main())
+    for samples in runs:
+        check_schema(json.loads(samples[0].text))
+    assert stats["decode_steps_ahead"] > 0
