@@ -15,7 +15,7 @@ from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_kv_cache import write_kv_padded_ref
 from kernels.triton_norm import rms_norm_ref
-from kernels.triton_rope import apply_rotary_ref_
+from kernels.triton_rope import _rotation_pairs, apply_rotary_ref_
 
 
 def qkv_prologue_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
@@ -48,14 +48,8 @@ def _prologue_kernel(
         base = k_ptr + tok * k_s0 + (head - n_q_heads).to(tl.int64) * k_s1
         w_ptr = kw_ptr
     dtype = q_ptr.dtype.element_ty
-    i = tl.arange(0, BLOCK_HALF)
-    mask_i = i < half
-    if IS_NEOX:
-        off_a = i
-        off_b = i + half
-    else:
-        off_a = 2 * i
-        off_b = 2 * i + 1
+    off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
+        cos_ptr, sin_ptr, tok * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
     dims = tl.arange(0, BLOCK_D)
     tail = (dims >= 2 * half) & (dims < head_dim)  # partial rotary: normed, not rotated
     xa = tl.load(base + off_a, mask=mask_i, other=0.0).to(tl.float32)
@@ -67,11 +61,6 @@ def _prologue_kernel(
         xa = (xa * rstd * tl.load(w_ptr + off_a, mask=mask_i, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         xb = (xb * rstd * tl.load(w_ptr + off_b, mask=mask_i, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         xt = (xt * rstd * tl.load(w_ptr + dims, mask=tail, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
-    cs = tok * cs_s0
-    cos_a = tl.load(cos_ptr + cs + off_a * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
-    cos_b = tl.load(cos_ptr + cs + off_b * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
-    sin_a = tl.load(sin_ptr + cs + off_a * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
-    sin_b = tl.load(sin_ptr + cs + off_b * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
     out_a = (xa * cos_a + xb * sin_a).to(dtype)
     out_b = (xb * cos_b + xa * sin_b).to(dtype)
     out_t = xt.to(dtype)

@@ -27,6 +27,24 @@ def apply_rotary_ref_(
 
 
 @_jit
+def _rotation_pairs(cos_ptr, sin_ptr, cs, cs_s1, half, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr):
+    """The pair members' offsets (a, b), their mask, and the token's cos/sin at each, in float32."""
+    i = tl.arange(0, BLOCK_HALF)
+    mask_i = i < half
+    if IS_NEOX:
+        off_a = i
+        off_b = i + half
+    else:
+        off_a = 2 * i
+        off_b = 2 * i + 1
+    cos_a = tl.load(cos_ptr + cs + off_a * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
+    cos_b = tl.load(cos_ptr + cs + off_b * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
+    sin_a = tl.load(sin_ptr + cs + off_a * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
+    sin_b = tl.load(sin_ptr + cs + off_b * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
+    return off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b
+
+
+@_jit
 def _rotate_heads(
     x_ptr, s_tok, s_head, tok, head0, n_heads, off_a, off_b, mask_i,
     cos_a, cos_b, sin_a, sin_b,
@@ -56,19 +74,8 @@ def _rope_kernel(
     """Grid (T, q head blocks + k head blocks): cos/sin of the token are loaded once per program."""
     tok = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
-    i = tl.arange(0, BLOCK_HALF)
-    mask_i = i < half
-    if IS_NEOX:
-        off_a = i
-        off_b = i + half
-    else:
-        off_a = 2 * i
-        off_b = 2 * i + 1
-    cs = tok * cs_s0
-    cos_a = tl.load(cos_ptr + cs + off_a * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
-    cos_b = tl.load(cos_ptr + cs + off_b * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
-    sin_a = tl.load(sin_ptr + cs + off_a * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
-    sin_b = tl.load(sin_ptr + cs + off_b * cs_s1, mask=mask_i, other=0.0).to(tl.float32)
+    off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
+        cos_ptr, sin_ptr, tok * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
     if hb < n_q_blocks:
         _rotate_heads(q_ptr, q_s0, q_s1, tok, hb * BLOCK_H, n_q_heads, off_a, off_b, mask_i,
                       cos_a, cos_b, sin_a, sin_b, BLOCK_H)

@@ -8,7 +8,7 @@ closing tag's ids one per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(slots=True, frozen=True)
@@ -31,10 +31,7 @@ class ThinkingBudget:
     inside: bool  # a thinking block is open
     used: int = 0  # tokens generated inside thinking blocks
     forcing: int = 0  # how many closing-tag ids were forced so far (while closing)
-    recent: list[int] | None = None  # the last few output ids, for matching multi-token tags
-
-    def __post_init__(self) -> None:
-        self.recent = []
+    recent: list[int] = field(default_factory=list)  # the last few output ids, for matching multi-token tags
 
     @property
     def forced_token(self) -> int | None:

@@ -14,6 +14,7 @@ With a reasoning parser and thinking on, a required or named call comes after th
 """
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from pipeline.grammar.spec import GrammarSpec
@@ -31,16 +32,10 @@ def _tag(parser: str, function: dict[str, Any]) -> dict[str, Any]:
                 "content": {"type": "json_schema", "json_schema": schema, "style": "qwen_xml",
                             "max_whitespace_cnt": MAX_WHITESPACE},
                 "end": "\n</function>\n</tool_call>"}
-    name_json = _json_string(name)
+    name_json = json.dumps(name, ensure_ascii=False)
     return {"type": "tag", "begin": f'<tool_call>\n{{"name": {name_json}, "arguments": ',
             "content": {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": MAX_WHITESPACE},
             "end": "}\n</tool_call>"}
-
-
-def _json_string(text: str) -> str:
-    import json
-
-    return json.dumps(text, ensure_ascii=False)
 
 
 def tool_call_grammar(parser: str, tools: list[dict] | None, tool_choice: object, parallel_tool_calls: bool = True,

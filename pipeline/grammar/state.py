@@ -42,10 +42,6 @@ class GrammarState:
                 raise ValueError(f"grammar token {position} taken before token {self._taken}")
             return self._ok
 
-    def accept(self, token_id: int) -> bool:
-        """Take the next token (single-threaded callers)."""
-        return self.accept_at(self._taken, token_id)
-
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing more may be generated."""

@@ -71,8 +71,8 @@ class DeviceExecutor:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         # Waits for device->host copies, so the device thread can launch the next step meanwhile.
         self._copy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-copies")
-        self._lane_tokens: dict[str, Tensor] = {}  # each lane's last sampled tokens, still on the device
-        self._lane_samples: dict[str, tuple[LaunchedSample, int, int]] = {}  # (sample, first row, rows)
+        # each lane's last launch: (merged sample, first row, rows); its tokens feed the lane's next step
+        self._lane_samples: dict[str, tuple[LaunchedSample, int, int]] = {}
         self.steps = 0
         self.merged_steps = 0
         self._launching_since: float | None = None
@@ -159,12 +159,11 @@ class DeviceExecutor:
             fed = [s.lane for s in steps if any(c.previous_row >= 0 for c in s.plan.chunks)]
             if len(fed) > 1:
                 raise RuntimeError(f"several stages feed from their previous steps in one forward: {fed}")
-            previous = self._lane_tokens.get(fed[0]) if fed else None
-            previous_host = self._host_tokens(fed[0]) if fed else None
+            last = self._lane_samples.get(fed[0]) if fed else None
+            previous, previous_host = _lane_tokens(last) if last is not None else (None, None)
             sample = self._launch(merge_plans([s.plan for s in steps]), previous, previous_host)
         except BaseException as exc:  # delivered to every fetch of these steps, never lost in the thread
             for step in steps:
-                self._lane_tokens.pop(step.lane, None)
                 self._lane_samples.pop(step.lane, None)
                 step.loop.call_soon_threadsafe(_set_exception, step.launched, exc)
             return
@@ -173,17 +172,16 @@ class DeviceExecutor:
         first_row = 0
         for step in steps:
             rows = step.plan.num_rows
-            self._lane_tokens[step.lane] = sample.token_ids[first_row : first_row + rows]
             self._lane_samples[step.lane] = (sample, first_row, rows)
             step.loop.call_soon_threadsafe(_set_result, step.launched, (sample, first_row))
             first_row += rows
 
-    def _host_tokens(self, lane: str) -> Callable[[], np.ndarray] | None:
-        entry = self._lane_samples.get(lane)
-        if entry is None:
-            return None
-        sample, first_row, rows = entry
-        return lambda: sample.to_host().token_ids[first_row : first_row + rows]
+
+
+def _lane_tokens(last: tuple[LaunchedSample, int, int]) -> tuple[Tensor, Callable[[], np.ndarray]]:
+    """A lane's previous tokens on the device, and a getter of the same on the host (it waits)."""
+    sample, first_row, rows = last
+    return sample.token_ids[first_row : first_row + rows], lambda: sample.to_host().token_ids[first_row:first_row + rows]
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], function: Callable[[], Any]) -> None:

@@ -116,28 +116,27 @@ class SamplingBatch:
     max_num_logprobs: int | None
     # grammar rows (host states) and their bitmask [S, ceil(V/32)] int32, set by the runner after
     # the forward is launched (fill_grammar_bitmask); forced tokens as indices [2, F]
-    grammar_rows: list[tuple[int, Any, int]] = field(default_factory=list)  # (row, state, previous row)
-    grammar_counters: dict[int, int] = field(default_factory=dict)  # row -> output position being picked
+    # (row, state, previous row, output position being picked)
+    grammar_rows: list[tuple[int, Any, int, int]] = field(default_factory=list)
     grammar_bitmask: Tensor | None = None
     forced_index: Tensor | None = None
 
     def fill_grammar_bitmask(self, previous_tokens: Callable[[], np.ndarray] | None = None) -> None:
-        """Fill the grammar rows' masks from their states (host work the device step hides). Rows one
-        step ahead first advance their private copy by their previous token: `previous_tokens()` gives
-        the host ids of the stage's previous step (waiting for its copy, which precedes this step)."""
+        """Fill the grammar rows' masks from their states (host work the device step hides). A row one
+        step ahead first has its state take its previous token (GrammarState.accept_at: once, whichever
+        thread comes first): `previous_tokens()` gives the host ids of the stage's previous step."""
         if not self.grammar_rows:
             return
         from pipeline.grammar.state import fill_batch_bitmask
 
         states: list[tuple[int, Any]] = []
         host = previous_tokens() if previous_tokens is not None and any(
-            previous >= 0 for _, _, previous in self.grammar_rows) else None
-        counters = self.grammar_counters
-        for row, state, previous in self.grammar_rows:
+            previous >= 0 for _, _, previous, _ in self.grammar_rows) else None
+        for row, state, previous, position in self.grammar_rows:
             if previous >= 0:
                 if host is None:
                     raise ValueError("a grammar row is one step ahead, but the previous step's tokens are unknown")
-                if not state.accept_at(counters[row] - 1, int(host[previous])) or state.is_terminated:
+                if not state.accept_at(position - 1, int(host[previous])) or state.is_terminated:
                     continue  # the sample ends with its previous token: this row is dropped anyway
             states.append((row, state))
         self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device)
@@ -172,8 +171,7 @@ class SamplingBatch:
         counted_rows: list[tuple[int, Any]] = []
         bias: list[tuple[int, int, float]] = []
         suppress: list[tuple[int, int]] = []
-        grammar_rows: list[tuple[int, Any, int]] = []
-        grammar_counters: dict[int, int] = {}
+        grammar_rows: list[tuple[int, Any, int, int]] = []
         forced: list[tuple[int, int]] = []
         num_logprobs = np.full(num_rows, -1, dtype=np.int64)
 
@@ -217,8 +215,7 @@ class SamplingBatch:
             if p.logprobs is not None:
                 num_logprobs[i] = p.logprobs
             if row.grammar is not None:
-                grammar_rows.append((i, row.grammar, row.grammar_previous_row))
-                grammar_counters[i] = row.counter
+                grammar_rows.append((i, row.grammar, row.grammar_previous_row, row.counter))
             if row.forced_token is not None and 0 <= row.forced_token < vocab:
                 forced.append((i, row.forced_token))
 
@@ -271,7 +268,6 @@ class SamplingBatch:
             num_logprobs=num_logprobs,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
             grammar_rows=grammar_rows,
-            grammar_counters=grammar_counters,
             forced_index=on_device["forced_index"].view(2, -1) if forced else None,
         )
 

@@ -1,27 +1,19 @@
 """ReasoningSplitter: <think> blocks split out of the output the same way for every chunking."""
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import pytest
 
 from web.reasoning import REASONING_PARSERS, ReasoningSplitter
+from tests.web.chunking import chunkings as shared_chunkings
 
 
 PLAIN = "just an answer: a < b, <b>bold</b>, <thin and </think"
 
 
 def chunkings(text: str) -> Iterator[list[str]]:
-    """Whole; every two-chunk split; one char at a time; seeded random multi-splits."""
-    yield [text]
-    for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
-    yield list(text)
-    rng = random.Random(len(text))
-    for _ in range(12):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 10))))
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+    return shared_chunkings(text, max_cuts=10)
 
 
 def split(chunks: list[str], in_reasoning: bool = False) -> tuple[str, str, list[tuple[str, str]]]:

@@ -2,11 +2,9 @@
 from __future__ import annotations
 
 import json
-import random
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
 
 import pytest
 
@@ -14,6 +12,7 @@ from web.tool_calls import (TOOL_CALL_PARSERS, ToolCallDelta, default_tool_call_
                             partial_tag_len)
 from web.tool_calls_hermes import HermesToolCallParser, JsonScanner
 from web.tool_calls_qwen3_coder import Qwen3CoderToolCallParser, coerce_value
+from tests.web.chunking import chunkings as shared_chunkings
 
 CALL_ID = re.compile(r"call_[0-9a-f]{24}")
 MARKUP = ("<tool_call>", "</tool_call>", "<function=", "<parameter=")
@@ -34,16 +33,7 @@ TOOLS = [
 ]
 
 
-def chunkings(text: str) -> Iterator[list[str]]:
-    """Whole; every two-chunk split; one char at a time; seeded random multi-splits."""
-    yield [text]
-    for i in range(1, len(text)):
-        yield [text[:i], text[i:]]
-    yield list(text)
-    rng = random.Random(len(text))
-    for _ in range(12):
-        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(2, 20))))
-        yield [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)], strict=True)]
+chunkings = shared_chunkings
 
 
 def check_deltas(deltas: list[ToolCallDelta], calls: list) -> None:
