@@ -13,8 +13,9 @@ held until a non-byte token ends it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 REPLACEMENT_CHAR = "\ufffd"
 # Emitted tokens kept as left context. One suffices for the decoders in use (byte-level,
@@ -135,6 +136,9 @@ class IncrementalDetokenizer:
                 delta += self._reanchor(text)
         return self._emit(delta)
 
+    def push_one(self, token_id: int) -> str:
+        return self.push([token_id])
+
     def flush(self) -> str:
         """End of sequence: release held text exactly as the full decode renders it."""
         if self._finished:
@@ -192,3 +196,14 @@ class IncrementalDetokenizer:
                 self._byte_run_start -= split - 1
             return text[emitted_chars:left_chars]
         return ""
+
+
+def new_detokenizer(backend: TokenDecoder, skip_special_tokens: bool = True) -> Any:
+    """The fastest exact detokenizer for this tokenizer: a byte table for byte-level BPE
+    vocabularies, else the windowed decode above (both stream exactly the full decode)."""
+    from pipeline.detokenizer_bytes import ByteLevelDetokenizer, byte_table
+
+    table = byte_table(backend)
+    if table is not None:
+        return ByteLevelDetokenizer(table, skip_special_tokens)
+    return IncrementalDetokenizer(backend, skip_special_tokens=skip_special_tokens)

