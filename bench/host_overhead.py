@@ -1,6 +1,7 @@
 """Host time per decode step with a null device: the step's math costs nothing, so what is timed is
 everything the host does per token: scheduling, step inputs, the sampling batch, grammar bitmasks,
-detokenization, stop strings, the output channels, and (--http) SSE writes to real HTTP clients.
+detokenization, stop strings, the output channels, and (--http) SSE writes to real HTTP clients
+(run in a separate process, as real clients are).
 
 The embedded SmolLM2 model is loaded for its tokenizer and limits; the executor is then bound to a
 null launch that does the runner's host work (step inputs, sampling batch, grammar bitmask fill)
@@ -64,8 +65,9 @@ def null_launch(vocab: int, block_size: int):
         step_inputs.build_step_inputs([c.token_ids for c in chunks], [c.start_pos for c in chunks],
                                       [c.block_ids for c in chunks], block_size)
         rows = [row for c in chunks for row in c.rows]
-        ids = np.asarray([((c.start_pos + len(c.token_ids)) * 2654435761 + i * 97) % (vocab - 300) + 256
-                          for c in chunks for i, _ in enumerate(c.rows)], dtype=np.int64)
+        # the "device's" pick, as cheap as a device's is for the host: a hash of each row's position
+        ends = np.fromiter((c.start_pos + len(c.token_ids) for c in chunks for _ in c.rows), np.int64, len(rows))
+        ids = (ends * 2654435761 + np.arange(len(rows)) * 97) % (vocab - 300) + 256
         if rows:
             batch = SamplingBatch.from_rows(rows, vocab, cpu)
             batch.fill_grammar_bitmask(previous_host)
@@ -85,7 +87,7 @@ def request_params(tokens: int, grammar: bool) -> SamplingParams:
                           grammar=GrammarSpec.json_schema(SCHEMA) if grammar else None)
 
 
-async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> list[float]:
+async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> tuple[list[float], float]:
     firsts: list[float] = []
 
     async def one(i: int) -> None:
@@ -96,31 +98,68 @@ async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> 
                 first = False
 
     await asyncio.gather(*(one(i) for i in range(batch)))
-    return firsts
+    return firsts, time.perf_counter()
 
 
-async def via_http(url: str, batch: int, tokens: int, grammar: bool) -> list[float]:
-    import aiohttp
+async def via_http(url: str, batch: int, tokens: int, grammar: bool) -> tuple[list[float], float]:
+    """Streams from real HTTP clients in their own process (as real clients are: their parsing is not
+    the server's host time); returns the clients' first-byte times and end (perf_counter: one clock)."""
+    cmd = [sys.executable, __file__, "--clients", url, "--batch", str(batch), "--tokens", str(tokens)]
+    process = await asyncio.create_subprocess_exec(*cmd, *(["--grammar"] if grammar else []),
+                                                   stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await process.communicate()
+    if process.returncode:
+        raise RuntimeError(f"the client process failed: {err.decode()[-2000:]}")
+    firsts, end = json.loads(out)
+    return firsts, end
 
-    firsts: list[float] = []
+
+class _SSEClient(asyncio.Protocol):
+    """One streaming request over a raw socket: sends the POST, reads until the chunked body's end.
+    Lean on purpose (no SSE parsing): the clients share this machine's 2 cores with the server, and
+    what is measured is the server's host time, not a client library's."""
+
+    def __init__(self, request: bytes, done: asyncio.Future) -> None:
+        self.request, self.done = request, done
+        self.first: float | None = None
+        self.head, self.tail = b"", b""
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(self.request)  # type: ignore[attr-defined]
+
+    def data_received(self, data: bytes) -> None:
+        if self.first is None:
+            self.first = time.perf_counter()
+            self.head = data[:12]
+        self.tail = (self.tail + data)[-5:]
+        if self.tail == b"0\r\n\r\n" and not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(ConnectionError(f"the server closed the stream early: {exc}"))
+
+
+async def http_clients(url: str, batch: int, tokens: int, grammar: bool) -> tuple[list[float], float]:
     body = {"model": "m", "prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "repetition_detection": False}
     if grammar:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
-
-    async def one(session) -> None:
-        async with session.post(url + "/v1/completions", json=body) as response:
-            assert response.status == 200, await response.text()
-            first = True
-            async for _ in response.content:
-                if first:
-                    firsts.append(time.perf_counter())
-                    first = False
-
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        await asyncio.gather(*(one(session) for _ in range(batch)))
-    return firsts
+    payload = json.dumps(body).encode()
+    host, port = url.removeprefix("http://").split(":")
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+               f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
+    loop = asyncio.get_running_loop()
+    clients = []
+    for _ in range(batch):
+        client = _SSEClient(request, loop.create_future())
+        await loop.create_connection(lambda c=client: c, host, int(port))
+        clients.append(client)
+    await asyncio.gather(*(c.done for c in clients))
+    end = time.perf_counter()
+    if any(not c.head.startswith(b"HTTP/1.1 200") for c in clients):
+        raise RuntimeError(f"a request failed: {[c.head for c in clients if not c.head.startswith(b'HTTP/1.1 200')][:1]}")
+    return [c.first for c in clients if c.first is not None], end
 
 
 async def measure(a: argparse.Namespace) -> dict:
@@ -150,8 +189,7 @@ async def measure(a: argparse.Namespace) -> dict:
                 lambda b, t: via_engine(engine, b, t, a.grammar))
             await run(min(batch, 8), 8)  # warm-up (grammar compiled here)
             before = engine.stats()["device_steps"]
-            firsts = await run(batch, a.tokens)
-            end = time.perf_counter()
+            firsts, end = await run(batch, a.tokens)
             steps = engine.stats()["device_steps"] - before
             ms = (end - max(firsts)) / (a.tokens - 1) * 1e3  # every stream decoding: the steady state
             results.append({"batch": batch, "tokens": a.tokens, "device_steps": steps, "ms_per_step": ms,
@@ -197,7 +235,11 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="every mode (Cython on/off x http x grammar)")
     parser.add_argument("--disable-run-ahead", action="store_true", help="each step waits for the previous")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--clients", metavar="URL", help=argparse.SUPPRESS)  # the client process of --http
     a = parser.parse_args()
+    if a.clients:
+        print(json.dumps(asyncio.run(http_clients(a.clients, a.batch[0], a.tokens, a.grammar))))
+        return
     report = run_all(a) if a.all else asyncio.run(measure(a))
     emit_json(report, a.out)
 

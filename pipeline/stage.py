@@ -30,10 +30,10 @@ class Histogram:
     def __post_init__(self) -> None:
         self.counts = [0] * (len(self.buckets) + 1)
 
-    def observe(self, value: float) -> None:
-        self.counts[bisect.bisect_left(self.buckets, value)] += 1
-        self.total += value
-        self.samples += 1
+    def observe(self, value: float, times: int = 1) -> None:
+        self.counts[bisect.bisect_left(self.buckets, value)] += times
+        self.total += value * times
+        self.samples += times
 
     def snapshot(self) -> dict[str, object]:
         return {

@@ -1,9 +1,13 @@
 """What a stage asks the device to do in one step, and what comes back.
 
-A plan is a snapshot: the stage copies block ids and tokens into it, so the executor thread never
-reads state that the event loop may change while the step runs. A decode chunk may name its token
-by the row that sampled it in the stage's previous step, when that step is still in flight. Plans from several stages that are
-waiting at the same time are concatenated into one forward (a mixed prefill + decode step).
+A plan is a snapshot: the stage copies tokens into it, so the executor thread never reads state
+that the event loop may change while the step runs. Block lists are shared, not copied (a copy per
+sequence per step costs O(context)): a live sequence's block list only ever grows at its end, and
+freeing rebinds it to a new list, so a plan always finds the blocks its positions need.
+
+A decode chunk may name its token by the row that sampled it in the stage's previous step, when
+that step is still in flight. Plans from several stages that are waiting at the same time are
+concatenated into one forward (a mixed prefill + decode step).
 """
 from __future__ import annotations
 
@@ -19,7 +23,7 @@ from pipeline.runner.sampler import SamplerOutput
 class ScheduledChunk:
     token_ids: list[int]  # new tokens fed this step (a prompt chunk, or one decode token)
     start_pos: int  # position of token_ids[0]; K/V of positions < start_pos are already cached
-    block_ids: list[int]  # covers start_pos + len(token_ids) tokens
+    block_ids: list[int]  # covers start_pos + len(token_ids) tokens (the sequence's own list, shared)
     rows: list[SamplingRow]  # tokens to pick from the chunk's last position (0, 1 or n)
     # >= 0: the chunk's one token is still on the device, sampled in row `previous_row` of the
     # previous step its stage launched (token_ids holds a placeholder). One step ahead.

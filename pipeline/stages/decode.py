@@ -37,8 +37,10 @@ class InFlightStep:
     launched_at: float
     rows: dict[int, int]  # seq_id -> row
 
-    def row_of(self, seq: Sequence) -> int:
-        return self.rows.get(seq.seq_id, -1)
+
+def _last_token_in_flight(seq: Sequence) -> bool:
+    """The token the step in flight picks for `seq` surely ends it (its length limit)."""
+    return len(seq.token_ids) + 1 >= seq.request.max_total_tokens
 
 
 class DecodeStage(DeviceStage):
@@ -91,12 +93,6 @@ class DecodeStage(DeviceStage):
     def _can_run_ahead(self, in_flight: InFlightStep) -> bool:
         return self.run_ahead and not any(seq.reads_own_tokens for seq in self.running)
 
-    @staticmethod
-    def _ends_in_flight(seq: Sequence, in_flight: InFlightStep | None) -> bool:
-        """The step in flight surely ends this sequence (its length limit): nothing to launch for it."""
-        return (in_flight is not None and in_flight.row_of(seq) >= 0
-                and len(seq.token_ids) + 1 >= seq.request.max_total_tokens)
-
     async def _make_room(self, in_flight: InFlightStep | None) -> bool:
         """Give every running sequence the blocks its next token needs, preempting if necessary.
 
@@ -104,10 +100,14 @@ class DecodeStage(DeviceStage):
         and the caller waits for that step first (its finished sequences may free enough).
         """
         block_size = self.pool.block_size
+        rows = in_flight.rows if in_flight is not None else {}
 
         def needed(seq: Sequence) -> int:
-            ahead = 1 if in_flight is not None and in_flight.row_of(seq) >= 0 else 0
-            return 0 if self._ends_in_flight(seq, in_flight) else blocks_to_grow(seq, block_size, ahead)
+            if seq.seq_id not in rows:
+                return blocks_to_grow(seq, block_size, 0)
+            if _last_token_in_flight(seq):
+                return 0  # nothing to launch for it
+            return blocks_to_grow(seq, block_size, 1)
 
         if in_flight is not None:
             wants = [(seq, needed(seq)) for seq in self.running]
@@ -144,17 +144,18 @@ class DecodeStage(DeviceStage):
     def _launch(self, in_flight: InFlightStep | None) -> InFlightStep | None:
         batch: list[Sequence] = []
         chunks: list[ScheduledChunk] = []
+        rows = in_flight.rows if in_flight is not None else {}
         for seq in self.running:
-            if self._ends_in_flight(seq, in_flight):
-                continue
-            row = in_flight.row_of(seq) if in_flight is not None else -1
+            row = rows.get(seq.seq_id, -1)
+            num_tokens = len(seq.token_ids)
             if row >= 0:  # its token is still on the device: feed it from there
-                chunk = ScheduledChunk([0], len(seq.token_ids), list(seq.block_ids),
-                                       [self.sampling_row(seq, ahead=1, grammar_previous_row=row)],
-                                       previous_row=row)
+                if _last_token_in_flight(seq):
+                    continue
+                chunk = ScheduledChunk([0], num_tokens, seq.block_ids,
+                                       [self.sampling_row(seq, ahead=1, grammar_previous_row=row)], previous_row=row)
             else:
-                chunk = ScheduledChunk(seq.token_ids[seq.num_computed:], seq.num_computed,
-                                       list(seq.block_ids), [self.sampling_row(seq)])
+                chunk = ScheduledChunk(seq.token_ids[seq.num_computed:], seq.num_computed, seq.block_ids,
+                                       [self.sampling_row(seq)])
             batch.append(seq)
             chunks.append(chunk)
         if not batch:

@@ -39,15 +39,16 @@ class DeviceStage(Stage):
                      grammar_previous_row: int = -1) -> SamplingRow:
         """The row that picks the sequence's next token; `ahead` tokens are still on the device."""
         request = seq.request
+        num_output = len(seq.token_ids) - len(request.prompt_token_ids) + ahead
         return SamplingRow(
             params=request.params,
             prompt_token_ids=(),  # penalties read seq.token_counts: no per-step copy of the token lists
             output_token_ids=(),
-            num_output_tokens=seq.num_output_tokens + ahead,
+            num_output_tokens=num_output,
             counts=seq.token_counts,
             eos_token_ids=request.eos_token_ids,
             seed=seq.seed if seed is None else seed,
-            counter=seq.num_output_tokens + ahead,
+            counter=num_output,
             grammar=seq.grammar if grammar is _OWN else grammar,
             grammar_previous_row=grammar_previous_row,
             forced_token=seq.thinking.forced_token if seq.thinking is not None else None,

@@ -135,7 +135,7 @@ class PrefillStage(DeviceStage):
                 rows = [self.sampling_row(seq, seed=mix_seed(request_seed, i) if i else seq.seed,
                                           grammar=grammars[i]) for i in range(seq.num_samples)]
             chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed,
-                                         list(seq.block_ids), rows))
+                                         seq.block_ids, rows))
         output = await self.executor.submit(StepPlan(chunks), lane=self.name)
         tokens = output.token_ids.tolist()
         events = StepTokensBuilder()
