@@ -19,8 +19,11 @@ import asyncio
 import json
 import os
 import platform
+import selectors
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -101,10 +104,11 @@ async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> 
     return firsts, time.perf_counter()
 
 
-async def via_http(url: str, batch: int, tokens: int, grammar: bool) -> tuple[list[float], float]:
+async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float]:
     """Streams from real HTTP clients in their own process (as real clients are: their parsing is not
     the server's host time); returns the clients' first-byte times and end (perf_counter: one clock)."""
-    cmd = [sys.executable, __file__, "--clients", url, "--batch", str(batch), "--tokens", str(tokens)]
+    cmd = [sys.executable, __file__, "--clients", url, "--batch", str(batch), "--tokens", str(tokens),
+           "--client-poll-ms", str(poll_ms)]
     process = await asyncio.create_subprocess_exec(*cmd, *(["--grammar"] if grammar else []),
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await process.communicate()
@@ -114,52 +118,64 @@ async def via_http(url: str, batch: int, tokens: int, grammar: bool) -> tuple[li
     return firsts, end
 
 
-class _SSEClient(asyncio.Protocol):
-    """One streaming request over a raw socket: sends the POST, reads until the chunked body's end.
-    Lean on purpose (no SSE parsing): the clients share this machine's 2 cores with the server, and
-    what is measured is the server's host time, not a client library's."""
-
-    def __init__(self, request: bytes, done: asyncio.Future) -> None:
-        self.request, self.done = request, done
-        self.first: float | None = None
-        self.head, self.tail = b"", b""
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        transport.write(self.request)  # type: ignore[attr-defined]
-
-    def data_received(self, data: bytes) -> None:
-        if self.first is None:
-            self.first = time.perf_counter()
-            self.head = data[:12]
-        self.tail = (self.tail + data)[-5:]
-        if self.tail == b"0\r\n\r\n" and not self.done.done():
-            self.done.set_result(None)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        if not self.done.done():
-            self.done.set_exception(ConnectionError(f"the server closed the stream early: {exc}"))
-
-
-async def http_clients(url: str, batch: int, tokens: int, grammar: bool) -> tuple[list[float], float]:
+def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float]:
+    """`batch` streaming requests over raw sockets, read until each chunked body ends. Lean on purpose
+    (no SSE parsing): the clients share this machine's 2 cores with the server, and what is measured is
+    the server's host time. poll_ms > 0 reads every poll_ms instead of blocking in select: a client that
+    sleeps in select is woken by each server write, and on a VM that wakeup (an inter-processor
+    interrupt) is paid inside the server's send call, a cost a remote client never puts on the server."""
     body = {"model": "m", "prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "repetition_detection": False}
     if grammar:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
     payload = json.dumps(body).encode()
-    host, port = url.removeprefix("http://").split(":")
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    request = (f"POST /v1/completions HTTP/1.1\r\nHost: conveyor\r\nContent-Type: application/json\r\n"
                f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
-    loop = asyncio.get_running_loop()
-    clients = []
-    for _ in range(batch):
-        client = _SSEClient(request, loop.create_future())
-        await loop.create_connection(lambda c=client: c, host, int(port))
-        clients.append(client)
-    await asyncio.gather(*(c.done for c in clients))
+    selector = selectors.DefaultSelector()
+    sockets = []
+    for _ in range(batch):  # connect everything first, then send the requests back to back
+        if url.startswith("unix:"):
+            sock = socket.socket(socket.AF_UNIX)
+            sock.connect(url.removeprefix("unix:"))
+        else:
+            host, port = url.removeprefix("http://").split(":")
+            sock = socket.create_connection((host, int(port)))
+        sockets.append(sock)
+    for i, sock in enumerate(sockets):
+        sock.sendall(request)
+        sock.setblocking(False)
+        selector.register(sock, selectors.EVENT_READ, i)
+    firsts: list[float | None] = [None] * batch
+    heads, tails = [b""] * batch, [b""] * batch
+    open_streams = batch
+    while open_streams:
+        if poll_ms > 0:
+            time.sleep(poll_ms / 1e3)
+        for key, _ in selector.select(timeout=0 if poll_ms > 0 else None):
+            i, data = key.data, key.fileobj.recv(1 << 20)  # type: ignore[union-attr]
+            if firsts[i] is None:
+                firsts[i], heads[i] = time.perf_counter(), data[:12]
+            tails[i] = (tails[i] + data)[-5:]
+            if not data or tails[i] == b"0\r\n\r\n":
+                selector.unregister(key.fileobj)
+                key.fileobj.close()  # type: ignore[union-attr]
+                open_streams -= 1
     end = time.perf_counter()
-    if any(not c.head.startswith(b"HTTP/1.1 200") for c in clients):
-        raise RuntimeError(f"a request failed: {[c.head for c in clients if not c.head.startswith(b'HTTP/1.1 200')][:1]}")
-    return [c.first for c in clients if c.first is not None], end
+    failed = [h for h in heads if not h.startswith(b"HTTP/1.1 200")]
+    if failed:
+        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]!r}")
+    return [f for f in firsts if f is not None], end
+
+
+async def sample_full_batch(engine: Engine, batch: int, samples: list[tuple[float, int, float, float]]) -> None:
+    """(time, device steps, event-loop thread CPU, device thread CPU) every millisecond while all `batch`
+    sequences decode: the steady state, measured on the server whatever the clients' read timing."""
+    device_clock = time.pthread_getcpuclockid(engine.executor._thread.ident)  # type: ignore[arg-type]
+    while True:
+        if len(engine.decode.running) == batch:
+            samples.append((time.perf_counter(), engine.executor.steps, time.thread_time(),
+                            time.clock_gettime(device_clock)))
+        await asyncio.sleep(0.001)
 
 
 async def measure(a: argparse.Namespace) -> dict:
@@ -179,37 +195,54 @@ async def measure(a: argparse.Namespace) -> dict:
         state.engine = engine
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        if a.unix:
+            socket_path = os.path.join(tempfile.mkdtemp(prefix="conveyor-bench-"), "server.sock")
+            site: web.BaseSite = web.UnixSite(runner, socket_path)
+            url = f"unix:{socket_path}"
+        else:
+            site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
-        url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        if not a.unix:
+            url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     results = []
     try:
         for batch in a.batch:
-            run = (lambda b, t: via_http(url, b, t, a.grammar)) if a.http else (
+            run = (lambda b, t: via_http(url, b, t, a.grammar, a.client_poll_ms)) if a.http else (
                 lambda b, t: via_engine(engine, b, t, a.grammar))
             await run(min(batch, 8), 8)  # warm-up (grammar compiled here)
-            before = engine.stats()["device_steps"]
+            samples: list[tuple[float, int]] = []
+            sampler = asyncio.create_task(sample_full_batch(engine, batch, samples))
             firsts, end = await run(batch, a.tokens)
-            steps = engine.stats()["device_steps"] - before
-            ms = (end - max(firsts)) / (a.tokens - 1) * 1e3  # every stream decoding: the steady state
-            results.append({"batch": batch, "tokens": a.tokens, "device_steps": steps, "ms_per_step": ms,
+            sampler.cancel()
+            if len(samples) < 2 or samples[-1][1] == samples[0][1]:
+                raise RuntimeError(f"batch {batch}: no steady state with all sequences decoding was sampled")
+            (t0, steps0, loop0, device0), (t1, steps1, loop1, device1) = samples[0], samples[-1]
+            steps = steps1 - steps0
+            ms = (t1 - t0) / steps * 1e3
+            results.append({"batch": batch, "tokens": a.tokens, "steady_steps": steps, "ms_per_step": ms,
+                            "cpu_ms_per_step": {"event_loop": (loop1 - loop0) / steps * 1e3,
+                                                "device_thread": (device1 - device0) / steps * 1e3},
+                            "client_view_ms_per_step": (end - max(firsts)) / (a.tokens - 1) * 1e3,
                             "target_ms": TARGET_MS.get(batch)})
-            print(f"batch {batch}: {ms:.3f} ms/step", file=sys.stderr)
+            cpu = results[-1]["cpu_ms_per_step"]
+            print(f"batch {batch}: {ms:.3f} ms/step (CPU: event loop {cpu['event_loop']:.3f}, "
+                  f"device thread {cpu['device_thread']:.3f})", file=sys.stderr)
     finally:
         if runner is not None:
             await runner.cleanup()
         await engine.shutdown()
-    return {"http": a.http, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"),
+    return {"http": a.http, "transport": ("unix" if a.unix else "tcp") if a.http else None, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"),
             "run_ahead": not a.disable_run_ahead, "results": results}
 
 
 def run_all(a: argparse.Namespace) -> dict:
     modes = []
     for cython in (True, False):
-        for http in (False, True):
+        for path in ("engine", "http-tcp", "http-unix"):
             for grammar in (False, True):
                 cmd = [sys.executable, __file__, "--batch", *map(str, a.batch), "--tokens", str(a.tokens)]
-                cmd += ["--http"] if http else []
+                cmd += ["--http"] if path != "engine" else []
+                cmd += ["--unix"] if path == "http-unix" else []
                 cmd += ["--grammar"] if grammar else []
                 env = dict(os.environ, CONVEYOR_PURE_PYTHON="0" if cython else "1")
                 done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -231,6 +264,11 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32, 256])
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--http", action="store_true", help="through the HTTP server to real SSE clients")
+    parser.add_argument("--unix", action="store_true",
+                        help="with --http: clients connect over a Unix socket instead of TCP loopback, whose send "
+                             "calls also run the receiving client's TCP stack on the server's thread")
+    parser.add_argument("--client-poll-ms", type=float, default=0.0,
+                        help="with --http: clients read every this many ms instead of blocking (see http_clients)")
     parser.add_argument("--grammar", action="store_true", help="every request json_schema-constrained")
     parser.add_argument("--all", action="store_true", help="every mode (Cython on/off x http x grammar)")
     parser.add_argument("--disable-run-ahead", action="store_true", help="each step waits for the previous")
@@ -238,7 +276,7 @@ def main() -> None:
     parser.add_argument("--clients", metavar="URL", help=argparse.SUPPRESS)  # the client process of --http
     a = parser.parse_args()
     if a.clients:
-        print(json.dumps(asyncio.run(http_clients(a.clients, a.batch[0], a.tokens, a.grammar))))
+        print(json.dumps(http_clients(a.clients, a.batch[0], a.tokens, a.grammar, a.client_poll_ms)))
         return
     report = run_all(a) if a.all else asyncio.run(measure(a))
     emit_json(report, a.out)
