@@ -12,6 +12,8 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
+from kernels.bench_attention import cuda_time_ms  # noqa: E402
+
 T0 = time.perf_counter()  # the run's start, for log timestamps and the time budget
 
 
@@ -32,21 +34,14 @@ def num_params(s: dict) -> int:
 
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
     """Mean ms per call: CUDA events on CUDA, perf_counter elsewhere (after 3 warm-up calls)."""
+    if device == "cuda":
+        return cuda_time_ms(fn, iters, warmup=3)
     for _ in range(3):
         fn()
-    if device != "cuda":
-        start = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - start) * 1e3 / iters
-    begin, end = (torch.cuda.Event(enable_timing=True) for _ in range(2))
-    torch.cuda.synchronize()
-    begin.record()
+    start = time.perf_counter()
     for _ in range(iters):
         fn()
-    end.record()
-    torch.cuda.synchronize()
-    return begin.elapsed_time(end) / iters
+    return (time.perf_counter() - start) * 1e3 / iters
 
 
 def free_device() -> None:

@@ -35,7 +35,8 @@ def _random_step(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size
     return query, cache, meta
 
 
-def _time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+def cuda_time_ms(fn: Callable[[], object], iters: int, warmup: int) -> float:
+    """Mean ms per call of `fn` on the current CUDA stream, timed with events after `warmup` calls."""
     for _ in range(warmup):
         fn()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -65,7 +66,7 @@ def bench_decode_attention(
     plan = TritonAttentionPlan(num_splits=num_splits)
     fn = lambda: paged_decode_attention_triton(query, cache, meta, scale, plan)  # noqa: E731
     err = _max_err(fn(), query, cache, meta, scale) if check else float("nan")
-    ms = _time_ms(fn, iters, warmup)
+    ms = cuda_time_ms(fn, iters, warmup)
     kv_bytes = 2 * batch_size * context_len * num_kv_heads * head_dim * cache.element_size()
     splits = num_splits or decode_num_splits(batch_size, num_kv_heads, context_len,
                                              torch.cuda.get_device_properties(0).multi_processor_count)
@@ -87,7 +88,7 @@ def bench_prefill_attention(
     scale = head_dim**-0.5
     fn = lambda: paged_prefill_attention_triton(query, cache, meta, scale)  # noqa: E731
     err = _max_err(fn(), query, cache, meta, scale) if check else float("nan")
-    ms = _time_ms(fn, iters, warmup)
+    ms = cuda_time_ms(fn, iters, warmup)
     keys_attended = num_seqs * sum(prefix_len + t + 1 for t in range(prompt_len))
     flops = 4 * num_heads * head_dim * keys_attended
     return {"kernel": "prefill", "num_seqs": num_seqs, "prompt_len": prompt_len, "prefix_len": prefix_len,

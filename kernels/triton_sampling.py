@@ -29,6 +29,8 @@ two may keep sets that differ by that boundary group (a flat row of 152k tokens 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kernels.triton_compat import jit as _jit
@@ -236,21 +238,15 @@ def bench_cutoff(S: int, V: int = 151936, iters: int = 20) -> dict:
     """CUDA: mean ms of the Triton cutoff vs the sort-based reference on random logits, for top_p=0.9 alone
     (``triton_ms``, ``sort_ms``) and top_k=50 + top_p=0.9 (``triton_topk_ms``, ``sort_topk_ms``); ``sort_only_ms``
     times the bare descending sort, the floor of any sort-based filter. ``mismatched_rows``: kept sets that differ."""
+    from kernels.bench_attention import cuda_time_ms
+
+    def mean_ms(fn: Callable[[], object]) -> float:
+        return cuda_time_ms(fn, iters, warmup=3)
+
     dev = torch.device("cuda")
     logits = torch.randn(S, V, device=dev, generator=torch.Generator(device=dev).manual_seed(0))
     top_p = torch.full((S,), 0.9, device=dev)
     min_p = torch.zeros(S, device=dev)
-
-    def mean_ms(fn) -> float:
-        for _ in range(3):
-            fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(iters):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
 
     result: dict = {"S": S, "V": V, "mismatched_rows": 0}
     for tag, k in (("", 0), ("topk_", 50)):

@@ -65,8 +65,43 @@ def _trailing_replacement_chars(text: str) -> int:
     return len(text) - len(text.rstrip(REPLACEMENT_CHAR))
 
 
+class EmittedText:
+    """What every detokenizer keeps of its output: the emitted deltas (joined on demand) and whether
+    flush() ended the sequence."""
+
+    __slots__ = ("_pieces", "_finished")
+
+    def __init__(self) -> None:
+        self._pieces: list[str] = []
+        self._finished = False
+
+    @property
+    def text(self) -> str:
+        """All text emitted so far."""
+        joined = "".join(self._pieces)
+        self._pieces = [joined]
+        return joined
+
+    def push_one(self, token_id: int) -> str:
+        """Add one generated id; return the newly settled text."""
+        raise NotImplementedError
+
+    def flush(self) -> str:
+        """End of sequence: return what was held back."""
+        raise NotImplementedError
+
+    def _check_open(self) -> None:
+        if self._finished:
+            raise RuntimeError("push() after flush(): the sequence has ended")
+
+    def _emit(self, delta: str) -> str:
+        if delta:
+            self._pieces.append(delta)
+        return delta
+
+
 @dataclass(slots=True, init=False, repr=False, eq=False)  # the backend's repr is the whole vocab
-class IncrementalDetokenizer:
+class IncrementalDetokenizer(EmittedText):
     """Streams text for generated ids; the joined deltas plus flush() equal
     `backend.decode(output_ids, skip_special_tokens=...)` for any chunking of the ids.
 
@@ -85,8 +120,6 @@ class IncrementalDetokenizer:
     _prefix_chars: int  # len(decode(window[:_read]))
     _tail_emitted: int  # characters of the tail's text already emitted
     _byte_run_start: int | None  # window index where a trailing run of byte-fallback tokens starts
-    _pieces: list[str]
-    _finished: bool
 
     def __init__(
         self,
@@ -101,19 +134,11 @@ class IncrementalDetokenizer:
         self._dropped_ids = _special_token_ids(backend) if skip_special_tokens else frozenset()
         self._window, self._read, self._prefix_chars, self._tail_emitted = [], 0, 0, 0
         self._byte_run_start = None
-        self._pieces, self._finished = [], False
-
-    @property
-    def text(self) -> str:
-        """All text emitted so far."""
-        joined = "".join(self._pieces)
-        self._pieces = [joined]
-        return joined
+        EmittedText.__init__(self)
 
     def push(self, token_ids: Sequence[int]) -> str:
         """Add generated ids; return the newly settled text ('' while a character is incomplete)."""
-        if self._finished:
-            raise RuntimeError("push() after flush(): the sequence has ended")
+        self._check_open()
         ids = [int(i) for i in token_ids]
         if self._dropped_ids:
             ids = [i for i in ids if i not in self._dropped_ids]
@@ -151,11 +176,6 @@ class IncrementalDetokenizer:
 
     def _decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=self.skip_special_tokens)
-
-    def _emit(self, delta: str) -> str:
-        if delta:
-            self._pieces.append(delta)
-        return delta
 
     def _track_byte_run(self, ids: list[int]) -> None:
         id_to_token = getattr(self.backend, "id_to_token", None)
@@ -198,10 +218,10 @@ class IncrementalDetokenizer:
         return ""
 
 
-def new_detokenizer(backend: TokenDecoder, skip_special_tokens: bool = True) -> Any:
+def new_detokenizer(backend: TokenDecoder, skip_special_tokens: bool = True) -> EmittedText:
     """The fastest exact detokenizer for this tokenizer: a byte table for byte-level BPE
     vocabularies, else the windowed decode above (both stream exactly the full decode)."""
-    from pipeline.detokenizer_bytes import ByteLevelDetokenizer, byte_table
+    from pipeline.detokenizer_bytes import ByteLevelDetokenizer, byte_table  # (it imports EmittedText from here)
 
     table = byte_table(backend)
     if table is not None:

@@ -20,6 +20,8 @@ from typing import Any
 
 from tokenizers import decoders
 
+from pipeline.detokenizer import EmittedText
+
 
 def _byte_of_char() -> dict[str, int]:
     """GPT-2's reversible byte <-> printable-character map, char -> byte: printable Latin-1 bytes
@@ -75,33 +77,25 @@ def _build(backend: Any) -> ByteTable | None:
     return ByteTable(tuple(token_bytes), added_text, special)
 
 
-class ByteLevelDetokenizer:
+class ByteLevelDetokenizer(EmittedText):
     """Same contract as IncrementalDetokenizer: the joined deltas plus flush() equal
     `backend.decode(output_ids, skip_special_tokens=...)` for any chunking of the ids."""
 
-    __slots__ = ("_added_text", "_dropped", "_finished", "_pieces", "_token_bytes", "_utf8")
+    __slots__ = ("_added_text", "_dropped", "_token_bytes", "_utf8")
 
     def __init__(self, table: ByteTable, skip_special_tokens: bool = True) -> None:
+        super().__init__()
         self._token_bytes = table.token_bytes
         self._dropped = table.special_ids if skip_special_tokens else frozenset()
         self._added_text = {i: t for i, t in table.added_text.items() if i not in self._dropped}
         self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-        self._pieces: list[str] = []
-        self._finished = False
-
-    @property
-    def text(self) -> str:
-        joined = "".join(self._pieces)
-        self._pieces = [joined]
-        return joined
 
     def push(self, token_ids: Sequence[int]) -> str:
         return "".join([self.push_one(int(token_id)) for token_id in token_ids])
 
     def push_one(self, token_id: int) -> str:
         """One id (the decode step's case): a table lookup and one incremental UTF-8 decode."""
-        if self._finished:
-            raise RuntimeError("push() after flush(): the sequence has ended")
+        self._check_open()
         if token_id in self._dropped:
             return ""
         added = self._added_text.get(token_id)
@@ -110,16 +104,11 @@ class ByteLevelDetokenizer:
             self._utf8.reset()
         else:
             text = self._utf8.decode(self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b"")
-        if text:
-            self._pieces.append(text)
-        return text
+        return self._emit(text)
 
     def flush(self) -> str:
         """End of sequence: an incomplete character left over decodes as U+FFFD, as in the full decode."""
         if self._finished:
             return ""
         self._finished = True
-        text = self._utf8.decode(b"", True)
-        if text:
-            self._pieces.append(text)
-        return text
+        return self._emit(self._utf8.decode(b"", True))

@@ -63,11 +63,7 @@ def _structured_outputs(body: dict) -> GrammarSpec | None:
     (key, value), = given.items()
     where = f"structured_outputs.{key}"
     if key == "json":
-        if isinstance(value, str):
-            try:
-                value = orjson.loads(value)
-            except orjson.JSONDecodeError:
-                raise bad_request(f"{where} is not valid JSON", where) from None
+        value = _parsed_if_string(value, where)
         if not isinstance(value, (dict, bool)):
             raise bad_request(f"{where} must be a JSON schema, got {show(value)}", where)
         return GrammarSpec.json_schema(value)
@@ -78,14 +74,20 @@ def _structured_outputs(body: dict) -> GrammarSpec | None:
             raise bad_request(f"{where} must be a non-empty list of non-empty strings, got {show(value)}", where)
         return GrammarSpec.choice(value)
     if key == "structural_tag":
-        if isinstance(value, str):
-            try:
-                value = orjson.loads(value)
-            except orjson.JSONDecodeError:
-                raise bad_request(f"{where} is not valid JSON", where) from None
+        value = _parsed_if_string(value, where)
         if not isinstance(value, dict):
             raise bad_request(f"{where} must be a structural tag object, got {show(value)}", where)
         return GrammarSpec.structural_tag(value)
     if not isinstance(value, str) or not value:
         raise bad_request(f"{where} must be a non-empty string, got {show(value)}", where)
     return GrammarSpec("regex" if key == "regex" else "ebnf", value)
+
+
+def _parsed_if_string(value: object, where: str) -> object:
+    """A JSON document sent as a string is parsed; anything else is returned as it is."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return orjson.loads(value)
+    except orjson.JSONDecodeError:
+        raise bad_request(f"{where} is not valid JSON", where) from None
