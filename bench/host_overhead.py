@@ -24,6 +24,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 import numpy as np
@@ -90,7 +91,7 @@ def request_params(tokens: int, grammar: bool) -> SamplingParams:
                           grammar=GrammarSpec.json_schema(SCHEMA) if grammar else None)
 
 
-async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> tuple[list[float], float]:
+async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> tuple[list[float], float, None]:
     firsts: list[float] = []
 
     async def one(i: int) -> None:
@@ -101,12 +102,13 @@ async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> 
                 first = False
 
     await asyncio.gather(*(one(i) for i in range(batch)))
-    return firsts, time.perf_counter()
+    return firsts, time.perf_counter(), None
 
 
-async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float]:
+async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float, float]:
     """Streams from real HTTP clients in their own process (as real clients are: their parsing is not
-    the server's host time); returns the clients' first-byte times and end (perf_counter: one clock)."""
+    the server's host time); returns the clients' first-byte times and end (perf_counter: one clock),
+    and the client process's CPU seconds while reading."""
     cmd = [sys.executable, __file__, "--clients", url, "--batch", str(batch), "--tokens", str(tokens),
            "--client-poll-ms", str(poll_ms)]
     process = await asyncio.create_subprocess_exec(*cmd, *(["--grammar"] if grammar else []),
@@ -114,11 +116,11 @@ async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: fl
     out, err = await process.communicate()
     if process.returncode:
         raise RuntimeError(f"the client process failed: {err.decode()[-2000:]}")
-    firsts, end = json.loads(out)
-    return firsts, end
+    firsts, end, cpu = json.loads(out)
+    return firsts, end, cpu
 
 
-def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float]:
+def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float, float]:
     """`batch` streaming requests over raw sockets, read until each chunked body ends. Lean on purpose
     (no SSE parsing): the clients share this machine's 2 cores with the server, and what is measured is
     the server's host time. poll_ms > 0 reads every poll_ms instead of blocking in select: a client that
@@ -148,6 +150,7 @@ def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: floa
     firsts: list[float | None] = [None] * batch
     heads, tails = [b""] * batch, [b""] * batch
     open_streams = batch
+    cpu = time.process_time()
     while open_streams:
         if poll_ms > 0:
             time.sleep(poll_ms / 1e3)
@@ -160,21 +163,32 @@ def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: floa
                 selector.unregister(key.fileobj)
                 key.fileobj.close()  # type: ignore[union-attr]
                 open_streams -= 1
-    end = time.perf_counter()
+    end, cpu = time.perf_counter(), time.process_time() - cpu
     failed = [h for h in heads if not h.startswith(b"HTTP/1.1 200")]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed: {failed[0]!r}")
-    return [f for f in firsts if f is not None], end
+    return [f for f in firsts if f is not None], end, cpu
 
 
-async def sample_full_batch(engine: Engine, batch: int, samples: list[tuple[float, int, float, float]]) -> None:
-    """(time, device steps, event-loop thread CPU, device thread CPU) every millisecond while all `batch`
-    sequences decode: the steady state, measured on the server whatever the clients' read timing."""
-    device_clock = time.pthread_getcpuclockid(engine.executor._thread.ident)  # type: ignore[arg-type]
+def thread_clocks(engine: Engine) -> dict[str, int]:
+    """CPU clock ids of the threads doing per-step work: the event loop (this one), the device thread,
+    and the HTTP socket sender when it runs."""
+    clocks = {"event_loop": time.pthread_getcpuclockid(threading.get_ident()),
+              "device_thread": time.pthread_getcpuclockid(engine.executor._thread.ident)}  # type: ignore[arg-type]
+    for thread in threading.enumerate():
+        if thread.name == "conveyor-sender" and thread.ident is not None:
+            clocks["sender_thread"] = time.pthread_getcpuclockid(thread.ident)
+    return clocks
+
+
+async def sample_full_batch(engine: Engine, batch: int, samples: list[tuple[float, int, dict[str, float]]]) -> None:
+    """(time, device steps, CPU time per thread) every millisecond while all `batch` sequences decode:
+    the steady state, measured on the server whatever the clients' read timing."""
+    clocks = thread_clocks(engine)
     while True:
         if len(engine.decode.running) == batch:
-            samples.append((time.perf_counter(), engine.executor.steps, time.thread_time(),
-                            time.clock_gettime(device_clock)))
+            samples.append((time.perf_counter(), engine.executor.steps,
+                            {name: time.clock_gettime(clock) for name, clock in clocks.items()}))
         await asyncio.sleep(0.001)
 
 
@@ -212,21 +226,23 @@ async def measure(a: argparse.Namespace) -> dict:
             await run(min(batch, 8), 8)  # warm-up (grammar compiled here)
             samples: list[tuple[float, int]] = []
             sampler = asyncio.create_task(sample_full_batch(engine, batch, samples))
-            firsts, end = await run(batch, a.tokens)
+            firsts, end, client_cpu = await run(batch, a.tokens)
             sampler.cancel()
             if len(samples) < 2 or samples[-1][1] == samples[0][1]:
                 raise RuntimeError(f"batch {batch}: no steady state with all sequences decoding was sampled")
-            (t0, steps0, loop0, device0), (t1, steps1, loop1, device1) = samples[0], samples[-1]
+            (t0, steps0, cpu0), (t1, steps1, cpu1) = samples[0], samples[-1]
             steps = steps1 - steps0
             ms = (t1 - t0) / steps * 1e3
+            cpu = {name: (cpu1[name] - cpu0[name]) / steps * 1e3 for name in cpu0}
             results.append({"batch": batch, "tokens": a.tokens, "steady_steps": steps, "ms_per_step": ms,
-                            "cpu_ms_per_step": {"event_loop": (loop1 - loop0) / steps * 1e3,
-                                                "device_thread": (device1 - device0) / steps * 1e3},
-                            "client_view_ms_per_step": (end - max(firsts)) / (a.tokens - 1) * 1e3,
+                            "cpu_ms_per_step": cpu, "client_view_ms_per_step": (end - max(firsts)) / (a.tokens - 1) * 1e3,
                             "target_ms": TARGET_MS.get(batch)})
-            cpu = results[-1]["cpu_ms_per_step"]
-            print(f"batch {batch}: {ms:.3f} ms/step (CPU: event loop {cpu['event_loop']:.3f}, "
-                  f"device thread {cpu['device_thread']:.3f})", file=sys.stderr)
+            if client_cpu is not None:
+                results[-1]["client_process_cpu_ms_per_step"] = client_cpu / a.tokens * 1e3
+            print(f"batch {batch}: {ms:.3f} ms/step (CPU ms/step: "
+                  + ", ".join(f"{name} {value:.3f}" for name, value in cpu.items())
+                  + (f", clients {client_cpu / a.tokens * 1e3:.3f}" if client_cpu is not None else "") + ")",
+                  file=sys.stderr)
     finally:
         if runner is not None:
             await runner.cleanup()
@@ -278,7 +294,8 @@ def main() -> None:
     if a.clients:
         print(json.dumps(http_clients(a.clients, a.batch[0], a.tokens, a.grammar, a.client_poll_ms)))
         return
-    report = run_all(a) if a.all else asyncio.run(measure(a))
+    import uvloop
+    report = run_all(a) if a.all else uvloop.run(measure(a))
     emit_json(report, a.out)
 
 

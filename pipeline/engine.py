@@ -19,7 +19,7 @@ from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.messages import IntakeItem
-from pipeline.output_channel import OutputChannel
+from pipeline.output_channel import Listener, OutputChannel
 from pipeline.prompt import PromptRenderer
 from pipeline.request import CancelReason, OutputDelta, Request, SamplingParams, new_request_id
 from pipeline.runner.executor import DeviceExecutor
@@ -148,13 +148,9 @@ class Engine:
         complete = False
         try:
             await self.intake.put(item)
-            while True:
-                batch = await channel.next_batch()
-                if not batch:
-                    complete = True
-                    return
-                for delta in batch:
-                    yield delta
+            while (delta := await channel.next_delta()) is not None:
+                yield delta
+            complete = True
         finally:
             self._channels.pop(request_id, None)
             if not self._channels:
@@ -162,6 +158,18 @@ class Engine:
             request = self._live.pop(request_id, None)
             if request is not None and not complete:
                 request.cancel.cancel(CancelReason.CLIENT_DISCONNECTED)
+
+    def deliver(self, request_id: str, listener: Listener) -> asyncio.Future[None]:
+        """Switch a request's output from pulling `generate()` to a callback that the stream stage
+        calls with each delta (it must not block). The future ends with the last delta; the caller
+        then reads `generate()` to its end (nothing is left), or closes it to cancel the request.
+        See OutputChannel.deliver_to."""
+        return self._channels[request_id].deliver_to(listener)
+
+    def stop_delivering(self, request_id: str) -> None:
+        channel = self._channels.get(request_id)
+        if channel is not None:
+            channel.stop_delivering()
 
     def _on_admitted(self, request: Request) -> None:
         self._live[request.request_id] = request

@@ -23,6 +23,7 @@ from web.protocol import (SSE_DONE, APIError, chat_chunk, chat_choice, chat_comp
                           chat_logprobs, chat_usage_chunk, completion_choice, completion_chunk, completion_logprobs,
                           completion_response, completion_usage_chunk, new_chat_id, new_completion_id,
                           parse_chat_request, parse_completion_request, sse_event, usage)
+from web.sse_body import SSEBody
 
 
 @dataclass(slots=True)
@@ -233,38 +234,39 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
                 n: int, arrival: float) -> web.StreamResponse:
     state = endpoint.state
     tracker = Tracker(arrival)
-    response: web.StreamResponse | None = None
-    completed = False
+    body: SSEBody | None = None
+    completed = connected = False
     timeout_s = state.settings.request_timeout_s
     try:
         async with asyncio.timeout(timeout_s):
             first = await anext(stream)  # admission and validation errors surface here, before any byte
             if streaming:
-                response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
-                                                       "Cache-Control": "no-cache"})
-                await response.prepare(request)
-                await _stream(response, first, stream, endpoint, tracker, n)
+                body = await SSEBody.open(request, state.sender)
+                await _stream(body, first, stream, endpoint, tracker, n)
             else:
                 _collect(state, first, tracker)
                 async for delta in stream:
                     _collect(state, delta, tracker)
-            completed = True
+            completed = connected = True
     except TimeoutError:
         state.ready_engine().abort(endpoint.id, CancelReason.TIMEOUT)
         error = APIError(504, f"the request timed out after {timeout_s:g}s", "timeout")
-        if response is None:
+        if body is None:
             raise error from None
-        await response.write(sse_event(error.body()))
-        await response.write(SSE_DONE)
-        completed = True
+        await body.write(sse_event(error.body()))
+        await body.write(SSE_DONE)
+        completed = connected = True
     except ConnectionResetError:
         pass  # the client went away mid-stream; closing the stream below cancels the request
     finally:
         await stream.aclose()
         tracker.finish(state, cancelled=not completed)
-    if response is not None:
-        await response.write_eof()
-        return response
+        if body is not None and not connected:
+            body.abandon()
+    if body is not None:
+        if connected:
+            await body.finish()
+        return body.response
     failed = [c.error for c in tracker.choices.values() if c.finish_reason is FinishReason.ERROR]
     if failed:
         raise APIError(500, failed[0] or "the request failed", "server_error")
@@ -278,19 +280,28 @@ def _collect(state: ServerState, delta: OutputDelta, tracker: Tracker) -> None:
         choice.logprobs.extend(delta.logprobs)
 
 
-async def _stream(response: web.StreamResponse, first: OutputDelta, stream: AsyncIterator[OutputDelta],
+def event_bytes(endpoint: Endpoint, tracker: Tracker, delta: OutputDelta) -> bytes:
+    """The SSE events of one delta (empty when it carries nothing to show)."""
+    chunk = endpoint.chunk(delta, tracker.observe(endpoint.state, delta))
+    data = sse_event(chunk) if chunk is not None else b""
+    if delta.finish_reason is not None and delta.error:
+        data += sse_event(APIError(500, delta.error, "server_error").body())
+    return data
+
+
+async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[OutputDelta],
                   endpoint: Endpoint, tracker: Tracker, n: int) -> None:
     for chunk in endpoint.opening(n):
-        await response.write(sse_event(chunk))
-    delta: OutputDelta | None = first
-    while delta is not None:
-        choice = tracker.observe(endpoint.state, delta)
-        chunk = endpoint.chunk(delta, choice)
-        if chunk is not None:
-            await response.write(sse_event(chunk))
-        if delta.finish_reason is not None and delta.error:
-            await response.write(sse_event(APIError(500, delta.error, "server_error").body()))
-        delta = await anext(stream, None)
+        await body.write(sse_event(chunk))
+    await body.write(event_bytes(endpoint, tracker, first))
+    if body.via_sender:  # the stream stage hands each delta to the formatter: no task wakes per token
+        engine = endpoint.state.ready_engine()
+        try:
+            await engine.deliver(endpoint.id, lambda delta: body.send(event_bytes(endpoint, tracker, delta)))
+        finally:
+            engine.stop_delivering(endpoint.id)
+    while (delta := await anext(stream, None)) is not None:  # nothing is left after delivery
+        await body.write(event_bytes(endpoint, tracker, delta))
     if endpoint.include_usage:
-        await response.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens))))
-    await response.write(SSE_DONE)
+        await body.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens))))
+    await body.write(SSE_DONE)

@@ -1,0 +1,238 @@
+"""Streamed response bytes go to the client sockets from one thread beside the event loop.
+
+At batch 256 the kernel's send path (TCP loopback or a Unix socket, waking each reading client)
+costs the event loop about as much per decode step as the whole engine does. So the loop only
+formats each SSE event and hands its bytes over; the sender thread writes everything handed over
+since its last round in one call that releases the GIL (ext/socket_send), and that kernel work runs
+on another core while the loop goes on with the next step.
+
+- Order and loss: a stream's bytes reach its socket in the order written, and none is dropped while
+  the client reads. A client that reads slower than the engine writes gets several events per send.
+- A client that stops reading is failed alone once its unsent bytes pass `cap_bytes`: its handler's
+  next write raises ConnectionResetError, which cancels the request.
+- Descriptors: the sender writes through its own duplicate of the connection's descriptor, which
+  only the sender thread closes, after the stream's last send. The event loop closing the
+  connection therefore never makes the sender write into a reused descriptor.
+"""
+from __future__ import annotations
+
+import asyncio
+import os
+import select
+import socket
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import ext
+
+_CLOSE, _DROP, _STOP = "close", "drop", "stop"
+_STREAM_FAMILIES = (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)
+
+
+@dataclass(slots=True, eq=False)
+class SenderStream:
+    fd: int  # the sender's own duplicate of the connection's descriptor
+    released: asyncio.Future[None]  # resolved on the loop once the sender let go of `fd`
+    pending: list[bytes] = field(default_factory=list)  # loop thread: written, not handed over yet
+    queued: bool = False  # loop thread: in the next hand-over
+    ending: str | None = None  # loop thread: close or drop was asked
+    unsent: bytes = b""  # sender thread: handed over, not yet taken by the kernel
+    closing: bool = False  # sender thread: release once `unsent` is empty
+    gone: bool = False  # sender thread: `fd` was closed
+    error: str | None = None  # why the stream failed (set by the sender thread, before release)
+
+
+class SocketSender:
+    def __init__(self, cap_bytes: int = 16 << 20) -> None:
+        self.cap_bytes = cap_bytes
+        self.open_streams = 0
+        self._send_all = ext.load("socket_send").send_all
+        self._lock = threading.Lock()
+        self._handed: list[tuple[SenderStream | None, bytes, str | None]] = []  # under _lock
+        self._woken = False  # under _lock: a wake byte is in the pipe
+        self._dirty: list[SenderStream] = []  # loop thread: streams to hand over
+        self._hand_off_scheduled = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._wake_read = self._wake_write = -1
+        # sender thread only
+        self._poller = select.poll()
+        self._held: dict[int, SenderStream] = {}  # fd -> stream the sender holds
+        self._blocked: set[int] = set()  # fds waiting for their socket to take more (POLLOUT)
+        self._sendable: dict[int, SenderStream] = {}  # fds with unsent bytes to try this round
+
+    # ---- loop thread -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._poller.register(self._wake_read, select.POLLIN)
+        self._thread = threading.Thread(target=self._run, name="conveyor-sender", daemon=True)
+        self._thread.start()
+
+    async def stop(self) -> None:
+        """Ends the thread; streams still open are released (their unsent bytes dropped)."""
+        if self._thread is None:
+            return
+        self._hand_over([(None, b"", _STOP)])
+        await asyncio.to_thread(self._thread.join)
+        self._thread = None
+        os.close(self._wake_read)
+        os.close(self._wake_write)
+
+    def open(self, transport: Any) -> SenderStream | None:
+        """Takes over writing to the transport's socket, or None where it cannot: not running, TLS,
+        not a stream socket, or bytes still queued in the transport (their order must hold)."""
+        if self._thread is None or transport is None or transport.is_closing():
+            return None
+        sock = transport.get_extra_info("socket")
+        if sock is None or transport.get_extra_info("sslcontext") is not None:
+            return None
+        if sock.family not in _STREAM_FAMILIES or sock.type != socket.SOCK_STREAM:
+            return None
+        if transport.get_write_buffer_size():
+            return None
+        fd = os.dup(sock.fileno())
+        os.set_blocking(fd, False)
+        self.open_streams += 1
+        assert self._loop is not None
+        return SenderStream(fd, self._loop.create_future())
+
+    def write(self, stream: SenderStream, data: bytes) -> None:
+        if stream.error is not None:
+            raise ConnectionResetError(stream.error)
+        if stream.ending is not None:
+            raise RuntimeError("write to a closed sender stream")
+        stream.pending.append(data)
+        self._queue(stream)
+
+    async def close(self, stream: SenderStream) -> None:
+        """Returns once every byte written was taken by the kernel and the descriptor released;
+        raises ConnectionResetError if the stream failed."""
+        if stream.ending is None:
+            stream.ending = _CLOSE
+            self._queue(stream)
+        await asyncio.shield(stream.released)
+        if stream.error is not None:
+            raise ConnectionResetError(stream.error)
+
+    def drop(self, stream: SenderStream) -> None:
+        """Gives the stream up: bytes not yet sent are discarded and the descriptor released."""
+        if stream.ending != _DROP and not stream.released.done():
+            stream.pending.clear()
+            stream.ending = _DROP
+            self._queue(stream)
+
+    def _queue(self, stream: SenderStream) -> None:
+        """One hand-over per loop iteration, after every handler woken in it has written."""
+        if not stream.queued:
+            stream.queued = True
+            self._dirty.append(stream)
+        if not self._hand_off_scheduled:
+            self._hand_off_scheduled = True
+            assert self._loop is not None
+            self._loop.call_soon(self._hand_off)
+
+    def _hand_off(self) -> None:
+        self._hand_off_scheduled = False
+        items: list[tuple[SenderStream | None, bytes, str | None]] = []
+        for stream in self._dirty:
+            items.append((stream, b"".join(stream.pending), stream.ending))
+            stream.pending.clear()
+            stream.queued = False
+        self._dirty.clear()
+        if items and self._thread is not None:
+            self._hand_over(items)
+
+    def _hand_over(self, items: list[tuple[SenderStream | None, bytes, str | None]]) -> None:
+        with self._lock:
+            self._handed.extend(items)
+            wake, self._woken = not self._woken, True
+        if wake:
+            os.write(self._wake_write, b"\0")
+
+    def _released(self, stream: SenderStream) -> None:
+        self.open_streams -= 1
+        if not stream.released.done():
+            stream.released.set_result(None)
+
+    # ---- sender thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            for fd, _ in self._poller.poll():
+                if fd != self._wake_read:  # the socket takes more (or failed: the send says how)
+                    self._poller.unregister(fd)
+                    self._blocked.discard(fd)
+                    self._sendable[fd] = self._held[fd]
+            self._drain_wake_pipe()  # before taking the items: a hand-over after the take wakes us again
+            with self._lock:
+                items, self._handed, self._woken = self._handed, [], False
+            for stream, data, ending in items:
+                if stream is None:  # stop
+                    for held in list(self._held.values()):
+                        self._release(held)
+                    return
+                if not stream.gone:
+                    self._take(stream, data, ending)
+            if self._sendable:
+                self._send_round()
+
+    def _take(self, stream: SenderStream, data: bytes, ending: str | None) -> None:
+        self._held[stream.fd] = stream
+        if data:
+            stream.unsent = stream.unsent + data if stream.unsent else data
+            if stream.fd not in self._blocked:
+                self._sendable[stream.fd] = stream
+        if ending == _DROP:
+            self._release(stream)
+        elif len(stream.unsent) > self.cap_bytes:
+            self._fail(stream, f"the client stopped reading ({len(stream.unsent)} bytes unsent)")
+        elif ending == _CLOSE:
+            stream.closing = True
+            if not stream.unsent:
+                self._release(stream)
+
+    def _send_round(self) -> None:
+        streams = list(self._sendable.values())
+        self._sendable.clear()
+        results = self._send_all([s.fd for s in streams], [s.unsent for s in streams])
+        for stream, sent in zip(streams, results):
+            if sent < 0:
+                self._fail(stream, f"the client connection failed: {os.strerror(-sent)}")
+                continue
+            stream.unsent = stream.unsent[sent:] if sent < len(stream.unsent) else b""
+            if stream.unsent:
+                self._blocked.add(stream.fd)
+                self._poller.register(stream.fd, select.POLLOUT)
+            elif stream.closing:
+                self._release(stream)
+
+    def _fail(self, stream: SenderStream, reason: str) -> None:
+        stream.error = reason
+        self._release(stream)
+
+    def _release(self, stream: SenderStream) -> None:
+        self._held.pop(stream.fd, None)
+        self._sendable.pop(stream.fd, None)
+        if stream.fd in self._blocked:
+            self._blocked.discard(stream.fd)
+            self._poller.unregister(stream.fd)
+        stream.unsent = b""
+        stream.gone = True
+        os.close(stream.fd)
+        assert self._loop is not None
+        try:
+            self._loop.call_soon_threadsafe(self._released, stream)
+        except RuntimeError:  # the loop is closed: nobody waits any more
+            pass
+
+    def _drain_wake_pipe(self) -> None:
+        try:
+            while os.read(self._wake_read, 4096):
+                pass
+        except BlockingIOError:
+            pass
