@@ -29,6 +29,7 @@ class EngineConfig:
     run_ahead: bool = True  # launch decode step N+1 before reading step N's tokens (overlap scheduling)
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
+    gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -41,5 +42,7 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        if self.gc_young_threshold < 1:
+            raise ValueError("gc_young_threshold must be at least 1")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2 (block 0 is reserved)")

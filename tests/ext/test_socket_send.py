@@ -1,0 +1,267 @@
+"""Batched non-blocking sends: compiled == twin, on real Unix and TCP loopback sockets.
+
+The sender thread (web/socket_sender.py) trusts each result to say exactly how many bytes the kernel
+took, so a partial count must match what the peer can read, and failures must come back as -errno."""
+from __future__ import annotations
+
+import errno
+import importlib
+import os
+import select
+import socket
+import struct
+from collections.abc import Callable, Iterator
+from types import ModuleType
+
+import pytest
+
+from ext import socket_send_py
+
+try:
+    compiled = importlib.import_module("ext.socket_send")
+except ImportError:  # not built
+    compiled = None
+
+MODULES = [pytest.param(socket_send_py, id="twin"),
+           pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))]
+SMALL_BUFFER = 4096  # the kernel raises it to its minimum: still far below the payloads here
+BAD_FD = 1 << 20  # above any RLIMIT_NOFILE used here: never an open descriptor
+
+Pair = tuple[socket.socket, socket.socket]
+
+
+def unix_pair() -> Pair:
+    return socket.socketpair()
+
+
+def tcp_pair() -> Pair:
+    with socket.create_server(("127.0.0.1", 0)) as listener:
+        writer = socket.create_connection(listener.getsockname())
+        reader, _ = listener.accept()
+    writer.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return writer, reader
+
+
+PAIRS = [pytest.param(unix_pair, id="unix"), pytest.param(tcp_pair, id="tcp")]
+
+
+@pytest.fixture
+def pairs() -> Iterator[Callable[..., Pair]]:
+    """Makes socket pairs (optionally with small buffers) and closes them all after the test."""
+    made: list[socket.socket] = []
+
+    def make(kind: Callable[[], Pair], small: bool = False) -> Pair:
+        writer, reader = kind()
+        made.extend((writer, reader))
+        if small:
+            writer.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SMALL_BUFFER)
+            reader.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, SMALL_BUFFER)
+        writer.setblocking(False)
+        reader.settimeout(5)  # a missing byte fails the test instead of hanging it
+        return writer, reader
+
+    yield make
+    for sock in made:
+        sock.close()
+
+
+def payload(size: int, seed: int = 0) -> bytes:
+    """Bytes whose every position differs from its neighbours': misordering or loss shows up."""
+    return bytes((seed * 7 + i * 31 + i // 251) % 256 for i in range(size))
+
+
+def read_exactly(reader: socket.socket, size: int) -> bytes:
+    chunks, got = [], 0
+    while got < size:
+        chunk = reader.recv(min(size - got, 1 << 16))
+        assert chunk, f"EOF after {got} of {size} bytes"
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def assert_nothing_more(reader: socket.socket) -> None:
+    reader.setblocking(False)
+    try:
+        with pytest.raises(BlockingIOError):
+            reader.recv(1)
+    finally:
+        reader.settimeout(5)
+
+
+def close_abruptly(sock: socket.socket) -> None:
+    """Closes with SO_LINGER 0: a TCP peer resets instead of finishing (no effect on Unix sockets)."""
+    if sock.family != socket.AF_UNIX:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    sock.close()
+
+
+def wait_for_error_or_hangup(sock: socket.socket) -> None:
+    """The peer's reset reaches this socket asynchronously on TCP; Unix sockets see the close at once."""
+    poller = select.poll()
+    poller.register(sock, select.POLLERR | select.POLLHUP)
+    assert poller.poll(5000), "the peer's close never reached the socket"
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("kind", PAIRS)
+def test_every_byte_arrives_in_order_on_each_socket(module: ModuleType, kind, pairs) -> None:
+    """Room in every socket: each buffer is taken whole and the peers read exactly it."""
+    made = [pairs(kind) for _ in range(4)]
+    buffers = [payload(size, seed) for seed, size in enumerate([1, 1000, 30000, 777])]
+    results = module.send_all([writer.fileno() for writer, _ in made], buffers)
+    assert results == [len(buffer) for buffer in buffers]
+    for (_, reader), buffer in zip(made, buffers):
+        assert read_exactly(reader, len(buffer)) == buffer
+        assert_nothing_more(reader)
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("kind", PAIRS)
+def test_a_full_send_buffer_takes_part_and_the_rest_follows_after_reading(module: ModuleType, kind, pairs) -> None:
+    """The count is exact: the peer reads those bytes and no more; the caller resends the rest."""
+    writer, reader = pairs(kind, small=True)
+    data = payload(4 << 20)
+    [taken] = module.send_all([writer.fileno()], [data])
+    assert 0 < taken < len(data)
+    assert read_exactly(reader, taken) == data[:taken]
+    assert_nothing_more(reader)
+    received, done = [data[:taken]], taken
+    for _ in range(100_000):  # each round waits on the peer's real recv
+        if done == len(data):
+            break
+        [sent] = module.send_all([writer.fileno()], [data[done:]])
+        assert sent >= 0
+        received.append(read_exactly(reader, sent))
+        done += sent
+    assert done == len(data)
+    assert b"".join(received) == data
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_full_unix_socket_takes_nothing(module: ModuleType, pairs) -> None:
+    """Nobody reads, so the space a partial send ran out of stays gone: the next send takes 0."""
+    writer, reader = pairs(unix_pair, small=True)
+    [taken] = module.send_all([writer.fileno()], [payload(1 << 20)])
+    assert 0 < taken < 1 << 20
+    assert module.send_all([writer.fileno(), writer.fileno()], [b"x", payload(1000)]) == [0, 0]
+    assert read_exactly(reader, taken) == payload(1 << 20)[:taken]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_full_tcp_socket_takes_nothing(module: ModuleType, pairs) -> None:
+    """TCP may still move bytes to the peer's window after the first partial send; once both buffers
+    are full, a send takes 0 and nothing is lost."""
+    writer, reader = pairs(tcp_pair, small=True)
+    data, done, zero_seen = payload(4 << 20), 0, False
+    for _ in range(10_000):
+        [sent] = module.send_all([writer.fileno()], [data[done:]])
+        assert sent >= 0
+        if sent == 0:
+            zero_seen = True
+            break
+        done += sent
+    assert zero_seen and 0 < done < len(data)
+    assert read_exactly(reader, done) == data[:done]
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("kind", PAIRS)
+def test_a_closed_peer_gives_minus_errno(module: ModuleType, kind, pairs) -> None:
+    """No SIGPIPE (MSG_NOSIGNAL): the failure comes back as -EPIPE, or -ECONNRESET from a TCP reset."""
+    writer, reader = pairs(kind)
+    close_abruptly(reader)
+    wait_for_error_or_hangup(writer)
+    [first] = module.send_all([writer.fileno()], [payload(100)])
+    assert first in (-errno.EPIPE, -errno.ECONNRESET)
+    assert module.send_all([writer.fileno()], [payload(100)]) == [-errno.EPIPE]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_failed_socket_does_not_stop_the_others(module: ModuleType, pairs) -> None:
+    """One result per socket: a bad descriptor or a closed peer in the batch leaves the rest sent."""
+    first, closed, last = (pairs(unix_pair) for _ in range(3))
+    closed[1].close()
+    buffers = [payload(500, 1), payload(600, 2), payload(700, 3), payload(800, 4)]
+    results = module.send_all([first[0].fileno(), BAD_FD, closed[0].fileno(), last[0].fileno()], buffers)
+    assert results == [500, -errno.EBADF, -errno.EPIPE, 800]
+    assert read_exactly(first[1], 500) == buffers[0]
+    assert read_exactly(last[1], 800) == buffers[3]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_bad_descriptors_give_minus_ebadf(module: ModuleType) -> None:
+    """A descriptor that is not open is a failed socket, not an exception."""
+    assert module.send_all([BAD_FD, BAD_FD], [b"x", payload(100)]) == [-errno.EBADF, -errno.EBADF]
+
+
+@pytest.mark.parametrize("module", [
+    pytest.param(socket_send_py, id="twin", marks=pytest.mark.xfail(
+        raises=ValueError, strict=True,
+        reason="twin raises ValueError('negative file descriptor') from socket.socket(fileno=-1)")),
+    pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))])
+def test_a_negative_descriptor_gives_minus_ebadf(module: ModuleType) -> None:
+    """send(2) on -1 fails with EBADF; the twin should report it the same way as the compiled one."""
+    assert module.send_all([-1], [b"x"]) == [-errno.EBADF]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_non_socket_descriptor_gives_minus_enotsock(module: ModuleType) -> None:
+    read_end, write_end = os.pipe()
+    try:
+        assert module.send_all([write_end], [b"x"]) == [-errno.ENOTSOCK]
+    finally:
+        os.close(read_end)
+        os.close(write_end)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_empty_buffers_and_empty_batches_send_nothing(module: ModuleType, pairs) -> None:
+    """An empty buffer makes no send at all: 0 even where a send would fail."""
+    writer, reader = pairs(unix_pair)
+    assert module.send_all([], []) == []
+    assert module.send_all([writer.fileno(), BAD_FD], [b"", b""]) == [0, 0]
+    assert module.send_all([writer.fileno()], [b"after"]) == [5]
+    assert read_exactly(reader, 5) == b"after"
+    assert_nothing_more(reader)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_argument_errors(module: ModuleType, pairs) -> None:
+    """Misuse raises before anything is sent."""
+    writer, reader = pairs(unix_pair)
+    fd = writer.fileno()
+    with pytest.raises(ValueError):
+        module.send_all([fd, fd], [b"x"])
+    with pytest.raises(ValueError):
+        module.send_all([], [b"x"])
+    for wrong in (bytearray(b"x"), memoryview(b"x"), "x", None):
+        with pytest.raises(TypeError):
+            module.send_all([fd, fd], [b"first", wrong])
+    with pytest.raises(TypeError):
+        module.send_all(["not a descriptor"], [b"x"])
+    assert_nothing_more(reader)
+
+
+def test_twin_and_compiled_agree_on_the_same_operations(pairs) -> None:
+    """Two identical setups, the same sequence of sends and reads: equal results at every step."""
+    if compiled is None:
+        pytest.skip("not built")
+
+    def run(module: ModuleType) -> list[list[int]]:
+        room, full, gone = pairs(unix_pair), pairs(unix_pair, small=True), pairs(unix_pair)
+        gone[1].close()
+        fds = [room[0].fileno(), full[0].fileno(), gone[0].fileno(), BAD_FD, room[0].fileno()]
+        steps = []
+        for step in range(4):
+            buffers = [payload(3000, step), payload(300_000, step), payload(10, step), b"x", b""]
+            steps.append(module.send_all(fds, buffers))
+            read_exactly(room[1], 3000)
+            read_exactly(full[1], steps[-1][1] // 2)  # frees part of the full socket's buffer
+        return steps
+
+    twin, native = run(socket_send_py), run(compiled)
+    assert twin == native
+    assert [step[0] for step in twin] == [3000] * 4
+    assert all(0 < step[1] < 300_000 for step in twin)
+    assert [step[2:] for step in twin] == [[-errno.EPIPE, -errno.EBADF, 0]] * 4
