@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import platform
@@ -75,15 +76,15 @@ def null_launch(vocab: int, block_size: int):
         if rows:
             batch = SamplingBatch.from_rows(rows, vocab, cpu)
             batch.fill_grammar_bitmask(previous_host)
-            if batch.grammar_bitmask is not None:  # the "device's" pick under the mask, vectorized:
-                rows_ = np.asarray([entry[0] for entry in batch.grammar_rows])  # the hashed id where the
-                words = batch.grammar_bitmask.numpy()[rows_].view(np.uint32)  # grammar allows it (inside a
-                wanted = ids[rows_]  # string it mostly does: text as varied as a model's), else the lowest
-                allowed = (words[np.arange(len(rows_)), wanted // 32] >> (wanted % 32).astype(np.uint32)) & 1
-                first = (words != 0).argmax(axis=1)
-                bits = words[np.arange(len(rows_)), first].astype(np.int64)
-                lowest = first * 32 + np.log2(bits & -bits).astype(np.int64)
-                ids[rows_] = np.where(allowed == 1, wanted, lowest)
+            if batch.grammar_bitmask is not None:  # the "device's" pick under the mask, vectorized: the
+                rows_ = np.asarray([entry[0] for entry in batch.grammar_rows])  # hashed id where the grammar
+                words = batch.grammar_bitmask.numpy().view(np.uint32)  # allows it (inside a string it mostly
+                wanted = ids[rows_]  # does: text as varied as a model's), else the lowest allowed token
+                refused = rows_[((words[rows_, wanted // 32] >> (wanted % 32).astype(np.uint32)) & 1) == 0]
+                if len(refused):
+                    first = (words[refused] != 0).argmax(axis=1)
+                    bits = words[refused, first].astype(np.int64)
+                    ids[refused] = first * 32 + np.log2(bits & -bits).astype(np.int64)
         return NullSample(ids)
 
     return launch
@@ -176,6 +177,24 @@ def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: floa
     return [f for f in firsts if f is not None], end, cpu
 
 
+class CollectorPauses:
+    """Python's cyclic GC pauses (start, seconds), from gc.callbacks: they stop every thread."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[float, float]] = []
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.pauses.append((self._started, time.perf_counter() - self._started))
+
+    def between(self, t0: float, t1: float) -> list[float]:
+        return [seconds for start, seconds in self.pauses if t0 <= start <= t1]
+
+
 def thread_clocks(engine: Engine) -> dict[str, int]:
     """CPU clock ids of the threads doing per-step work: the event loop (this one), the device thread,
     and the HTTP socket sender when it runs."""
@@ -203,6 +222,7 @@ async def measure(a: argparse.Namespace) -> dict:
                           run_ahead=not a.disable_run_ahead,
                           num_kv_blocks=max(a.batch) * (a.tokens // 16 + 4) + 16)
     engine = await Engine.create(config)
+    collector = CollectorPauses()
     engine.executor.bind(null_launch(engine.loaded.limits.vocab_size, config.block_size))
     runner = url = None
     if a.http:
@@ -237,12 +257,14 @@ async def measure(a: argparse.Namespace) -> dict:
             if len(samples) < 2 or samples[-1][1] == samples[0][1]:
                 raise RuntimeError(f"batch {batch}: no steady state with all sequences decoding was sampled")
             (t0, steps0, cpu0), (t1, steps1, cpu1) = samples[0], samples[-1]
-            import builtins; getattr(builtins, "WINDOWS", []).append((t0, t1, steps1 - steps0))
             steps = steps1 - steps0
             ms = (t1 - t0) / steps * 1e3
             cpu = {name: (cpu1[name] - cpu0[name]) / steps * 1e3 for name in cpu0}
+            pauses = collector.between(t0, t1)
             results.append({"batch": batch, "tokens": a.tokens, "steady_steps": steps, "ms_per_step": ms,
-                            "cpu_ms_per_step": cpu, "client_view_ms_per_step": (end - max(firsts)) / (a.tokens - 1) * 1e3,
+                            "cpu_ms_per_step": cpu, "gc": {"collections": len(pauses), "ms_per_step": sum(pauses) / steps * 1e3,
+                                                           "max_pause_ms": max(pauses, default=0.0) * 1e3},
+                            "client_view_ms_per_step": (end - max(firsts)) / (a.tokens - 1) * 1e3,
                             "target_ms": TARGET_MS.get(batch)})
             if client_cpu is not None:
                 results[-1]["client_process_cpu_ms_per_step"] = client_cpu / a.tokens * 1e3

@@ -265,7 +265,7 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
         async with asyncio.timeout(timeout_s):
             first = await anext(stream)  # admission and validation errors surface here, before any byte
             if streaming:
-                body = await SSEBody.open(request, state.sender)
+                body = await SSEBody.open(request, state.sender, state.ready_engine().config.output_channel_cap_bytes)
                 await _stream(body, first, stream, endpoint, tracker, n)
             else:
                 _collect(state, first, tracker)
@@ -283,10 +283,10 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
     except ConnectionResetError:
         pass  # the client went away mid-stream; closing the stream below cancels the request
     finally:
+        if body is not None and not connected:
+            body.abandon()  # first: it cannot fail, and nothing after it may skip it
         await stream.aclose()
         tracker.finish(state, cancelled=not completed)
-        if body is not None and not connected:
-            body.abandon()
     if body is not None:
         if connected:
             await body.finish()

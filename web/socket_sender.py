@@ -8,7 +8,7 @@ on another core while the loop goes on with the next step.
 
 - Order and loss: a stream's bytes reach its socket in the order written, and none is dropped while
   the client reads. A client that reads slower than the engine writes gets several events per send.
-- A client that stops reading is failed alone once its unsent bytes pass `cap_bytes`: its handler's
+- A client that stops reading is failed alone once its unsent bytes pass its cap: its handler's
   next write raises ConnectionResetError, which cancels the request.
 - Descriptors: the sender writes through its own duplicate of the connection's descriptor, which
   only the sender thread closes, after the stream's last send. The event loop closing the
@@ -34,6 +34,7 @@ _STREAM_FAMILIES = (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)
 class SenderStream:
     fd: int  # the sender's own duplicate of the connection's descriptor
     released: asyncio.Future[None]  # resolved on the loop once the sender let go of `fd`
+    cap_bytes: int  # unsent bytes past which the client is taken to have stopped reading
     pending: list[bytes] = field(default_factory=list)  # loop thread: written, not handed over yet
     queued: bool = False  # loop thread: in the next hand-over
     ending: str | None = None  # loop thread: close or drop was asked
@@ -83,9 +84,10 @@ class SocketSender:
         os.close(self._wake_read)
         os.close(self._wake_write)
 
-    def open(self, transport: Any) -> SenderStream | None:
+    def open(self, transport: Any, cap_bytes: int | None = None) -> SenderStream | None:
         """Takes over writing to the transport's socket, or None where it cannot: not running, TLS,
-        not a stream socket, or bytes still queued in the transport (their order must hold)."""
+        not a stream socket, or bytes still queued in the transport (their order must hold).
+        cap_bytes: this stream's limit of unsent bytes (default: the sender's)."""
         if self._thread is None or transport is None or transport.is_closing():
             return None
         sock = transport.get_extra_info("socket")
@@ -99,7 +101,7 @@ class SocketSender:
         os.set_blocking(fd, False)
         self.open_streams += 1
         assert self._loop is not None
-        return SenderStream(fd, self._loop.create_future())
+        return SenderStream(fd, self._loop.create_future(), self.cap_bytes if cap_bytes is None else cap_bytes)
 
     def write(self, stream: SenderStream, data: bytes) -> None:
         if stream.error is not None:
@@ -189,7 +191,7 @@ class SocketSender:
                 self._sendable[stream.fd] = stream
         if ending == _DROP:
             self._release(stream)
-        elif len(stream.unsent) > self.cap_bytes:
+        elif len(stream.unsent) > stream.cap_bytes:
             self._fail(stream, f"the client stopped reading ({len(stream.unsent)} bytes unsent)")
         elif ending == _CLOSE:
             stream.closing = True

@@ -7,31 +7,40 @@ two never interleave.
 """
 from __future__ import annotations
 
+from typing import Any
+
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
 from web.socket_sender import SenderStream, SocketSender
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+# aiohttp's writes wait for the socket past 64 KiB buffered; then the engine's output channel fills
+# up to its cap. The sender holds the same total for a client that stops reading.
+TRANSPORT_HIGH_WATER = 64 << 10
 
 
 class SSEBody:
-    def __init__(self, response: web.StreamResponse, sender: SocketSender | None, stream: SenderStream | None) -> None:
+    def __init__(self, response: web.StreamResponse, transport: Any, sender: SocketSender | None = None,
+                 stream: SenderStream | None = None) -> None:
         self.response = response
+        self._transport = transport
         self._sender = sender
         self._stream = stream
 
     @classmethod
-    async def open(cls, request: web.Request, sender: SocketSender | None) -> SSEBody:
+    async def open(cls, request: web.Request, sender: SocketSender | None, channel_cap_bytes: int) -> SSEBody:
+        """channel_cap_bytes: the engine's cap of unread output per request (a client that stops reading
+        is failed past it, whichever way the bytes go)."""
         response = web.StreamResponse(headers=SSE_HEADERS)
         chunked = request.version >= HttpVersion11
         if chunked:
             response.enable_chunked_encoding()
         await response.prepare(request)
         if sender is None or not chunked:
-            return cls(response, None, None)
+            return cls(response, request.transport)
         await response.write(b"")  # the headers go out now (aiohttp holds them for the first body write)
-        return cls(response, sender, sender.open(request.transport))
+        return cls(response, request.transport, sender, sender.open(request.transport, channel_cap_bytes + TRANSPORT_HIGH_WATER))
 
     @property
     def via_sender(self) -> bool:
@@ -52,18 +61,28 @@ class SSEBody:
             self._sender.write(self._stream, b"%x\r\n%b\r\n" % (len(data), data))
 
     async def finish(self) -> None:
-        """Everything written reached the socket; the response is ended."""
+        """Everything written reached the socket, then the response ends (a client that hung up at the
+        very end changes nothing: the request is complete)."""
         if self._stream is not None:
             assert self._sender is not None
             try:
                 await self._sender.close(self._stream)
-            finally:
+            except ConnectionResetError:
                 self.abandon()
+                return
+            except BaseException:
+                self.abandon()
+                raise
+            self._stream = None
         await self.response.write_eof()
 
     def abandon(self) -> None:
-        """The stream failed or was cancelled: unsent bytes are discarded and the socket left to aiohttp."""
+        """The stream failed or was cancelled. Through the sender, unsent bytes are discarded, so the
+        connection is closed too: its chunked framing may be cut mid-chunk, and it must not be reused."""
         if self._stream is not None:
             assert self._sender is not None
             self._sender.drop(self._stream)
             self._stream = None
+            self.response.force_close()
+            if self._transport is not None:
+                self._transport.close()

@@ -23,13 +23,15 @@ class GrammarState:
     one step ahead needs the mask after a token the stage has not recorded yet. Tokens are taken by
     output position under a lock, so each is taken exactly once, by whichever thread comes first."""
 
-    __slots__ = ("matcher", "_lock", "_taken", "_ok")
+    __slots__ = ("matcher", "_lock", "_taken", "_ok", "_stop_ids", "_terminated")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
         self._lock = threading.Lock()
         self._taken = 0  # output tokens taken so far
         self._ok = True  # every token taken was allowed
+        self._stop_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
+        self._terminated = False
 
     def accept_at(self, position: int, token_id: int) -> bool:
         """Take the output token at `position` (once: a second call for it returns the first's answer);
@@ -38,6 +40,8 @@ class GrammarState:
             if position == self._taken:
                 self._ok = self._ok and bool(self.matcher.accept_token(token_id))
                 self._taken += 1
+                if token_id in self._stop_ids:  # only a stop token ends a matcher (it is asked per token)
+                    self._terminated = bool(self.matcher.is_terminated())
             elif position > self._taken:
                 raise ValueError(f"grammar token {position} taken before token {self._taken}")
             return self._ok
@@ -45,7 +49,7 @@ class GrammarState:
     @property
     def is_terminated(self) -> bool:
         """The grammar is complete and its stop token was accepted: nothing more may be generated."""
-        return bool(self.matcher.is_terminated())
+        return self._terminated
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)

@@ -6,6 +6,7 @@ import asyncio
 import threading
 import time
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import orjson
@@ -24,6 +25,7 @@ class LiveServer:
         self.settings = settings or ServerSettings(served_model_names=["tiny"])
         self.url = ""
         self.engine: Engine | None = None  # owned by the server thread; tests only poke test hooks on it
+        self.state: ServerState | None = None  # likewise (tests read counters on it)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -54,7 +56,8 @@ class LiveServer:
     async def _main(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._stop = asyncio.Event()
-        state = ServerState(self.settings, ServerMetrics(lambda: state.engine.stats() if state.engine else {}, "tiny"))
+        state = self.state = ServerState(self.settings,
+                                         ServerMetrics(lambda: state.engine.stats() if state.engine else {}, "tiny"))
         state.engine = self.engine = await Engine.create(self.config)
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -86,6 +89,15 @@ class LiveServer:
                 return stats
             time.sleep(0.01)
         raise AssertionError(f"server did not become idle: {self.get_json('/debug/stages')}")
+
+
+def wait_for(condition: Callable[[], bool], timeout_s: float = 30.0) -> None:
+    """Until `condition()` holds (it reads what another thread updates)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError("the condition did not come true in time")
+        time.sleep(0.005)
 
 
 def metric_value(text: str, name: str) -> float:

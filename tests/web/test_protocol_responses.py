@@ -12,7 +12,7 @@ from openai.types import Completion, Model
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
 
 from pipeline.request import FinishReason, TokenLogprob
-from web.protocol import (SSE_DONE, APIError, chat_chunk, chat_choice, chat_completion, chat_delta_choice,
+from web.protocol import (SSE_DONE, APIError, TextEvent, chat_chunk, chat_choice, chat_completion, chat_delta_choice,
                           chat_logprobs, chat_usage_chunk, completion_choice, completion_chunk, completion_logprobs,
                           completion_response, completion_usage_chunk, models_list, new_chat_id, new_completion_id,
                           sse_event, usage, wire_finish_reason)
@@ -29,6 +29,32 @@ def token_text(token_id: int) -> str:
 def test_sse_framing_is_exact() -> None:
     assert sse_event({"a": 1, "b": "é"}) == b'data: {"a":1,"b":"\xc3\xa9"}\n\n'
     assert SSE_DONE == b"data: [DONE]\n\n"
+
+
+TEXTS = ["", "Hello", ' "quoted" \\ back', "tab\tnew\nline\r\x00\x1f", "é日本語🙂", "\u2028\u2029", "x" * 5000,
+         "\x00conveyor-text\x00"]
+
+
+@pytest.mark.parametrize("include_usage", [False, True])
+@pytest.mark.parametrize("index", [0, 3])
+def test_text_event_templates_equal_encoding_the_chunk(include_usage: bool, index: int) -> None:
+    """The template of a text-only chunk gives the very bytes of building and encoding the chunk."""
+    makers = [
+        lambda text: chat_chunk("chatcmpl-x", 7, "m", [chat_delta_choice(index, content=text)], include_usage=include_usage),
+        lambda text: completion_chunk("cmpl-x", 7, "m", [completion_choice(index, text, None)],
+                                      include_usage=include_usage),
+    ]
+    for make in makers:
+        template = TextEvent(make)
+        for text in TEXTS:
+            assert template(text) == sse_event(make(text))
+
+
+def test_a_text_event_template_needs_exactly_one_text_field() -> None:
+    with pytest.raises(ValueError):
+        TextEvent(lambda text: {"a": text, "b": text})
+    with pytest.raises(ValueError):
+        TextEvent(lambda text: {"a": "fixed"})
 
 
 def test_ids_and_usage() -> None:

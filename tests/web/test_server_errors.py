@@ -7,7 +7,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.web.server_utils import LiveServer, metric_value
+from tests.web.server_utils import LiveServer, metric_value, wait_for
 from web.app import ServerSettings
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -141,6 +141,7 @@ def test_client_disconnect_frees_everything(roomy_server, stream):
 
     asyncio.run(main())
     stats = server.wait_idle()
+    wait_for(lambda: server.state.sender.open_streams == 0)  # the sender let go of the socket too
     text = server.metrics_text()
     assert stats["kv_blocks"]["used"] == 0
     assert metric_value(text, "conveyor_num_requests_running") == 0
