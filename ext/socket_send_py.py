@@ -4,6 +4,7 @@ The compiled one releases the GIL once for the whole batch; this one releases it
 """
 from __future__ import annotations
 
+import errno
 import socket
 
 
@@ -17,6 +18,11 @@ def send_all(fds: list[int], buffers: list[bytes]) -> list[int]:
     flags = socket.MSG_NOSIGNAL | socket.MSG_DONTWAIT
     results = []
     for fd, buffer in zip(fds, buffers):
+        if not -(1 << 31) <= fd < 1 << 31:
+            raise OverflowError(f"file descriptor {fd} does not fit a C int")
+        if fd < 0:
+            results.append(-errno.EBADF)
+            continue
         done = 0
         view = memoryview(buffer)
         while done < len(buffer):

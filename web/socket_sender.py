@@ -47,7 +47,7 @@ class SenderStream:
 class SocketSender:
     def __init__(self, cap_bytes: int = 16 << 20) -> None:
         self.cap_bytes = cap_bytes
-        self.open_streams = 0
+        self._open: set[SenderStream] = set()  # loop thread: opened and not released yet
         self._send_all = ext.load("socket_send").send_all
         self._lock = threading.Lock()
         self._handed: list[tuple[SenderStream | None, bytes, str | None]] = []  # under _lock
@@ -65,6 +65,10 @@ class SocketSender:
 
     # ---- loop thread -----------------------------------------------------------------------------
 
+    @property
+    def open_streams(self) -> int:
+        return len(self._open)
+
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._wake_read, self._wake_write = os.pipe()
@@ -75,12 +79,19 @@ class SocketSender:
         self._thread.start()
 
     async def stop(self) -> None:
-        """Ends the thread; streams still open are released (their unsent bytes dropped)."""
+        """Ends the thread; streams still open are released (their unsent bytes dropped) and fail."""
         if self._thread is None:
             return
+        self._hand_off()  # what was written in this iteration goes first
         self._hand_over([(None, b"", _STOP)])
-        await asyncio.to_thread(self._thread.join)
-        self._thread = None
+        thread, self._thread = self._thread, None
+        await asyncio.to_thread(thread.join)
+        for stream in list(self._open):  # the thread released what it held; the rest it never saw
+            if not stream.gone:
+                stream.gone = True
+                stream.error = stream.error or "the server stopped"
+                os.close(stream.fd)
+            self._released(stream)
         os.close(self._wake_read)
         os.close(self._wake_write)
 
@@ -99,13 +110,16 @@ class SocketSender:
             return None
         fd = os.dup(sock.fileno())
         os.set_blocking(fd, False)
-        self.open_streams += 1
         assert self._loop is not None
-        return SenderStream(fd, self._loop.create_future(), self.cap_bytes if cap_bytes is None else cap_bytes)
+        stream = SenderStream(fd, self._loop.create_future(), self.cap_bytes if cap_bytes is None else cap_bytes)
+        self._open.add(stream)
+        return stream
 
     def write(self, stream: SenderStream, data: bytes) -> None:
         if stream.error is not None:
             raise ConnectionResetError(stream.error)
+        if self._thread is None:
+            raise ConnectionResetError("the server stopped")
         if stream.ending is not None:
             raise RuntimeError("write to a closed sender stream")
         stream.pending.append(data)
@@ -157,7 +171,7 @@ class SocketSender:
             os.write(self._wake_write, b"\0")
 
     def _released(self, stream: SenderStream) -> None:
-        self.open_streams -= 1
+        self._open.discard(stream)
         if not stream.released.done():
             stream.released.set_result(None)
 
@@ -176,6 +190,7 @@ class SocketSender:
             for stream, data, ending in items:
                 if stream is None:  # stop
                     for held in list(self._held.values()):
+                        held.error = held.error or "the server stopped"
                         self._release(held)
                     return
                 if not stream.gone:
@@ -191,7 +206,7 @@ class SocketSender:
                 self._sendable[stream.fd] = stream
         if ending == _DROP:
             self._release(stream)
-        elif len(stream.unsent) > stream.cap_bytes:
+        elif stream.fd in self._blocked and len(stream.unsent) > stream.cap_bytes:  # the socket refused more
             self._fail(stream, f"the client stopped reading ({len(stream.unsent)} bytes unsent)")
         elif ending == _CLOSE:
             stream.closing = True
