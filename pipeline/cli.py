@@ -32,6 +32,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "times (finish_reason length); requests may override it")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
+    parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
+                        help="Python's young-generation GC threshold while serving (pipeline/interpreter_tuning.py)")
+    parser.add_argument("--gil-switch-interval", type=float, default=defaults.gil_switch_interval_s,
+                        metavar="SECONDS", help="sys.setswitchinterval while serving (pipeline/interpreter_tuning.py)")
 
 
 def parse_repetition_detection(text: str) -> RepetitionDetection | None:
@@ -51,7 +55,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
-                        run_ahead=not args.disable_run_ahead,
+                        run_ahead=not args.disable_run_ahead, gc_young_threshold=args.gc_young_threshold,
+                        gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))
 
 
@@ -135,7 +140,8 @@ async def serve_main(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                              enforce_tool_grammar=not args.no_tool_grammar)
+                              enforce_tool_grammar=not args.no_tool_grammar,
+                              socket_sender=not args.no_socket_sender)
     return await run_server(config, settings, args.host, args.port, args.drain_timeout)
 
 
@@ -159,6 +165,8 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="split <think> blocks into reasoning_content")
     serve.add_argument("--no-tool-grammar", action="store_true",
                        help="do not constrain tool calls with a grammar (parse only)")
+    serve.add_argument("--no-socket-sender", action="store_true",
+                       help="write SSE bytes from the event loop (aiohttp) instead of the sender thread")
     add_engine_args(serve)
 
 

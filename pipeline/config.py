@@ -30,6 +30,7 @@ class EngineConfig:
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
+    gil_switch_interval_s: float = 0.001  # sys.setswitchinterval while serving (Python's default is 5 ms)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -44,5 +45,7 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
         if self.gc_young_threshold < 1:
             raise ValueError("gc_young_threshold must be at least 1")
+        if not 1e-5 <= self.gil_switch_interval_s <= 0.1:
+            raise ValueError(f"gil_switch_interval_s must be in [1e-5, 0.1], got {self.gil_switch_interval_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2 (block 0 is reserved)")

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.config import EngineConfig
 from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
+from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_serving
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.messages import IntakeItem
@@ -68,7 +69,7 @@ class Engine:
         self.draining = False
         self._tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
-        self._gc_threshold: tuple[int, int, int] | None = None  # the collector's thresholds before create()
+        self._interpreter: InterpreterSettings | None = None  # what create() replaced (shutdown restores it)
         self.failure: BaseException | None = None
         self._grammars: GrammarCompiler | None = None
 
@@ -93,17 +94,7 @@ class Engine:
             raise
         engine = cls(config, loaded, executor)
         engine.start()
-        # What is loaded now lives as long as the engine: keep it out of the cyclic GC's scans. Measured
-        # on the host bench: a 223 ms full collection mid-decode (700k tracked objects) became 37 ms.
-        gc.collect()
-        gc.freeze()
-        # A step at batch 256 makes and frees a few thousand small objects, so at the default young
-        # threshold (700) the collector ran about twice per step, and every tenth young collection
-        # cascades into a full one (15-50 ms pauses, 0.3-0.7 ms/step on average). Per-token objects
-        # die by reference counting within the step: a threshold above a step's churn keeps collections
-        # for real growth. Measured on the host bench: no collection in 250 steps at batch 256.
-        engine._gc_threshold = gc.get_threshold()
-        gc.set_threshold(config.gc_young_threshold, *engine._gc_threshold[1:])
+        engine._interpreter = tune_for_serving(config.gc_young_threshold, config.gil_switch_interval_s)
         return engine
 
     def start(self) -> None:
@@ -254,8 +245,7 @@ class Engine:
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)
         runner = self.loaded.runner
-        gc.unfreeze()  # what create() froze can be collected again (engines come and go in one process)
-        if self._gc_threshold is not None:
-            gc.set_threshold(*self._gc_threshold)
+        if self._interpreter is not None:
+            restore(self._interpreter)
         await self.executor.call(lambda: (gc.collect(), runner.release()))  # frees device memory on its thread
         await asyncio.to_thread(self.executor.shutdown)
