@@ -130,13 +130,13 @@ class SamplingBatch:
         from pipeline.grammar.state import fill_batch_bitmask
 
         states: list[tuple[int, Any]] = []
-        host = previous_tokens() if previous_tokens is not None and any(
+        host = previous_tokens().tolist() if previous_tokens is not None and any(
             previous >= 0 for _, _, previous, _ in self.grammar_rows) else None
         for row, state, previous, position in self.grammar_rows:
             if previous >= 0:
                 if host is None:
                     raise ValueError("a grammar row is one step ahead, but the previous step's tokens are unknown")
-                if not state.accept_at(position - 1, int(host[previous])) or state.is_terminated:
+                if not state.accept_at(position - 1, host[previous]) or state.is_terminated:
                     continue  # the sample ends with its previous token: this row is dropped anyway
             states.append((row, state))
         self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device)

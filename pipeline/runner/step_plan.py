@@ -11,7 +11,7 @@ concatenated into one forward (a mixed prefill + decode step).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -32,11 +32,11 @@ class ScheduledChunk:
 
 @dataclass(slots=True)
 class StepPlan:
-    chunks: list[ScheduledChunk]
+    chunks: list[ScheduledChunk]  # fixed once planned
+    num_rows: int = field(init=False)  # sampled rows: read by both threads every step, so counted once
 
-    @property
-    def num_rows(self) -> int:
-        return sum(len(c.rows) for c in self.chunks)
+    def __post_init__(self) -> None:
+        self.num_rows = sum(len(c.rows) for c in self.chunks)
 
     @property
     def num_tokens(self) -> int:
