@@ -8,13 +8,17 @@ cnp.import_array()
 
 def build_step_inputs(list token_lists, list start_positions, list block_lists, Py_ssize_t block_size):
     cdef Py_ssize_t num_seqs = len(token_lists)
-    cdef Py_ssize_t total = 0, max_blocks = 1, b, j, cursor = 0, pos, start, n
+    cdef Py_ssize_t total = 0, max_blocks = 1, b, j, cursor = 0, pos, start, n, needed
     cdef list tokens, blocks
+    # A table holds the blocks the positions reach, no more: the lists are shared with the event loop,
+    # which may append while this runs (the numpy calls below can switch threads), so only that prefix
+    # is a snapshot, and the table's width must not depend on a list's current length.
     for b in range(num_seqs):
-        total += len(<list>token_lists[b])
-        n = len(<list>block_lists[b])
-        if n > max_blocks:
-            max_blocks = n
+        n = len(<list>token_lists[b])
+        total += n
+        needed = (<Py_ssize_t>start_positions[b] + n + block_size - 1) // block_size
+        if needed > max_blocks:
+            max_blocks = needed
     input_ids_arr = np.empty(total, dtype=np.int64)
     positions_arr = np.empty(total, dtype=np.int64)
     slots_arr = np.empty(total, dtype=np.int64)
@@ -43,6 +47,6 @@ def build_step_inputs(list token_lists, list start_positions, list block_lists, 
             cursor += 1
         qsl[b + 1] = <cnp.int32_t>cursor
         lens[b] = <cnp.int32_t>(start + n)
-        for j in range(len(blocks)):
+        for j in range((start + n + block_size - 1) // block_size):
             tables[b, j] = <cnp.int32_t>blocks[j]
     return input_ids_arr, positions_arr, slots_arr, qsl_arr, lens_arr, tables_arr

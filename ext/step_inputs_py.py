@@ -16,10 +16,15 @@ def build_step_inputs(
     block_size: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Return input_ids, positions, slot_mapping (int64 [T]), query_start_loc (int32 [B+1]),
-    seq_lens (int32 [B]) and block_tables (int32 [B, max_blocks], padded with block 0)."""
+    seq_lens (int32 [B]) and block_tables (int32 [B, max_blocks], padded with block 0).
+
+    A sequence's block table holds the blocks its positions reach, no more: block lists are shared
+    with the event loop, which may append to one while this runs (step_plan.py), so only that
+    prefix of a list is a snapshot."""
     num_seqs = len(token_lists)
     total = sum(len(tokens) for tokens in token_lists)
-    max_blocks = max((len(blocks) for blocks in block_lists), default=0)
+    needed = [-(-(start + len(tokens)) // block_size) for tokens, start in zip(token_lists, start_positions)]
+    max_blocks = max(needed, default=0)
     input_ids = np.empty(total, dtype=np.int64)
     positions = np.empty(total, dtype=np.int64)
     slot_mapping = np.empty(total, dtype=np.int64)
@@ -42,6 +47,6 @@ def build_step_inputs(
             cursor += 1
         query_start_loc[b + 1] = cursor
         seq_lens[b] = start + len(tokens)
-        for j in range(len(blocks)):
+        for j in range(needed[b]):
             block_tables[b, j] = blocks[j]
     return input_ids, positions, slot_mapping, query_start_loc, seq_lens, block_tables

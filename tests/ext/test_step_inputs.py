@@ -34,7 +34,20 @@ def test_twin_matches_a_direct_description():
     assert positions.tolist() == [0, 1, 2, 5]
     assert slots.tolist() == [12, 13, 14, 2 * 4 + 1]
     assert qsl.tolist() == [0, 3, 4] and lens.tolist() == [3, 6]
-    assert tables.tolist() == [[3, 4], [8, 2]]
+    assert tables.tolist() == [[3, 0], [8, 2]]  # sequence 0's positions reach its first block only
+
+
+@pytest.mark.parametrize("module", [step_inputs_py, compiled], ids=["twin", "compiled"])
+def test_tables_hold_the_blocks_the_positions_reach_whatever_the_lists_length(module):
+    """Block lists are shared with the event loop, which appends as sequences grow (even while a
+    step's inputs are built): the table's width and contents follow the positions, not len(list)."""
+    if module is None:
+        pytest.skip("Cython extension not built")
+    short = module.build_step_inputs([[1], [2, 3]], [4, 0], [[5, 6], [7]], 4)
+    long = module.build_step_inputs([[1], [2, 3]], [4, 0], [[5, 6, 9, 9, 9], [7, 9, 9]], 4)
+    for a, b in zip(short, long):
+        np.testing.assert_array_equal(a, b)
+    assert long[5].tolist() == [[5, 6], [7, 0]]
 
 
 @pytest.mark.skipif(compiled is None, reason="Cython extension not built")
