@@ -61,6 +61,27 @@ class NullSample:
         return self._output
 
 
+def masked_pick(words: np.ndarray, rows: list[int], ids: np.ndarray) -> None:
+    """The "device's" pick under a grammar mask: a row's hashed id where its grammar allows it (inside a
+    string it mostly does: text as varied as a model's), else the lowest allowed token. Vectorized for
+    a batch; a few rows take scalar steps (each numpy call costs microseconds the host bench would bill)."""
+    if len(rows) < 16:
+        for row in rows:
+            wanted = int(ids[row])
+            if not (int(words[row, wanted >> 5]) >> (wanted & 31)) & 1:
+                first = int(np.flatnonzero(words[row])[0])
+                bits = int(words[row, first])
+                ids[row] = first * 32 + (bits & -bits).bit_length() - 1
+        return
+    rows_ = np.asarray(rows)
+    wanted = ids[rows_]
+    refused = rows_[((words[rows_, wanted // 32] >> (wanted % 32).astype(np.uint32)) & 1) == 0]
+    if len(refused):
+        first = (words[refused] != 0).argmax(axis=1)
+        bits = words[refused, first].astype(np.int64)
+        ids[refused] = first * 32 + np.log2(bits & -bits).astype(np.int64)
+
+
 def null_launch(vocab: int, block_size: int):
     step_inputs = ext.load("step_inputs")
     cpu = torch.device("cpu")
@@ -76,15 +97,8 @@ def null_launch(vocab: int, block_size: int):
         if rows:
             batch = SamplingBatch.from_rows(rows, vocab, cpu)
             batch.fill_grammar_bitmask(previous_host)
-            if batch.grammar_bitmask is not None:  # the "device's" pick under the mask, vectorized: the
-                rows_ = np.asarray([entry[0] for entry in batch.grammar_rows])  # hashed id where the grammar
-                words = batch.grammar_bitmask.numpy().view(np.uint32)  # allows it (inside a string it mostly
-                wanted = ids[rows_]  # does: text as varied as a model's), else the lowest allowed token
-                refused = rows_[((words[rows_, wanted // 32] >> (wanted % 32).astype(np.uint32)) & 1) == 0]
-                if len(refused):
-                    first = (words[refused] != 0).argmax(axis=1)
-                    bits = words[refused, first].astype(np.int64)
-                    ids[refused] = first * 32 + np.log2(bits & -bits).astype(np.int64)
+            if batch.grammar_bitmask is not None:
+                masked_pick(batch.grammar_bitmask.numpy().view(np.uint32), [e[0] for e in batch.grammar_rows], ids)
         return NullSample(ids)
 
     return launch

@@ -55,8 +55,13 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
+# Below this many rows the matchers fill one by one on the calling thread: handing a few rows to
+# xgrammar's thread pool and waiting for it costs more than their fill (host bench, batch 1).
+BATCH_FILL_MIN_ROWS = 8
+
+
 def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, rows: list[int]) -> None:
-    if all(isinstance(state, GrammarState) for _, state in states):
+    if len(states) >= BATCH_FILL_MIN_ROWS and all(isinstance(state, GrammarState) for _, state in states):
         _batch_matcher().batch_fill_next_token_bitmask([state.matcher for _, state in states], tensor, rows)
     else:  # any object with fill(tensor, row) (tests)
         for row, state in states:
