@@ -145,13 +145,9 @@ class ChatEndpoint(Endpoint):
         finished = delta.finish_reason is not None
         piece = self.parse(delta.index, delta.text, finished, delta.prompt_opens_thinking)
         if piece is None:
-            if delta.text and logprobs is None and not finished:
-                return self.text_event(delta.index, delta.text)
             piece = ChatPiece(content=delta.text)
-        if not (piece.content or piece.reasoning or piece.tool_calls) and logprobs is None and not finished:
-            return b""
-        if piece.content and not (piece.reasoning or piece.tool_calls) and logprobs is None and not finished:
-            return self.text_event(delta.index, piece.content)
+        if logprobs is None and not finished and not (piece.reasoning or piece.tool_calls):
+            return self.text_event(delta.index, piece.content) if piece.content else b""  # content only
         content = piece.content if piece.content or (not finished and not piece.reasoning
                                                      and not piece.tool_calls) else None
         part = chat_delta_choice(delta.index, content=content, reasoning_content=piece.reasoning or None,

@@ -1,20 +1,10 @@
 """Batch bitmask assembly: compiled == twin; rows without a grammar allow everything."""
-import importlib
-
 import numpy as np
 import pytest
 
-from ext import bitmask_py
+from tests.ext.twins import twin_and_compiled
 
-try:
-    compiled = importlib.import_module("ext.bitmask")
-except ImportError:  # not built
-    compiled = None
-
-MODULES = [pytest.param(bitmask_py, id="twin"),
-           pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))]
-
-
+MODULES = twin_and_compiled("bitmask")
 WORDS = {1: [1, 0, 5], 3: [0, -2, 7]}
 
 

@@ -1,20 +1,13 @@
 """Penalty bookkeeping: compiled == twin == counting the token lists directly."""
-import importlib
 import random
 from collections import Counter
 
 import numpy as np
 import pytest
 
-from ext import penalties_py
+from tests.ext.twins import twin_and_compiled
 
-try:
-    compiled = importlib.import_module("ext.penalties")
-except ImportError:  # not built
-    compiled = None
-
-MODULES = [pytest.param(penalties_py, id="twin"),
-           pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))]
+MODULES = twin_and_compiled("penalties")
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -1,18 +1,11 @@
 """The loop guard's repetition detector: compiled == twin == a brute-force definition."""
-import importlib
 import random
 
 import pytest
 
-from ext import repetition_py
+from tests.ext.twins import twin_and_compiled
 
-try:
-    compiled = importlib.import_module("ext.repetition")
-except ImportError:  # not built
-    compiled = None
-
-MODULES = [pytest.param(repetition_py, id="twin"),
-           pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))]
+MODULES = twin_and_compiled("repetition")
 
 
 def brute_force(tokens: list[int], min_size: int, max_size: int, min_count: int) -> bool:

@@ -5,7 +5,6 @@ took, so a partial count must match what the peer can read, and failures must co
 from __future__ import annotations
 
 import errno
-import importlib
 import os
 import random
 import select
@@ -17,14 +16,10 @@ from types import ModuleType
 import pytest
 
 from ext import socket_send_py
+from tests.ext.twins import compiled_module, twin_and_compiled
 
-try:
-    compiled = importlib.import_module("ext.socket_send")
-except ImportError:  # not built
-    compiled = None
-
-MODULES = [pytest.param(socket_send_py, id="twin"),
-           pytest.param(compiled, id="compiled", marks=pytest.mark.skipif(compiled is None, reason="not built"))]
+compiled = compiled_module("socket_send")
+MODULES = twin_and_compiled("socket_send")
 SMALL_BUFFER = 4096  # the kernel raises it to its minimum: still far below the payloads here
 READER_BUFFER = 1 << 16  # a TCP reader as small as the writer crawls (window probes), this one does not
 BAD_FD = 1 << 20  # above any RLIMIT_NOFILE used here: never an open descriptor
