@@ -238,7 +238,8 @@ async def sample_full_batch(engine: Engine, batch: int,
 async def measure(a: argparse.Namespace) -> dict:
     config = EngineConfig(max_num_seqs=max(a.batch), max_num_batched_tokens=max(512, 4 * max(a.batch)),
                           run_ahead=not a.disable_run_ahead,
-                          num_kv_blocks=max(a.batch) * (a.tokens // 16 + 4) + 16)
+                          num_kv_blocks=max(a.batch) * (a.tokens // 16 + 4) + 16,
+                          **({"gil_switch_interval_s": a.gil_switch_interval} if a.gil_switch_interval else {}))
     engine = await Engine.create(config)
     collector = CollectorPauses()
     engine.executor.bind(null_launch(engine.loaded.limits.vocab_size, config.block_size))
@@ -353,6 +354,8 @@ def main() -> None:
     parser.add_argument("--all", action="store_true", help="every mode (Cython on/off x http x grammar)")
     parser.add_argument("--repeat", type=int, default=1, help="with --all: runs per mode (the median is reported)")
     parser.add_argument("--disable-run-ahead", action="store_true", help="each step waits for the previous")
+    parser.add_argument("--gil-switch-interval", type=float, default=None,
+                        help="seconds (the engine's setting while it serves; default: the engine's default)")
     parser.add_argument("--out", default=None)
     parser.add_argument("--clients", metavar="URL", help=argparse.SUPPRESS)  # the client process of --http
     a = parser.parse_args()

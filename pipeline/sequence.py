@@ -127,7 +127,7 @@ class Sequence:
     def reads_own_tokens(self) -> bool:
         """Whether picking the next token needs this sample's previous token recorded first
         (thinking budget, penalties, min_tokens): no running ahead for it. A grammar does not:
-        the runner advances a copy of it by the token still on its way (GrammarState.ahead)."""
+        the runner gives its matcher the token still on its way (grammar.state.take_tokens)."""
         if self.thinking is not None and self.thinking.active:
             return True
         return depends_on_output_tokens(self.request.params, self.num_output_tokens)
@@ -164,9 +164,8 @@ class Sequence:
             return FinishReason.LENGTH
         if self.thinking is not None:
             self.thinking.observe(token_id)
-        if self.grammar is not None and (
-                not self.grammar.accept_at(self.num_output_tokens - 1, token_id) or self.grammar.is_terminated):
-            return FinishReason.STOP  # the grammar is complete (a refused token cannot be sampled)
+        if self.grammar is not None and self.grammar.record(token_id):
+            return FinishReason.STOP  # the grammar is complete (or refused a token: the mask prevents it)
         if self.loop_guard is not None and self.loop_guard.feed(token_id):
             return FinishReason.LENGTH  # a degenerate loop: end it and free the sequence now
         return None

@@ -1,9 +1,10 @@
 """One sample's place in its grammar, and the step's bitmask over the batch.
 
-The decode (or prefill) stage advances a sample's state with every token it records; the device
-thread fills the next step's bitmask rows from those states while the forward runs on the device
-(the runner calls `fill_batch_bitmask` after launching the forward and before sampling), then the
-logits pipeline masks disallowed tokens in one call for the whole batch.
+The decode (or prefill) stage records every token of a sample on its state; the device thread, and
+only it, drives the matchers: while the forward runs on the device (the runner calls
+`SamplingBatch.fill_grammar_bitmask` after launching it and before sampling) it gives each matcher
+the tokens it is missing and fills the step's bitmask rows, one batched call each; then the logits
+pipeline masks disallowed tokens in one call for the whole batch.
 """
 from __future__ import annotations
 
@@ -14,45 +15,65 @@ import torch
 import xgrammar as xgr
 
 import ext
+from pipeline.grammar.batch_accept import refused_tokens
 
 _bitmask = ext.load("bitmask")
 
 
 class GrammarState:
-    """Two threads advance it: the stage when it records a token, and the device thread when a step
-    one step ahead needs the mask after a token the stage has not recorded yet. Tokens are taken by
-    output position under a lock, so each is taken exactly once, by whichever thread comes first."""
+    """One sample's matcher. Only the device thread calls it: it takes the sample's tokens and fills
+    its masks, a whole step's rows in one batched xgrammar call each, so the event loop never waits
+    on a matcher, a lock, or a GIL hand-off per token. The stage only records tokens (`record`);
+    the device thread catches the matcher up from those, or, for a row one step ahead, from the
+    previous step's host tokens (`take_tokens`)."""
 
-    __slots__ = ("matcher", "_lock", "_taken", "_ok", "_stop_ids", "_terminated")
+    __slots__ = ("matcher", "recorded", "taken", "refused", "ended", "stop_ids")
 
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)
-        self._lock = threading.Lock()
-        self._taken = 0  # output tokens taken so far
-        self._ok = True  # every token taken was allowed
-        self._stop_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
-        self._terminated = False
+        self.recorded: list[int] = []  # the output tokens the stage recorded, in order (loop thread)
+        self.taken = 0  # output tokens the matcher has been given (device thread)
+        self.refused = False  # the matcher refused one of them (the mask makes that impossible)
+        self.ended = False  # it took a stop token or refused one: it has no next mask
+        self.stop_ids = frozenset(compiled.tokenizer_info.stop_token_ids)
 
-    def accept_at(self, position: int, token_id: int) -> bool:
-        """Take the output token at `position` (once: a second call for it returns the first's answer);
-        False if the grammar refused it (the mask makes that impossible) or an earlier one."""
-        with self._lock:
-            if position == self._taken:
-                self._ok = self._ok and bool(self.matcher.accept_token(token_id))
-                self._taken += 1
-                if token_id in self._stop_ids:  # only a stop token ends a matcher (it is asked per token)
-                    self._terminated = bool(self.matcher.is_terminated())
-            elif position > self._taken:
-                raise ValueError(f"grammar token {position} taken before token {self._taken}")
-            return self._ok
-
-    @property
-    def is_terminated(self) -> bool:
-        """The grammar is complete and its stop token was accepted: nothing more may be generated."""
-        return self._terminated
+    def record(self, token_id: int) -> bool:
+        """The stage recorded the sample's next output token. True when the grammar ends the sample:
+        the token is a stop token (the mask allows one only where the grammar is complete), or the
+        matcher refused an earlier token (seen once the device thread took it)."""
+        self.recorded.append(token_id)
+        return token_id in self.stop_ids or self.refused
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(bitmask, row)
+
+
+def take_tokens(rows: list[tuple[GrammarState, int, int | None]]) -> None:
+    """Bring each state's matcher to `position` output tokens: (state, position, the token at
+    position - 1 when the stage may not have recorded it yet, else None). One batched accept per
+    round; a state behind by k tokens needs k rounds (normally every state is behind by one)."""
+    while True:
+        states: list[GrammarState] = []
+        tokens: list[int] = []
+        for state, position, ahead in rows:
+            taken = state.taken
+            if taken >= position or state.ended:
+                continue
+            if ahead is not None and taken == position - 1:
+                tokens.append(ahead)
+            elif taken < len(state.recorded):
+                tokens.append(state.recorded[taken])
+            else:
+                raise ValueError(f"grammar token {taken} is needed before the stage recorded it")
+            states.append(state)
+        if not states:
+            return
+        refused = refused_tokens([state.matcher for state in states], tokens)
+        for state, token in zip(states, tokens):
+            state.taken += 1
+            state.ended = token in state.stop_ids
+        for i in refused:
+            states[i].refused = states[i].ended = True
 
 
 # Below this many rows the matchers fill one by one on the calling thread: handing a few rows to
@@ -82,14 +103,29 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+_HOST = threading.local()
+
+
+def _host_buffer(words: int) -> np.ndarray:
+    """This thread's host bitmask buffer, reused step after step: a fresh 1.5 MB array per step (batch
+    256) is a fresh mapping whose every page faults on first write. Reuse is safe: on CUDA the step
+    copies the mask to pinned memory before returning, on CPU the step samples before returning."""
+    buffer = getattr(_HOST, "buffer", None)
+    if buffer is None or buffer.size < words:
+        buffer = _HOST.buffer = np.empty(words, dtype=np.int32)
+    return buffer[:words]
+
+
 def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vocab_size: int,
                        device: torch.device) -> torch.Tensor:
     """The step's int32 bitmask [S, ceil(V/32)] (bit j of word w allows token 32w + j) on `device`.
 
-    Rows without a grammar allow everything. Filled in pinned memory on CUDA and copied without
-    blocking, so it never waits behind the step's kernels.
+    Rows without a grammar allow everything. Filled in a host buffer this thread reuses: on CPU the
+    result is that buffer, valid until the thread's next fill (the step samples before that); on
+    CUDA it is copied through pinned memory without blocking, so it never waits behind the step's
+    kernels.
     """
-    array = np.empty((num_rows, bitmask_words(vocab_size)), dtype=np.int32)
+    array = _host_buffer(num_rows * bitmask_words(vocab_size)).reshape(num_rows, bitmask_words(vocab_size))
     _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda tensor, rows: _fill_rows(states, tensor, rows))
     host = torch.from_numpy(array)
     if device.type == "cuda":

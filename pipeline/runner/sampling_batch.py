@@ -61,8 +61,8 @@ class SamplingRow:
     seed: int  # per-sequence seed (the engine draws one when the request has none)
     counter: int  # RNG counter: the output position of the token being picked
     grammar: Any = None  # GrammarState: its bitmask is filled by the runner while the forward runs
-    # >= 0: `grammar` may not have taken the token sampled in this row of the stage's previous step yet
-    # (one step ahead; that token's output position is counter - 1): the runner takes it first
+    # >= 0: the stage may not have recorded the token sampled in this row of its previous step yet
+    # (one step ahead; that token's output position is counter - 1): the runner takes it from there
     grammar_previous_row: int = -1
     forced_token: int | None = None  # the only token this row may pick (e.g. closing a thinking budget)
     counts: Any = None  # the sequence's TokenCounts (ext/penalties), kept up to date per token
@@ -122,23 +122,21 @@ class SamplingBatch:
     forced_index: Tensor | None = None
 
     def fill_grammar_bitmask(self, previous_tokens: Callable[[], np.ndarray] | None = None) -> None:
-        """Fill the grammar rows' masks from their states (host work the device step hides). A row one
-        step ahead first has its state take its previous token (GrammarState.accept_at: once, whichever
-        thread comes first): `previous_tokens()` gives the host ids of the stage's previous step."""
+        """Fill the grammar rows' masks from their states (host work the device step hides). Each
+        state first takes the tokens it is missing, in one batched call: a row one step ahead takes
+        its previous token from `previous_tokens()`, the host ids of the stage's previous step."""
         if not self.grammar_rows:
             return
-        from pipeline.grammar.state import fill_batch_bitmask
+        from pipeline.grammar.state import GrammarState, fill_batch_bitmask, take_tokens
 
-        states: list[tuple[int, Any]] = []
-        host = previous_tokens().tolist() if previous_tokens is not None and any(
-            previous >= 0 for _, _, previous, _ in self.grammar_rows) else None
-        for row, state, previous, position in self.grammar_rows:
-            if previous >= 0:
-                if host is None:
-                    raise ValueError("a grammar row is one step ahead, but the previous step's tokens are unknown")
-                if not state.accept_at(position - 1, host[previous]) or state.is_terminated:
-                    continue  # the sample ends with its previous token: this row is dropped anyway
-            states.append((row, state))
+        ahead = any(previous >= 0 for _, _, previous, _ in self.grammar_rows)
+        if ahead and previous_tokens is None:
+            raise ValueError("a grammar row is one step ahead, but the previous step's tokens are unknown")
+        host = previous_tokens().tolist() if ahead else []  # type: ignore[misc]
+        take_tokens([(state, position, host[previous] if previous >= 0 else None)
+                     for _, state, previous, position in self.grammar_rows if isinstance(state, GrammarState)])
+        # a state that ended (its previous token was a stop token) drops its row: it allows everything
+        states = [(row, state) for row, state, _, _ in self.grammar_rows if not state.ended]
         self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device)
 
     @property

@@ -1,11 +1,12 @@
-"""Batch bitmask assembly: compiled == twin; rows without a grammar allow everything."""
+"""Batch bitmask assembly: compiled == twin; rows without a grammar allow everything, grammar rows
+are left to `fill` (which writes every word of them)."""
 import numpy as np
 import pytest
 
 from tests.ext.twins import twin_and_compiled
 
 MODULES = twin_and_compiled("bitmask")
-WORDS = {1: [1, 0, 5], 3: [0, -2, 7]}
+WORDS = {0: [9, 9, 9], 1: [1, 0, 5], 3: [0, -2, 7], 5: [3, 3, 3]}
 
 
 def fill(tensor, rows):
@@ -14,11 +15,17 @@ def fill(tensor, rows):
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_assembly(module):
-    bitmask = np.zeros((4, 3), dtype=np.int32)
-    module.fill_batch_bitmask(bitmask, [1, 3], fill)
-    assert bitmask.tolist() == [[-1, -1, -1], [1, 0, 5], [-1, -1, -1], [0, -2, 7]]
-    module.fill_batch_bitmask(bitmask, [], fill)
-    assert (bitmask == -1).all()
+@pytest.mark.parametrize("rows", [[1, 3], [0, 1, 3, 5], [3, 1], [], [5], [0]])
+def test_assembly(module, rows):
+    bitmask = np.zeros((6, 3), dtype=np.int32)
+    module.fill_batch_bitmask(bitmask, rows, fill)
+    assert bitmask.tolist() == [WORDS[r] if r in rows else [-1, -1, -1] for r in range(6)]
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_bad_buffers_and_rows(module):
     with pytest.raises(ValueError):
         module.fill_batch_bitmask(np.zeros((3, 4), dtype=np.int32).T, [], fill)
+    for row in (2, -1):
+        with pytest.raises(IndexError):
+            module.fill_batch_bitmask(np.zeros((2, 3), dtype=np.int32), [row], fill)

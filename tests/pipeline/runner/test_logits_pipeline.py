@@ -19,6 +19,8 @@ NEG_INF = float("-inf")
 class FakeGrammar:
     """Stands in for a GrammarState: allows a fixed set of token ids."""
 
+    ended = False
+
     def __init__(self, allowed: set[int]) -> None:
         self.allowed = allowed
 

@@ -1,0 +1,109 @@
+"""Grammar states on a tiny vocabulary: the device thread's batched catch-up gives every matcher the
+same tokens, in the same order, as feeding each one token by token would."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import xgrammar as xgr
+
+from pipeline.grammar import batch_accept
+from pipeline.grammar.state import GrammarState, fill_batch_bitmask, take_tokens, unpack_bitmask
+
+VOCAB = ["a", "b", "c", "ab", "bc", "x", "<eos>"]
+EOS = 6
+A, B, C, AB, BC, X = range(6)
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def compiled() -> xgr.CompiledGrammar:
+    info = xgr.TokenizerInfo(VOCAB, vocab_type=xgr.VocabType.RAW, stop_token_ids=[EOS])
+    return xgr.GrammarCompiler(info).compile_regex("(a|b)+c")
+
+
+def allowed(states: list[tuple[int, GrammarState]], num_rows: int) -> list[set[int]]:
+    mask = unpack_bitmask(fill_batch_bitmask(states, num_rows, len(VOCAB), CPU), len(VOCAB))
+    return [{t for t in range(len(VOCAB)) if mask[r, t]} for r in range(num_rows)]
+
+
+def reference(compiled: xgr.CompiledGrammar, tokens: list[int]) -> set[int]:
+    matcher = xgr.GrammarMatcher(compiled)
+    for token in tokens:
+        assert matcher.accept_token(token)
+    mask = torch.zeros((1, 1), dtype=torch.int32)
+    matcher.fill_next_token_bitmask(mask)
+    return {t for t in range(len(VOCAB)) if unpack_bitmask(mask, len(VOCAB))[0, t]}
+
+
+def test_catch_up_from_recorded_and_ahead_tokens(compiled):
+    behind = GrammarState(compiled)  # the stage recorded three tokens the matcher has not taken
+    for token in (A, B, AB):
+        assert not behind.record(token)
+    ahead = GrammarState(compiled)  # one recorded; the next still on its way (the previous step's row)
+    ahead.record(B)
+    fresh = GrammarState(compiled)
+    take_tokens([(behind, 3, None), (ahead, 2, A), (fresh, 0, None)])
+    assert (behind.taken, ahead.taken, fresh.taken) == (3, 2, 0)
+    assert not any(s.ended or s.refused for s in (behind, ahead, fresh))
+    rows = allowed([(0, behind), (2, ahead), (3, fresh)], 4)
+    assert rows == [reference(compiled, [A, B, AB]), set(range(len(VOCAB))),  # row 1 has no grammar
+                    reference(compiled, [B, A]), reference(compiled, [])]
+    assert rows[0] == {A, B, C, AB, BC}
+    take_tokens([(ahead, 2, X)])  # taken already: nothing happens, whatever the token
+    assert ahead.taken == 2 and not ahead.refused
+
+
+def test_a_stop_token_ends_the_state_and_its_row_allows_everything(compiled):
+    state = GrammarState(compiled)
+    for token in (A, C):
+        assert not state.record(token)
+    assert state.record(EOS)  # the stage ends the sample at a stop token without asking the matcher
+    take_tokens([(state, 3, None)])
+    assert state.ended and not state.refused
+    rows = [(0, s) for s in [state] if not s.ended]
+    assert allowed(rows, 1) == [set(range(len(VOCAB)))]
+
+
+def test_a_refused_token_is_seen_by_the_next_record(compiled):
+    state, other = GrammarState(compiled), GrammarState(compiled)
+    state.record(X)  # the mask never allows x here; only a bug could record it
+    other.record(A)
+    take_tokens([(state, 1, None), (other, 2, B)])
+    assert state.refused and state.ended and not other.refused
+    assert state.record(A)  # ends the sample
+    take_tokens([(state, 2, None)])  # an ended state takes nothing more
+    assert state.taken == 1
+
+
+def test_a_token_the_stage_has_not_recorded_is_an_error(compiled):
+    state = GrammarState(compiled)
+    with pytest.raises(ValueError, match="grammar token 0"):
+        take_tokens([(state, 1, None)])
+
+
+@pytest.mark.parametrize("by_handle", [True, False])
+def test_batched_accepts_equal_one_by_one(compiled, monkeypatch, by_handle):
+    if not by_handle:
+        monkeypatch.setattr(batch_accept, "_BY_HANDLE", None)  # xgrammar's public batch call
+    elif batch_accept._BY_HANDLE is None:
+        pytest.skip("this xgrammar has no tvm-ffi core")
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, len(VOCAB), 6).tolist() for _ in range(40)]
+    batched = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    single = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    for step in range(6):
+        tokens = [seq[step] for seq in sequences]
+        refused = batch_accept.refused_tokens(batched, tokens)
+        assert refused == [i for i, (m, t) in enumerate(zip(single, tokens)) if not m.accept_token(t)]
+    assert batch_accept.refused_tokens([], []) == []
+
+
+def test_the_accept_keeps_the_gil_without_changing_xgrammar():
+    if batch_accept._BY_HANDLE is None:
+        pytest.skip("this xgrammar has no tvm-ffi core")
+    from xgrammar.base import _core
+
+    accept, contains = batch_accept._BY_HANDLE
+    assert not accept.release_gil and not contains.release_gil
+    assert _core.BatchGrammarMatcher.batch_accept_token.release_gil  # xgrammar's own handle is untouched
