@@ -295,10 +295,8 @@ class _Upload:
             if self.device.type == "cuda":
                 host = host.pin_memory()
             buffer = host.to(self.device, non_blocking=True)
-            start = 0
-            for name, values in arrays.items():
-                views[name] = buffer[start : start + len(values)]
-                start += len(values)
+            # one call for every view (a Python slice per array cost ~1 us each, 21 arrays a step)
+            views.update(zip(arrays, torch.split_with_sizes(buffer, [len(values) for values in arrays.values()])))
         return views
 
 
