@@ -69,6 +69,26 @@ def test_json_schema_choice_and_regex_outputs_match(tiny_model_dir):
     assert compilations == 4  # the schema compiled once for three requests
 
 
+def test_a_complete_grammar_ends_the_sample_even_with_ignore_eos(tiny_model_dir):
+    """Once the grammar is complete only its stop token is allowed, and recording it ends the sample
+    (the matcher is never asked: the device thread owns it)."""
+    async def main():
+        engine = await Engine.create(config_for(tiny_model_dir))
+        try:
+            runs = await asyncio.gather(*[generate(engine, GrammarSpec.choice(["alpha", "beta gamma"]), seed=s,
+                                                   temperature=1.0, ignore_eos=True, max_tokens=50) for s in range(6)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return runs, engine.loaded.limits.eos_token_ids
+        finally:
+            await engine.shutdown()
+
+    runs, eos = run_async(main())
+    for (sample,) in runs:
+        assert sample.text in ("alpha", "beta gamma") and sample.finish_reason is FinishReason.STOP
+        assert len(sample.token_ids) < 50 and sample.token_ids[-1] in eos
+
+
 def test_constrained_and_free_requests_share_a_batch(tiny_model_dir):
     async def main():
         engine = await Engine.create(config_for(tiny_model_dir))
