@@ -13,7 +13,7 @@ import torch
 
 
 def fill_batch_bitmask(bitmask: np.ndarray, rows: list[int], fill: Callable[[torch.Tensor, list[int]], None]) -> None:
-    """bitmask: int32 [S, W], C-contiguous; rows: the grammar rows (ascending), written by `fill`."""
+    """bitmask: int32 [S, W], C-contiguous; rows: the grammar rows (any order), written by `fill`."""
     if not bitmask.flags.c_contiguous:
         raise ValueError("the bitmask buffer must be C-contiguous")
     for row in rows:

@@ -60,6 +60,13 @@ class Sockets:
         self.opened.append((transport, protocol, client))
         return transport, protocol, client
 
+    async def open_stream(self, sender: Any, kind: str = "unix") -> tuple[Any, socket.socket, str]:
+        """A connection handed to `sender`: its stream, the client socket, and the socket's id (holders)."""
+        transport, _, client = await self.connect(kind)
+        stream = sender.open(transport)
+        assert stream is not None
+        return stream, client, socket_id(transport)
+
     async def close_all(self) -> None:
         for reader in self.readers:
             reader.cancel()

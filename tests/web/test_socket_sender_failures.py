@@ -22,11 +22,8 @@ def test_a_client_that_stops_reading_fails_alone() -> None:
         sockets, sender = Sockets(), SocketSender(cap_bytes=cap)
         sender.start()
         try:
-            (stuck_transport, _, stuck_client), (fine_transport, _, fine_client) = \
-                [await sockets.connect("unix") for _ in range(2)]
-            ids = socket_id(stuck_transport), socket_id(fine_transport)
-            stuck, fine = sender.open(stuck_transport), sender.open(fine_transport)
-            assert stuck is not None and fine is not None
+            (stuck, stuck_client, stuck_id), (fine, fine_client, fine_id) = \
+                [await sockets.open_stream(sender) for _ in range(2)]
             stuck_data, fine_data = chunks(1, 1001, size=8000), chunks(2, 1000)  # about 8 MB stuck
             fine_expected = b"".join(fine_data)
             sender.write(stuck, stuck_data[0])  # the stuck client reads this much, then stops
@@ -54,7 +51,7 @@ def test_a_client_that_stops_reading_fails_alone() -> None:
                 "stuck": b"".join(stuck_data),
                 "error": str(on_write.value), "open_while_fine_open": open_while_fine_open,
                 "fine": await within(fine_reader), "fine_expected": fine_expected,
-                "open_after": sender.open_streams, "held_after": holders(*ids),
+                "open_after": sender.open_streams, "held_after": holders(stuck_id, fine_id),
             }
             return result
         finally:
@@ -183,11 +180,8 @@ def test_drop_before_the_hand_over_sends_nothing_and_drop_after_close_is_harmles
         sockets, sender = Sockets(), SocketSender()
         sender.start()
         try:
-            (dropped_transport, _, dropped_client), (closed_transport, _, closed_client) = \
-                [await sockets.connect("unix") for _ in range(2)]
-            ids = socket_id(dropped_transport), socket_id(closed_transport)
-            dropped, closed = sender.open(dropped_transport), sender.open(closed_transport)
-            assert dropped is not None and closed is not None
+            (dropped, dropped_client, dropped_id), (closed, closed_client, closed_id) = \
+                [await sockets.open_stream(sender) for _ in range(2)]
             sender.write(dropped, b"never sent")
             sender.drop(dropped)  # same loop iteration: the bytes were not handed over yet
             sender.drop(dropped)
@@ -198,7 +192,7 @@ def test_drop_before_the_hand_over_sends_nothing_and_drop_after_close_is_harmles
             await within(asyncio.shield(dropped.released))
             return {"dropped_nothing": read_nothing_yet(dropped_client),
                     "closed": await read_exactly(closed_client, 9), "closed_then": read_nothing_yet(closed_client),
-                    "open_after": sender.open_streams, "held_after": holders(*ids)}
+                    "open_after": sender.open_streams, "held_after": holders(dropped_id, closed_id)}
         finally:
             await sender.stop()
             await sockets.close_all()
