@@ -40,6 +40,7 @@ from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.grammar.spec import GrammarSpec  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
+from pipeline.runner.host_staging import HostStaging  # noqa: E402
 from pipeline.runner.sampler import SamplerOutput  # noqa: E402
 from pipeline.runner.sampling_batch import SamplingBatch  # noqa: E402
 from pipeline.runner.step_plan import StepPlan  # noqa: E402
@@ -85,6 +86,7 @@ def masked_pick(words: np.ndarray, rows: list[int], ids: np.ndarray) -> None:
 def null_launch(vocab: int, block_size: int):
     step_inputs = ext.load("step_inputs")
     cpu = torch.device("cpu")
+    staging = HostStaging()  # as the runner's
 
     def launch(plan: StepPlan, previous_tokens, previous_host=None) -> NullSample:
         chunks = plan.chunks
@@ -95,7 +97,7 @@ def null_launch(vocab: int, block_size: int):
         ends = np.fromiter((c.start_pos + len(c.token_ids) for c in chunks for _ in c.rows), np.int64, len(rows))
         ids = (ends * 2654435761 + np.arange(len(rows)) * 97) % (vocab - 300) + 256
         if rows:
-            batch = SamplingBatch.from_rows(rows, vocab, cpu)
+            batch = SamplingBatch.from_rows(rows, vocab, cpu, staging)
             batch.fill_grammar_bitmask(previous_host)
             if batch.grammar_bitmask is not None:
                 masked_pick(batch.grammar_bitmask.numpy().view(np.uint32), [e[0] for e in batch.grammar_rows], ids)

@@ -1,6 +1,5 @@
 # cython: language_level=3, boundscheck=False, wraparound=False
 """Assembling a step's grammar bitmask over the batch, compiled. Twin: ext/bitmask_py.py."""
-import torch
 cimport numpy as cnp
 from libc.string cimport memset
 
@@ -23,4 +22,4 @@ def fill_batch_bitmask(cnp.ndarray[cnp.int32_t, ndim=2] bitmask, list rows, fill
             memset(data + start * row_bytes, 0xFF, (row - start) * row_bytes)
         start = max(start, row + 1)
     if rows:
-        fill(torch.from_numpy(bitmask), rows)
+        fill(rows)

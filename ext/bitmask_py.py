@@ -1,7 +1,7 @@
 """Pure-Python twin of ext/bitmask.pyx: assembling a step's grammar bitmask over the batch.
 
 Rows without a grammar allow every token (all bits set); the grammar rows are written in one call
-by `fill(tensor, rows)` (xgrammar's batch matcher), which sets every word of them, so only the
+by `fill(rows)` (xgrammar's batch matcher, into a tensor view of the same buffer), which sets every word of them, so only the
 other rows are set here: a batch where every row has a grammar costs no extra pass.
 """
 from __future__ import annotations
@@ -9,10 +9,9 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import numpy as np
-import torch
 
 
-def fill_batch_bitmask(bitmask: np.ndarray, rows: list[int], fill: Callable[[torch.Tensor, list[int]], None]) -> None:
+def fill_batch_bitmask(bitmask: np.ndarray, rows: list[int], fill: Callable[[list[int]], None]) -> None:
     """bitmask: int32 [S, W], C-contiguous; rows: the grammar rows (any order), written by `fill`."""
     if not bitmask.flags.c_contiguous:
         raise ValueError("the bitmask buffer must be C-contiguous")
@@ -23,4 +22,4 @@ def fill_batch_bitmask(bitmask: np.ndarray, rows: list[int], fill: Callable[[tor
     free[rows] = False
     bitmask[free] = -1
     if rows:
-        fill(torch.from_numpy(bitmask), rows)
+        fill(rows)

@@ -8,14 +8,13 @@ pipeline masks disallowed tokens in one call for the whole batch.
 """
 from __future__ import annotations
 
-import threading
-
 import numpy as np
 import torch
 import xgrammar as xgr
 
 import ext
 from pipeline.grammar.batch_accept import refused_tokens
+from pipeline.runner.host_staging import HostStaging
 
 _bitmask = ext.load("bitmask")
 
@@ -103,31 +102,24 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
-_HOST = threading.local()
-
-
-def _host_buffer(words: int) -> np.ndarray:
-    """This thread's host bitmask buffer, reused step after step: a fresh 1.5 MB array per step (batch
-    256) is a fresh mapping whose every page faults on first write. Reuse is safe: on CUDA the step
-    copies the mask to pinned memory before returning, on CPU the step samples before returning."""
-    buffer = getattr(_HOST, "buffer", None)
-    if buffer is None or buffer.size < words:
-        buffer = _HOST.buffer = np.empty(words, dtype=np.int32)
-    return buffer[:words]
-
-
 def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vocab_size: int,
-                       device: torch.device) -> torch.Tensor:
+                       device: torch.device, staging: HostStaging | None = None) -> torch.Tensor:
     """The step's int32 bitmask [S, ceil(V/32)] (bit j of word w allows token 32w + j) on `device`.
 
-    Rows without a grammar allow everything. Filled in a host buffer this thread reuses: on CPU the
-    result is that buffer, valid until the thread's next fill (the step samples before that); on
+    Rows without a grammar allow everything. With a runner's `staging` the host buffer and its
+    tensor view are the staging's, reused step after step (a fresh 1.5 MB array per step at batch
+    256 is a fresh mapping whose every page faults on first write, and a fresh tensor is a torch
+    call): on CPU the result is valid until the runner's next step, which samples before that; on
     CUDA it is copied through pinned memory without blocking, so it never waits behind the step's
     kernels.
     """
-    array = _host_buffer(num_rows * bitmask_words(vocab_size)).reshape(num_rows, bitmask_words(vocab_size))
-    _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda tensor, rows: _fill_rows(states, tensor, rows))
-    host = torch.from_numpy(array)
+    words = bitmask_words(vocab_size)
+    if staging is not None:
+        array, host = staging.matrix("bitmask", np.int32, num_rows, words)
+    else:
+        array = np.empty((num_rows, words), dtype=np.int32)
+        host = torch.from_numpy(array)
+    _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda rows: _fill_rows(states, host, rows))
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host

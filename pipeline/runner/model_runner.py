@@ -12,6 +12,7 @@ import torch
 import ext
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
 from pipeline.runner.cuda_graphs import DecodeGraphs
+from pipeline.runner.host_staging import HostStaging
 from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
 from pipeline.runner.sampling_batch import SamplingBatch
 from pipeline.runner.step_plan import StepPlan
@@ -51,6 +52,7 @@ class ModelRunner:
         self.kv_caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
+        self.staging = HostStaging()  # this runner's reused host buffers (only its launches touch them)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         num_layers, num_kv_heads, head_dim = self.kv_shape
@@ -129,7 +131,7 @@ class ModelRunner:
         rows = [row for c in chunks for row in c.rows]
         # Sampling inputs go to the device before the forward is launched: their small copies then
         # never wait behind the step's kernels (on CUDA a pageable copy blocks the host until it lands).
-        batch = SamplingBatch.from_rows(rows, self.vocab_size, self.device) if rows else None
+        batch = SamplingBatch.from_rows(rows, self.vocab_size, self.device, self.staging) if rows else None
         feed = TokenFeed.for_chunks(chunks, qsl, previous_tokens)
         decode_only = len(input_ids) == len(chunks)
         if (self.graphs is not None and decode_only and len(rows) == len(chunks)

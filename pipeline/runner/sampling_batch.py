@@ -21,6 +21,7 @@ from torch import Tensor
 
 import ext
 from pipeline.request import SamplingParams
+from pipeline.runner.host_staging import HostStaging
 
 _penalties = ext.load("penalties")
 
@@ -120,6 +121,7 @@ class SamplingBatch:
     grammar_rows: list[tuple[int, Any, int, int]] = field(default_factory=list)
     grammar_bitmask: Tensor | None = None
     forced_index: Tensor | None = None
+    staging: HostStaging | None = None  # the runner's reused host buffers (the bitmask's too)
 
     def fill_grammar_bitmask(self, previous_tokens: Callable[[], np.ndarray] | None = None) -> None:
         """Fill the grammar rows' masks from their states (host work the device step hides). Each
@@ -137,7 +139,7 @@ class SamplingBatch:
                      for _, state, previous, position in self.grammar_rows if isinstance(state, GrammarState)])
         # a state that ended (its previous token was a stop token) drops its row: it allows everything
         states = [(row, state) for row, state, _, _ in self.grammar_rows if not state.ended]
-        self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device)
+        self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device, self.staging)
 
     @property
     def all_greedy(self) -> bool:
@@ -152,8 +154,12 @@ class SamplingBatch:
         return self.seen_mask is not None or self.output_counts is not None
 
     @classmethod
-    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device) -> SamplingBatch:
-        """One pass over the rows on the host, then one small host->device copy per tensor."""
+    def from_rows(cls, rows: list[SamplingRow], vocab_size: int, device: torch.device,
+                  staging: HostStaging | None = None) -> SamplingBatch:
+        """One pass over the rows on the host, then one small host->device copy per tensor.
+
+        With a runner's `staging` (its own thread only), the host buffers are reused: on CPU the
+        batch is valid until that runner's next step."""
         num_rows, vocab = len(rows), vocab_size
         temperature, min_p = [1.0] * num_rows, [0.0] * num_rows
         top_k_all, top_p_all = [0] * num_rows, [1.0] * num_rows
@@ -218,7 +224,7 @@ class SamplingBatch:
                 forced.append((i, row.forced_token))
 
         seen_flat, counted_flat, counted_values = _penalties.penalty_inputs(seen_rows, counted_rows, vocab)
-        upload = _Upload(device)
+        upload = _Upload(device, staging)
         upload.f32(temperature=temperature, top_p=top_p, top_p_all=top_p_all, min_p=min_p, repetition_penalty=rep,
                    presence_penalty=presence, frequency_penalty=frequency, bias_values=[b[2] for b in bias])
         upload.i64(top_k_all=top_k_all, random_rows=random_rows, rng_keys=[half for key in rng_keys for half in key], top_k=top_k,
@@ -241,7 +247,7 @@ class SamplingBatch:
             temperature=on_device["temperature"],
             any_temperature=any(t != 1.0 for t in temperature),
             random_rows=on_device["random_rows"],
-            rng_keys=on_device["rng_keys"].view(-1, 2),
+            rng_keys=upload.shaped(on_device["rng_keys"], (len(rng_keys), 2)),
             num_random=len(random_rows),
             top_k=on_device["top_k"],
             top_k_rows=subset("top_k_rows", top_k_rows),
@@ -260,13 +266,14 @@ class SamplingBatch:
             seen_mask=_scatter(on_device["seen_ids"], None, num_rows, vocab) > 0 if seen_rows else None,
             output_counts=_scatter(on_device["counted_ids"], on_device["counted_values"], num_rows, vocab)
             if counted_rows else None,
-            bias_index=on_device["bias_index"].view(2, -1) if bias else None,
+            bias_index=upload.shaped(on_device["bias_index"], (2, len(bias))) if bias else None,
             bias_values=on_device["bias_values"] if bias else None,
-            suppress_index=on_device["suppress_index"].view(2, -1) if suppress else None,
+            suppress_index=upload.shaped(on_device["suppress_index"], (2, len(suppress))) if suppress else None,
             num_logprobs=num_logprobs,
             max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
             grammar_rows=grammar_rows,
-            forced_index=on_device["forced_index"].view(2, -1) if forced else None,
+            forced_index=upload.shaped(on_device["forced_index"], (2, len(forced))) if forced else None,
+            staging=staging,
         )
 
 
@@ -275,11 +282,14 @@ class _Upload:
     each (from pinned memory on CUDA), then named views of the device buffers.
 
     A pageable `torch.tensor(..., device="cuda")` would block the host until the stream drains,
-    which defeats launching a step while the previous one still runs.
+    which defeats launching a step while the previous one still runs. On CPU with a runner's
+    staging the buffers are the staging's, reused step after step, with views it made before: no
+    torch call (each would hand the GIL to the event loop; see host_staging.py).
     """
 
-    def __init__(self, device: torch.device | str) -> None:
+    def __init__(self, device: torch.device | str, staging: HostStaging | None = None) -> None:
         self.device = torch.device(device)
+        self.staging = staging if self.device.type == "cpu" else None
         self._parts: dict[type, dict[str, np.ndarray]] = {np.float32: {}, np.int64: {}}
 
     def f32(self, **arrays: Sequence[float] | np.ndarray) -> None:
@@ -290,14 +300,22 @@ class _Upload:
 
     def send(self) -> dict[str, Tensor]:
         views: dict[str, Tensor] = {}
-        on_cpu = self.device.type == "cpu"
-        for arrays in self._parts.values():
+        for dtype, arrays in self._parts.items():
+            if self.staging is not None:
+                views.update(self.staging.stage("sampling", arrays, dtype))
+                continue
             buffer = torch.from_numpy(np.concatenate(list(arrays.values())))
-            if not on_cpu:
+            if self.device.type != "cpu":
                 buffer = (buffer.pin_memory() if self.device.type == "cuda" else buffer).to(self.device, non_blocking=True)
             # one call for every view (a Python slice per array cost ~1 us each, 21 arrays a step)
             views.update(zip(arrays, torch.split_with_sizes(buffer, [len(values) for values in arrays.values()])))
         return views
+
+    def shaped(self, view: Tensor, shape: tuple[int, int]) -> Tensor:
+        """An int64 view from `send` in a 2-D shape (cached with a staging)."""
+        if self.staging is not None:
+            return self.staging.reshaped("sampling", np.int64, view, shape)
+        return view.view(shape)
 
 
 def _counts_of(row: SamplingRow) -> Any:

@@ -9,6 +9,7 @@ import xgrammar as xgr
 
 from pipeline.grammar import batch_accept
 from pipeline.grammar.state import GrammarState, fill_batch_bitmask, take_tokens, unpack_bitmask
+from pipeline.runner.host_staging import HostStaging
 
 VOCAB = ["a", "b", "c", "ab", "bc", "x", "<eos>"]
 EOS = 6
@@ -22,8 +23,8 @@ def compiled() -> xgr.CompiledGrammar:
     return xgr.GrammarCompiler(info).compile_regex("(a|b)+c")
 
 
-def allowed(states: list[tuple[int, GrammarState]], num_rows: int) -> list[set[int]]:
-    mask = unpack_bitmask(fill_batch_bitmask(states, num_rows, len(VOCAB), CPU), len(VOCAB))
+def allowed(states: list[tuple[int, GrammarState]], num_rows: int, staging: HostStaging | None = None) -> list[set[int]]:
+    mask = unpack_bitmask(fill_batch_bitmask(states, num_rows, len(VOCAB), CPU, staging), len(VOCAB))
     return [{t for t in range(len(VOCAB)) if mask[r, t]} for r in range(num_rows)]
 
 
@@ -52,6 +53,20 @@ def test_catch_up_from_recorded_and_ahead_tokens(compiled):
     assert rows[0] == {A, B, C, AB, BC}
     take_tokens([(ahead, 2, X)])  # taken already: nothing happens, whatever the token
     assert ahead.taken == 2 and not ahead.refused
+
+
+@pytest.mark.parametrize("num_rows", [4, 12])  # one by one, and through xgrammar's batch fill
+def test_a_bitmask_staged_over_an_earlier_steps_equals_a_fresh_one(compiled, num_rows):
+    states = [GrammarState(compiled) for _ in range(num_rows)]
+    for i, state in enumerate(states):
+        for token in [A, B, AB][:i % 4]:
+            state.record(token)
+    take_tokens([(state, i % 4, None) for i, state in enumerate(states)])
+    staging = HostStaging()
+    fill_batch_bitmask([], 2 * num_rows, len(VOCAB), CPU, staging)  # an earlier step: all ones
+    odd = [(row, state) for row, state in enumerate(states) if row % 2]
+    staging.matrix("bitmask", np.int32, num_rows, 1)[0][:] = 0  # stale words the fill must overwrite
+    assert allowed(odd, num_rows, staging) == allowed(odd, num_rows)
 
 
 def test_a_stop_token_ends_the_state_and_its_row_allows_everything(compiled):

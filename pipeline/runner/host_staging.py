@@ -1,0 +1,80 @@
+"""Host buffers a runner reuses step after step, and the tensor views of them it has already made.
+
+On the device thread every torch call releases the GIL, and the event loop, busy with the previous
+step's outputs, takes it: a call of a microsecond can then cost the step up to the switch interval
+(host bench, batch 256: a step's ~8 small torch calls cost ~0.6 ms of waiting). So a step's small
+host arrays are written with numpy into buffers made once, and each tensor view of them is made
+once per (offset, length, shape) and looked up afterwards: in steady state, staging a step's
+sampling inputs and its grammar bitmask costs no torch call.
+
+A view is valid until the owner's next step writes the buffer again. Only the thread that runs the
+steps uses a staging (the runner's device thread), and on CPU a step has sampled before it returns.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from torch import Tensor
+
+# Views are cached per (offset, length, shape); batches of many different sizes would grow the
+# cache without bound, so past this many it starts again.
+MAX_CACHED_VIEWS = 4096
+
+
+@dataclass(slots=True)
+class _Buffer:
+    tensor: Tensor  # 1-D, the whole buffer
+    array: np.ndarray  # the same memory, for writing without torch calls
+    views: dict[tuple[int, int, tuple[int, ...]], Tensor] = field(default_factory=dict)
+
+
+class HostStaging:
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[str, np.dtype], _Buffer] = {}
+
+    def stage(self, name: str, arrays: dict[str, np.ndarray], dtype: type) -> dict[str, Tensor]:
+        """Copies `arrays` (all of `dtype`) back to back into the buffer `name` and returns a 1-D
+        tensor view of each, by key."""
+        total = sum(len(values) for values in arrays.values())
+        buffer = self._buffer(name, dtype, total)
+        views: dict[str, Tensor] = {}
+        offset = 0
+        for key, values in arrays.items():
+            length = len(values)
+            buffer.array[offset:offset + length] = values
+            views[key] = self._view(buffer, offset, length, (length,))
+            offset += length
+        return views
+
+    def reshaped(self, name: str, dtype: type, view: Tensor, shape: tuple[int, ...]) -> Tensor:
+        """`view` (one this staging returned from buffer `name`) in another shape, cached like it."""
+        buffer = self._buffers[(name, np.dtype(dtype))]
+        offset = view.storage_offset() - buffer.tensor.storage_offset()
+        return self._view(buffer, offset, view.numel(), shape)
+
+    def matrix(self, name: str, dtype: type, rows: int, columns: int) -> tuple[np.ndarray, Tensor]:
+        """The first rows x columns of buffer `name` as a C-contiguous array and its tensor view."""
+        buffer = self._buffer(name, dtype, rows * columns)
+        view = self._view(buffer, 0, rows * columns, (rows, columns))
+        return buffer.array[:rows * columns].reshape(rows, columns), view
+
+    def _buffer(self, name: str, dtype: type, size: int) -> _Buffer:
+        key = (name, np.dtype(dtype))
+        buffer = self._buffers.get(key)
+        if buffer is None or len(buffer.array) < size:
+            capacity = max(size, 2 * len(buffer.array) if buffer is not None else 64)
+            array = np.empty(capacity, dtype=dtype)
+            buffer = self._buffers[key] = _Buffer(torch.from_numpy(array), array)
+        return buffer
+
+    @staticmethod
+    def _view(buffer: _Buffer, offset: int, length: int, shape: tuple[int, ...]) -> Tensor:
+        key = (offset, length, shape)
+        view = buffer.views.get(key)
+        if view is None:
+            if len(buffer.views) >= MAX_CACHED_VIEWS:
+                buffer.views.clear()
+            view = buffer.views[key] = buffer.tensor[offset:offset + length].view(shape)
+        return view
