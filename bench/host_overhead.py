@@ -64,23 +64,18 @@ class NullSample:
 
 def masked_pick(words: np.ndarray, rows: list[int], ids: np.ndarray) -> None:
     """The "device's" pick under a grammar mask: a row's hashed id where its grammar allows it (inside a
-    string it mostly does: text as varied as a model's), else the lowest allowed token. Vectorized for
-    a batch; a few rows take scalar steps (each numpy call costs microseconds the host bench would bill)."""
-    if len(rows) < 16:
-        for row in rows:
-            wanted = int(ids[row])
-            if not (int(words[row, wanted >> 5]) >> (wanted & 31)) & 1:
-                first = int(np.flatnonzero(words[row])[0])
-                bits = int(words[row, first])
-                ids[row] = first * 32 + (bits & -bits).bit_length() - 1
-        return
-    rows_ = np.asarray(rows)
+    string it mostly does: text as varied as a model's), else the lowest allowed token. A device does
+    this on its own, so it is kept off the host's clock as far as it can be: one small gather of the
+    wanted words (numpy releases the GIL for large copies, and the event loop then takes it), and a
+    scalar search for the few rows whose wanted token is refused."""
+    flat = words.reshape(-1)
+    rows_ = np.asarray(rows, dtype=np.int64)
     wanted = ids[rows_]
-    refused = rows_[((words[rows_, wanted // 32] >> (wanted % 32).astype(np.uint32)) & 1) == 0]
-    if len(refused):
-        first = (words[refused] != 0).argmax(axis=1)
-        bits = words[refused, first].astype(np.int64)
-        ids[refused] = first * 32 + np.log2(bits & -bits).astype(np.int64)
+    bits = flat[rows_ * words.shape[1] + (wanted >> 5)] >> (wanted & 31).astype(np.uint32)
+    for row in rows_[(bits & 1) == 0].tolist():
+        first = int(np.flatnonzero(words[row])[0])
+        word = int(words[row, first])
+        ids[row] = first * 32 + (word & -word).bit_length() - 1
 
 
 def null_launch(vocab: int, block_size: int):
