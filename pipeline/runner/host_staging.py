@@ -28,6 +28,8 @@ class _Buffer:
     tensor: Tensor  # 1-D, the whole buffer
     array: np.ndarray  # the same memory, for writing without torch calls
     views: dict[tuple[int, int, tuple[int, ...]], Tensor] = field(default_factory=dict)
+    # a stage() call's (keys, lengths) -> its views by key
+    layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], dict[str, Tensor]] = field(default_factory=dict)
 
 
 class HostStaging:
@@ -35,18 +37,24 @@ class HostStaging:
         self._buffers: dict[tuple[str, np.dtype], _Buffer] = {}
 
     def stage(self, name: str, arrays: dict[str, np.ndarray], dtype: type) -> dict[str, Tensor]:
-        """Copies `arrays` (all of `dtype`) back to back into the buffer `name` and returns a 1-D
-        tensor view of each, by key."""
-        total = sum(len(values) for values in arrays.values())
+        """Copies `arrays` (all of `dtype`) back to back into the buffer `name` (one numpy call) and
+        returns a 1-D tensor view of each, by key (one lookup when the layout was seen before)."""
+        lengths = tuple(len(values) for values in arrays.values())
+        total = sum(lengths)
         buffer = self._buffer(name, dtype, total)
-        views: dict[str, Tensor] = {}
-        offset = 0
-        for key, values in arrays.items():
-            length = len(values)
-            buffer.array[offset:offset + length] = values
-            views[key] = self._view(buffer, offset, length, (length,))
-            offset += length
-        return views
+        if total:
+            np.concatenate(list(arrays.values()), out=buffer.array[:total])
+        layout = (tuple(arrays), lengths)
+        views = buffer.layouts.get(layout)
+        if views is None:
+            if len(buffer.layouts) >= MAX_CACHED_VIEWS:
+                buffer.layouts.clear()
+            views, offset = {}, 0
+            for key, length in zip(arrays, lengths):
+                views[key] = self._view(buffer, offset, length, (length,))
+                offset += length
+            buffer.layouts[layout] = views
+        return dict(views)
 
     def reshaped(self, name: str, dtype: type, view: Tensor, shape: tuple[int, ...]) -> Tensor:
         """`view` (one this staging returned from buffer `name`) in another shape, cached like it."""
