@@ -1,8 +1,9 @@
 """Pure-Python twin of ext/bitmask.pyx: assembling a step's grammar bitmask over the batch.
 
 Rows without a grammar allow every token (all bits set); the grammar rows are written in one call
-by `fill(rows)` (xgrammar's batch matcher, into a tensor view of the same buffer), which sets every word of them, so only the
-other rows are set here: a batch where every row has a grammar costs no extra pass.
+by `fill(rows)` (xgrammar's batch matcher, into a tensor view of the same buffer), which sets every
+word of them, so only the other rows are set here: a batch where every row has a grammar costs no
+extra pass.
 """
 from __future__ import annotations
 

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-# Views are cached per (offset, length, shape); batches of many different sizes would grow the
-# cache without bound, so past this many it starts again.
+# Views are cached per (offset, length, shape) and per stage() layout; batches of many different
+# sizes would grow either cache without bound, so past this many entries it starts again.
 MAX_CACHED_VIEWS = 4096
 
 
@@ -38,7 +38,8 @@ class HostStaging:
 
     def stage(self, name: str, arrays: dict[str, np.ndarray], dtype: type) -> dict[str, Tensor]:
         """Copies `arrays` (all of `dtype`) back to back into the buffer `name` (one numpy call) and
-        returns a 1-D tensor view of each, by key (one lookup when the layout was seen before)."""
+        returns a 1-D tensor view of each, by key (one lookup when the layout was seen before; the
+        dict is the cached one: read it, do not change it)."""
         lengths = tuple(len(values) for values in arrays.values())
         total = sum(lengths)
         buffer = self._buffer(name, dtype, total)
@@ -54,7 +55,7 @@ class HostStaging:
                 views[key] = self._view(buffer, offset, length, (length,))
                 offset += length
             buffer.layouts[layout] = views
-        return dict(views)
+        return views
 
     def reshaped(self, name: str, dtype: type, view: Tensor, shape: tuple[int, ...]) -> Tensor:
         """`view` (one this staging returned from buffer `name`) in another shape, cached like it."""
