@@ -41,7 +41,7 @@ class OutputChannel:
 
     def push(self, delta: OutputDelta) -> bool:
         """Queue (or hand to the listener) a delta; False when the unread output passed the cap (caller aborts)."""
-        if self.finished:
+        if self._error is not None or len(self._finished) == self.num_samples:  # finished (inlined: per delta)
             return True
         if delta.finish_reason is not None:
             self._finished.add(delta.index)
@@ -105,12 +105,12 @@ class OutputChannel:
         self._listener = None
 
     def _deliver(self, delta: OutputDelta) -> None:
-        assert self._listener is not None and self._delivered is not None
         try:
-            self._listener(delta)
+            self._listener(delta)  # type: ignore[misc]
         except Exception as error:  # noqa: BLE001 - the listener's failure is its reader's, not the stage's
             self._listener = None
             self.fail(error)
             return
-        if self.finished and not self._delivered.done():
-            self._delivered.set_result(None)
+        # only a final delta can finish the channel here (a failure resolves the future in fail())
+        if delta.finish_reason is not None and self.finished and not self._delivered.done():  # type: ignore[union-attr]
+            self._delivered.set_result(None)  # type: ignore[union-attr]

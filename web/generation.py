@@ -48,17 +48,21 @@ class Tracker:
     choices: dict[int, Choice] = field(default_factory=dict)
 
     def observe(self, state: ServerState, delta: OutputDelta) -> Choice:
-        now = time.monotonic()
+        """Runs for every streamed delta (256 per step at batch 256): kept to plain attribute work."""
         if delta.token_ids:
+            now = time.monotonic()
             if self.first_token is None:
                 self.first_token = now
             elif self.last_delta is not None:
                 state.metrics.inter_token_latency(now - self.last_delta, len(delta.token_ids))
             self.last_delta = now
         self.prompt_tokens = delta.prompt_token_count
-        choice = self.choices.setdefault(delta.index, Choice())
+        choice = self.choices.get(delta.index)
+        if choice is None:
+            choice = self.choices[delta.index] = Choice()
         choice.prompt_opens_thinking = delta.prompt_opens_thinking
-        choice.output_tokens = max(choice.output_tokens, delta.output_token_count)
+        if delta.output_token_count > choice.output_tokens:
+            choice.output_tokens = delta.output_token_count
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
             choice.error = delta.error
@@ -98,10 +102,12 @@ class Endpoint:
 
     def text_event(self, index: int, text: str) -> bytes:
         """The event of a delta that only carries text (the common case, from a template)."""
-        template = self._text_events.get(index)
-        if template is None:
-            template = self._text_events[index] = TextEvent(lambda text_: self.text_chunk(index, text_))
+        template = self._text_events.get(index) or self._new_text_event(index)
         return template(text)
+
+    def _new_text_event(self, index: int) -> TextEvent:
+        template = self._text_events[index] = TextEvent(lambda text: self.text_chunk(index, text))
+        return template
 
     def text_chunk(self, index: int, text: str) -> dict:
         raise NotImplementedError
@@ -193,6 +199,11 @@ class CompletionEndpoint(Endpoint):
         return delta.text
 
     def event(self, delta: OutputDelta, choice: Choice) -> bytes:
+        if delta.finish_reason is None and not self.echo_text and not (self.want_logprobs and delta.logprobs):
+            choice.text_offset += len(delta.text)  # the common case: text only (per row per step, kept lean)
+            if not delta.text:
+                return b""
+            return (self._text_events.get(delta.index) or self._new_text_event(delta.index))(delta.text)
         text = self._text(delta, choice)
         logprobs = None
         if self.want_logprobs and delta.logprobs:

@@ -123,7 +123,8 @@ class SocketSender:
         if stream.ending is not None:
             raise RuntimeError("write to a closed sender stream")
         stream.pending.append(data)
-        self._queue(stream)
+        if not stream.queued:  # else it is in the hand-over already scheduled
+            self._queue(stream)
 
     async def close(self, stream: SenderStream) -> None:
         """Returns once every byte written was taken by the kernel and the descriptor released;

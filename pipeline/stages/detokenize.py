@@ -48,24 +48,22 @@ class DetokenizeStage(Stage[StepTokens]):
             if deltas:
                 await self.stream.put(deltas)
 
-    def _state(self, request: Request, index: int) -> SampleText:
-        key = (request.request_id, index)
-        state = self.samples.get(key)
-        if state is None:
-            params = request.params
-            state = SampleText(
-                new_detokenizer(self.tokenizer.backend, params.skip_special_tokens),
-                StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
-            )
-            self.samples[key] = state
+    def _new_state(self, request: Request, index: int) -> SampleText:
+        params = request.params
+        state = self.samples[(request.request_id, index)] = SampleText(
+            new_detokenizer(self.tokenizer.backend, params.skip_special_tokens),
+            StopStringMatcher(params.stop, params.include_stop_str_in_output) if params.stop else None,
+        )
         return state
 
     def _process(self, message: StepTokens, out: list[tuple[Request, OutputDelta]]) -> None:
+        """Runs once per row per step: the common case is kept to lookups and one delta."""
         tokens = message.token_ids.tolist()
+        samples = self.samples
         for r, request in enumerate(message.requests):
             index = message.indices[r]
             owner_finish = message.finish[r]
-            state = self._state(request, index)
+            state = samples.get((request.request_id, index)) or self._new_state(request, index)
             if state.done:
                 if owner_finish is not None:
                     del self.samples[(request.request_id, index)]
@@ -89,7 +87,8 @@ class DetokenizeStage(Stage[StepTokens]):
                 index=index,
                 text=text,
                 token_ids=[token] if token >= 0 else [],
-                logprobs=self._logprobs(message, r, request) if token >= 0 else None,
+                logprobs=self._logprobs(message, r, request) if token >= 0 and request.params.logprobs is not None
+                else None,
                 finish_reason=finish,
                 error=request.cancel.message or "request failed" if finish is FinishReason.ERROR else None,
                 prompt_token_count=len(request.prompt_token_ids),
