@@ -130,7 +130,8 @@ class Sequence:
         the runner gives its matcher the token still on its way (grammar.state.take_tokens)."""
         if self.thinking is not None and self.thinking.active:
             return True
-        return depends_on_output_tokens(self.request.params, self.num_output_tokens)
+        request = self.request  # per sequence per step: the output count without the properties' calls
+        return depends_on_output_tokens(request.params, len(self.token_ids) - len(request.prompt_token_ids))
 
     @property
     def output_token_ids(self) -> list[int]:

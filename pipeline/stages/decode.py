@@ -63,8 +63,8 @@ class DecodeStage(DeviceStage):
             self.running.extend(self.receive_ready())
             events = StepTokensBuilder()
             output: SamplerOutput | None = None
-            self._reap_cancelled(events)
-            if in_flight is not None and not self._can_run_ahead(in_flight):
+            reads_own_tokens = self._reap_cancelled(events)
+            if in_flight is not None and not (self.run_ahead and not reads_own_tokens):
                 output = await self._complete(in_flight, events)
                 in_flight = None
             launched: InFlightStep | None = None
@@ -80,18 +80,20 @@ class DecodeStage(DeviceStage):
             self.in_flight = launched
             await self.emit(events, output)
 
-    def _reap_cancelled(self, events: StepTokensBuilder) -> None:
+    def _reap_cancelled(self, events: StepTokensBuilder) -> bool:
+        """Finish the cancelled sequences; returns whether a remaining one reads its own tokens (then
+        the stage may not run ahead). One pass: this runs per sequence per step."""
         keep: list[Sequence] = []
+        reads_own_tokens = False
         for seq in self.running:
             reason = seq.cancel_reason()
-            if reason is None:
-                keep.append(seq)
-            else:
+            if reason is not None:
                 self.finish(seq, reason, events)
+                continue
+            keep.append(seq)
+            reads_own_tokens = reads_own_tokens or seq.reads_own_tokens
         self.running = keep
-
-    def _can_run_ahead(self, in_flight: InFlightStep) -> bool:
-        return self.run_ahead and not any(seq.reads_own_tokens for seq in self.running)
+        return reads_own_tokens
 
     async def _make_room(self, in_flight: InFlightStep | None) -> bool:
         """Give every running sequence the blocks its next token needs, preempting if necessary.
@@ -110,12 +112,11 @@ class DecodeStage(DeviceStage):
             return blocks_to_grow(seq, block_size, 1)
 
         if in_flight is not None:
-            wants = [(seq, needed(seq)) for seq in self.running]
+            wants = [(seq, n) for seq in self.running if (n := needed(seq))]
             if sum(n for _, n in wants) > self.pool.num_free:
                 return False
             for seq, n in wants:
-                if n:
-                    seq.block_ids.extend(self.pool.allocate(n))
+                seq.block_ids.extend(self.pool.allocate(n))
             return True
         preempted: set[int] = set()
         for seq in sorted(self.running, key=lambda s: s.arrival):
@@ -149,7 +150,7 @@ class DecodeStage(DeviceStage):
             row = rows.get(seq.seq_id, -1)
             num_tokens = len(seq.token_ids)
             if row >= 0:  # its token is still on the device: feed it from there
-                if _last_token_in_flight(seq):
+                if num_tokens + 1 >= seq.request.max_total_tokens:  # _last_token_in_flight, inlined (per row)
                     continue
                 chunk = ScheduledChunk([0], num_tokens, seq.block_ids,
                                        [self.sampling_row(seq, ahead=1, grammar_previous_row=row)], previous_row=row)
