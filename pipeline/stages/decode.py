@@ -63,8 +63,8 @@ class DecodeStage(DeviceStage):
             self.running.extend(self.receive_ready())
             events = StepTokensBuilder()
             output: SamplerOutput | None = None
-            reads_own_tokens = self._reap_cancelled(events)
-            if in_flight is not None and not (self.run_ahead and not reads_own_tokens):
+            can_run_ahead = self.run_ahead and not self._reap_cancelled(events)
+            if in_flight is not None and not can_run_ahead:
                 output = await self._complete(in_flight, events)
                 in_flight = None
             launched: InFlightStep | None = None

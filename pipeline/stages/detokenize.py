@@ -57,7 +57,7 @@ class DetokenizeStage(Stage[StepTokens]):
         return state
 
     def _process(self, message: StepTokens, out: list[tuple[Request, OutputDelta]]) -> None:
-        """Runs once per row per step: the common case is kept to lookups and one delta."""
+        """One step's rows; the common row costs a lookup, a table decode and one delta."""
         tokens = message.token_ids.tolist()
         samples = self.samples
         for r, request in enumerate(message.requests):
