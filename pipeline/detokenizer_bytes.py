@@ -95,8 +95,7 @@ class ByteLevelDetokenizer(EmittedText):
 
     def push_one(self, token_id: int) -> str:
         """One id (the decode step's case): a table lookup and one incremental UTF-8 decode."""
-        if self._finished:
-            self._check_open()  # raises
+        self._check_open()
         if token_id in self._dropped:
             return ""
         added = self._added_text.get(token_id)
@@ -105,9 +104,7 @@ class ByteLevelDetokenizer(EmittedText):
             self._utf8.reset()
         else:
             text = self._utf8.decode(self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b"")
-        if text:  # _emit, inlined: this runs per row per step
-            self._pieces.append(text)
-        return text
+        return self._emit(text)
 
     def flush(self) -> str:
         """End of sequence: an incomplete character left over decodes as U+FFFD, as in the full decode."""

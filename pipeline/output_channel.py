@@ -41,7 +41,7 @@ class OutputChannel:
 
     def push(self, delta: OutputDelta) -> bool:
         """Queue (or hand to the listener) a delta; False when the unread output passed the cap (caller aborts)."""
-        if self._error is not None or len(self._finished) == self.num_samples:  # finished (inlined: per delta)
+        if self.finished:
             return True
         if delta.finish_reason is not None:
             self._finished.add(delta.index)

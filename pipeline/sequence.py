@@ -130,8 +130,7 @@ class Sequence:
         the runner gives its matcher the token still on its way (grammar.state.take_tokens)."""
         if self.thinking is not None and self.thinking.active:
             return True
-        request = self.request  # per sequence per step: the output count without the properties' calls
-        return depends_on_output_tokens(request.params, len(self.token_ids) - len(request.prompt_token_ids))
+        return depends_on_output_tokens(self.request.params, self.num_output_tokens)
 
     @property
     def output_token_ids(self) -> list[int]:

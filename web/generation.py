@@ -199,11 +199,6 @@ class CompletionEndpoint(Endpoint):
         return delta.text
 
     def event(self, delta: OutputDelta, choice: Choice) -> bytes:
-        if delta.finish_reason is None and not self.echo_text and not (self.want_logprobs and delta.logprobs):
-            choice.text_offset += len(delta.text)  # the common case: text only (per row per step, kept lean)
-            if not delta.text:
-                return b""
-            return (self._text_events.get(delta.index) or self._new_text_event(delta.index))(delta.text)
         text = self._text(delta, choice)
         logprobs = None
         if self.want_logprobs and delta.logprobs:

@@ -198,7 +198,7 @@ class ServerMetrics:
         and its mean is the per-token latency even when a slow reader got several tokens merged.
         """
         if tokens > 0:
-            self._itl.counts.observe(seconds / tokens, tokens)
+            self._itl.observe(seconds / tokens, tokens)
 
     def admission_rejected(self, reason: str) -> None:
         """A 503 from admission limits or draining; unknown reasons count as "other" (see admission_reason)."""

@@ -150,7 +150,7 @@ class DecodeStage(DeviceStage):
             row = rows.get(seq.seq_id, -1)
             num_tokens = len(seq.token_ids)
             if row >= 0:  # its token is still on the device: feed it from there
-                if num_tokens + 1 >= seq.request.max_total_tokens:  # _last_token_in_flight, inlined (per row)
+                if _last_token_in_flight(seq):
                     continue
                 chunk = ScheduledChunk([0], num_tokens, seq.block_ids,
                                        [self.sampling_row(seq, ahead=1, grammar_previous_row=row)], previous_row=row)

@@ -66,7 +66,7 @@ class DetokenizeStage(Stage[StepTokens]):
             state = samples.get((request.request_id, index)) or self._new_state(request, index)
             if state.done:
                 if owner_finish is not None:
-                    del self.samples[(request.request_id, index)]
+                    del samples[(request.request_id, index)]
                 continue
             token = tokens[r]
             text = state.detokenizer.push_one(token) if token >= 0 else ""
@@ -99,7 +99,7 @@ class DetokenizeStage(Stage[StepTokens]):
             if finish is not None:
                 state.done = True
                 if owner_finish is not None:
-                    del self.samples[(request.request_id, index)]
+                    del samples[(request.request_id, index)]
 
     @staticmethod
     def _logprobs(message: StepTokens, r: int, request: Request) -> list[TokenLogprob] | None:
