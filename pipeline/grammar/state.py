@@ -3,10 +3,13 @@
 The decode (or prefill) stage records every token of a sample on its state; the device thread, and
 only it, drives the matchers: while the forward runs on the device (the runner calls
 `SamplingBatch.fill_grammar_bitmask` after launching it and before sampling) it gives each matcher
-the tokens it is missing and fills the step's bitmask rows, one batched call each; then the logits
-pipeline masks disallowed tokens in one call for the whole batch.
+the tokens it is missing and fills the step's bitmask rows: one batched accept and one batched fill,
+run in one GIL release (ext/grammar_step); then the logits pipeline masks disallowed tokens in one
+call for the whole batch.
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -17,6 +20,7 @@ from pipeline.grammar.batch_accept import refused_tokens
 from pipeline.runner.host_staging import HostStaging
 
 _bitmask = ext.load("bitmask")
+_grammar_step = ext.load("grammar_step")
 
 
 class GrammarState:
@@ -47,55 +51,90 @@ class GrammarState:
         self.matcher.fill_next_token_bitmask(bitmask, row)
 
 
-def take_tokens(rows: list[tuple[GrammarState, int, int | None]]) -> None:
+@dataclass(slots=True)
+class TokenRound:
+    """A batched accept: states[i]'s matcher takes tokens[i] (the states' bookkeeping is done)."""
+
+    states: list[GrammarState]
+    tokens: list[int]
+
+    def refuse(self, indices: list[int]) -> None:
+        for i in indices:
+            self.states[i].refused = self.states[i].ended = True
+
+
+def _next_round(rows: list[tuple[GrammarState, int, int | None]]) -> tuple[TokenRound, bool]:
+    """The states still behind and the token each takes next; and whether any is behind by more."""
+    states: list[GrammarState] = []
+    tokens: list[int] = []
+    more = False
+    for state, position, ahead in rows:
+        taken = state.taken
+        if taken >= position or state.ended:
+            continue
+        if ahead is not None and taken == position - 1:
+            tokens.append(ahead)
+        elif taken < len(state.recorded):
+            tokens.append(state.recorded[taken])
+        else:
+            raise ValueError(f"grammar token {taken} is needed before the stage recorded it")
+        states.append(state)
+        more = more or position - taken > 1
+    return TokenRound(states, tokens), more
+
+
+def take_tokens(rows: list[tuple[GrammarState, int, int | None]], keep_last: bool = False) -> TokenRound | None:
     """Bring each state's matcher to `position` output tokens: (state, position, the token at
     position - 1 when the stage may not have recorded it yet, else None). One batched accept per
-    round; a state behind by k tokens needs k rounds (normally every state is behind by one)."""
+    round; a state behind by k tokens needs k rounds (normally every state is behind by one).
+
+    With keep_last the last round is booked but not given to the matchers: it is returned, for
+    fill_batch_bitmask to give it in the same call as the fill (ext/grammar_step)."""
     while True:
-        states: list[GrammarState] = []
-        tokens: list[int] = []
-        for state, position, ahead in rows:
-            taken = state.taken
-            if taken >= position or state.ended:
-                continue
-            if ahead is not None and taken == position - 1:
-                tokens.append(ahead)
-            elif taken < len(state.recorded):
-                tokens.append(state.recorded[taken])
-            else:
-                raise ValueError(f"grammar token {taken} is needed before the stage recorded it")
-            states.append(state)
-        if not states:
-            return
-        refused = refused_tokens([state.matcher for state in states], tokens)
-        for state, token in zip(states, tokens):
+        round_, more = _next_round(rows)
+        if not round_.states:
+            return None
+        for state, token in zip(round_.states, round_.tokens):
             state.taken += 1
             state.ended = token in state.stop_ids
-        for i in refused:
-            states[i].refused = states[i].ended = True
+        if keep_last and not more:  # (a state refused in this round would take nothing later either)
+            return round_
+        round_.refuse(refused_tokens([state.matcher for state in round_.states], round_.tokens))
 
 
-# Below this many rows the matchers fill one by one on the calling thread: handing a few rows to
-# xgrammar's thread pool and waiting for it costs more than their fill (host bench, batch 1).
+# Below this many rows the matchers fill on the calling thread: handing a few rows to xgrammar's
+# thread pool and waiting for it costs more than their fill (host bench, batch 1).
 BATCH_FILL_MIN_ROWS = 8
 
 
-def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, rows: list[int]) -> None:
-    if len(states) >= BATCH_FILL_MIN_ROWS and all(isinstance(state, GrammarState) for _, state in states):
-        _batch_matcher().batch_fill_next_token_bitmask([state.matcher for _, state in states], tensor, rows)
-    else:  # any object with fill(tensor, row) (tests)
-        for row, state in states:
-            state.fill(tensor, row)
+def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, array: np.ndarray, rows: list[int],
+               accepts: TokenRound | None) -> None:
+    if all(isinstance(state, GrammarState) for _, state in states):
+        batch = _batch_matcher(pooled=len(states) >= BATCH_FILL_MIN_ROWS)
+        refused = _grammar_step.accept_and_fill(batch, [state.matcher for state in accepts.states] if accepts else [],
+                                                accepts.tokens if accepts else [],
+                                                [state.matcher for _, state in states], array, rows)
+        if refused:  # (only a bug lets the mask allow a refused token) those rows allow everything
+            assert accepts is not None
+            accepts.refuse(refused)
+            for row, state in states:
+                if state.refused:
+                    array[row] = -1
+        return
+    if accepts is not None:  # test doubles: objects with fill(tensor, row)
+        accepts.refuse(refused_tokens([state.matcher for state in accepts.states], accepts.tokens))
+    for row, state in states:
+        state.fill(tensor, row)
 
 
-_BATCH: list[xgr.BatchGrammarMatcher] = []
+_BATCH: dict[bool, xgr.BatchGrammarMatcher] = {}
 
 
-def _batch_matcher() -> xgr.BatchGrammarMatcher:
-    """xgrammar's batch filler (its own thread pool), made once."""
-    if not _BATCH:
-        _BATCH.append(xgr.BatchGrammarMatcher(max_threads="auto"))
-    return _BATCH[0]
+def _batch_matcher(pooled: bool) -> xgr.BatchGrammarMatcher:
+    """xgrammar's batch filler, made once: with its own thread pool, or filling on the caller's."""
+    if pooled not in _BATCH:
+        _BATCH[pooled] = xgr.BatchGrammarMatcher(max_threads="auto" if pooled else 1)
+    return _BATCH[pooled]
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -103,10 +142,12 @@ def bitmask_words(vocab_size: int) -> int:
 
 
 def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vocab_size: int,
-                       device: torch.device, staging: HostStaging | None = None) -> torch.Tensor:
+                       device: torch.device, staging: HostStaging | None = None,
+                       accepts: TokenRound | None = None) -> torch.Tensor:
     """The step's int32 bitmask [S, ceil(V/32)] (bit j of word w allows token 32w + j) on `device`.
 
-    Rows without a grammar allow everything. With a runner's `staging` the host buffer and its
+    Rows without a grammar allow everything. `accepts` (take_tokens' last round, kept) is given to
+    the matchers first, in the same GIL release as the fill. With a runner's `staging` the host buffer and its
     tensor view are the staging's, reused step after step (a fresh 1.5 MB array per step at batch
     256 is a fresh mapping whose every page faults on first write, and a fresh tensor is a torch
     call): on CPU the result is valid until the runner's next step, which samples before that; on
@@ -119,7 +160,9 @@ def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vo
     else:
         array = np.empty((num_rows, words), dtype=np.int32)
         host = torch.from_numpy(array)
-    _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda rows: _fill_rows(states, host, rows))
+    _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda rows: _fill_rows(states, host, array, rows, accepts))
+    if accepts is not None and not states:  # no row to fill: the accepts alone
+        accepts.refuse(refused_tokens([state.matcher for state in accepts.states], accepts.tokens))
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host

@@ -125,8 +125,8 @@ class SamplingBatch:
 
     def fill_grammar_bitmask(self, previous_tokens: Callable[[], np.ndarray] | None = None) -> None:
         """Fill the grammar rows' masks from their states (host work the device step hides). Each
-        state first takes the tokens it is missing, in one batched call: a row one step ahead takes
-        its previous token from `previous_tokens()`, the host ids of the stage's previous step."""
+        state first takes the tokens it is missing, in one batched call with the fill: a row one step
+        ahead takes its previous token from `previous_tokens()`, the host ids of the stage's previous step."""
         if not self.grammar_rows:
             return
         from pipeline.grammar.state import GrammarState, fill_batch_bitmask, take_tokens
@@ -135,11 +135,13 @@ class SamplingBatch:
         if ahead and previous_tokens is None:
             raise ValueError("a grammar row is one step ahead, but the previous step's tokens are unknown")
         host = previous_tokens().tolist() if ahead else []  # type: ignore[misc]
-        take_tokens([(state, position, host[previous] if previous >= 0 else None)
-                     for _, state, previous, position in self.grammar_rows if isinstance(state, GrammarState)])
+        accepts = take_tokens([(state, position, host[previous] if previous >= 0 else None)
+                               for _, state, previous, position in self.grammar_rows if isinstance(state, GrammarState)],
+                              keep_last=True)  # given to the matchers with the fill, in one GIL release
         # a state that ended (its previous token was a stop token) drops its row: it allows everything
         states = [(row, state) for row, state, _, _ in self.grammar_rows if not state.ended]
-        self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device, self.staging)
+        self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device, self.staging,
+                                                  accepts)
 
     @property
     def all_greedy(self) -> bool:

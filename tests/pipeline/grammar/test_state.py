@@ -122,3 +122,37 @@ def test_the_accept_keeps_the_gil_without_changing_xgrammar():
     accept, contains = batch_accept._BY_HANDLE
     assert not accept.release_gil and not contains.release_gil
     assert _core.BatchGrammarMatcher.batch_accept_token.release_gil  # xgrammar's own handle is untouched
+
+
+def test_the_last_round_is_kept_for_the_fill_and_equals_taking_it_first(compiled):
+    def states() -> list[GrammarState]:
+        made = [GrammarState(compiled) for _ in range(10)]
+        for i, state in enumerate(made):
+            for token in [A, B, AB][: i % 3]:
+                state.record(token)
+        return made
+
+    plain, kept = states(), states()
+    rows = lambda made: [(state, i % 3 + 1, [B, A, X][i % 3]) for i, state in enumerate(made)]  # noqa: E731
+    take_tokens(rows(plain))
+    accepts = take_tokens(rows(kept), keep_last=True)
+    # behind by up to 3 tokens: the earlier rounds ran, the last (the states behind by 3) is kept
+    assert accepts is not None and accepts.states == [kept[2], kept[5], kept[8]] and accepts.tokens == [X] * 3
+    assert [s.taken for s in kept] == [s.taken for s in plain] and not any(s.refused for s in kept)
+    filled = [(row, state) for row, state in enumerate(kept) if not state.ended]
+    expected = allowed([(row, state) for row, state in enumerate(plain) if not state.ended], 10)
+    assert all(plain[i].refused for i in (2, 5, 8))  # x after a, b, ab is refused
+    mask = unpack_bitmask(fill_batch_bitmask(filled, 10, len(VOCAB), CPU, accepts=accepts), len(VOCAB))
+    assert [s.refused for s in kept] == [s.refused for s in plain]
+    assert [{t for t in range(len(VOCAB)) if mask[r, t]} for r in range(10)] == expected
+    assert expected[2] == set(range(len(VOCAB)))  # a refused state's row allows everything
+
+
+def test_kept_accepts_are_taken_when_no_row_is_filled(compiled):
+    state = GrammarState(compiled)
+    state.record(A)
+    accepts = take_tokens([(state, 2, X)], keep_last=True)
+    assert accepts is not None and not state.refused and state.taken == 2
+    fill_batch_bitmask([], 1, len(VOCAB), CPU, accepts=accepts)
+    assert state.refused and state.ended
+    assert take_tokens([(state, 2, None)], keep_last=True) is None  # caught up: nothing to keep
