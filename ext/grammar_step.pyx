@@ -188,10 +188,13 @@ cdef inline void* _handle(object matcher) except NULL:
     return <void*><size_t>matcher._handle.__chandle__()
 
 
-def accept_and_fill(batch, list accept, list tokens, list fill, int32_t[:, ::1] bitmask, list rows) -> list:
+def accept_and_fill(batch, list accept, list tokens, list fill, int32_t[:, ::1] bitmask, list rows,
+                    bint release_gil=True) -> list:
     """accept[i] takes tokens[i]; then fill[i] writes its next-token mask into bitmask row rows[i].
     Returns the indices into `accept` of the matchers that refused their token (they keep their
-    state, and their rows are filled from it). Raises RuntimeError when xgrammar does."""
+    state, and their rows are filled from it). Raises RuntimeError when xgrammar does.
+    release_gil=False keeps the GIL: for a few rows (microseconds of work) winning it back from a
+    busy event loop costs more than the work."""
     cdef Py_ssize_t num_accepts = len(accept), num_fills = len(fill), num_rows = bitmask.shape[0], i
     if len(tokens) != num_accepts or len(rows) != num_fills:
         raise ValueError("accept_and_fill needs one token per accepting matcher and one row per filling matcher")
@@ -222,7 +225,11 @@ def accept_and_fill(batch, list accept, list tokens, list fill, int32_t[:, ::1] 
         tensor.ndim = 2
         tensor.dtype.code, tensor.dtype.bits, tensor.dtype.lanes = kDLInt, 32, 1
         tensor.shape, tensor.strides, tensor.byte_offset = shape, NULL, 0
-        with nogil:
+        if release_gil:
+            with nogil:
+                rc = _run(items, num_accepts, items + 2 * num_accepts, num_fills, batch_handle, &tensor,
+                          refused, &num_refused)
+        else:
             rc = _run(items, num_accepts, items + 2 * num_accepts, num_fills, batch_handle, &tensor,
                       refused, &num_refused)
         if rc != 0:

@@ -8,10 +8,12 @@ import xgrammar as xgr
 
 
 def accept_and_fill(batch: xgr.BatchGrammarMatcher, accept: list[xgr.GrammarMatcher], tokens: list[int],
-                    fill: list[xgr.GrammarMatcher], bitmask: np.ndarray, rows: list[int]) -> list[int]:
+                    fill: list[xgr.GrammarMatcher], bitmask: np.ndarray, rows: list[int],
+                    release_gil: bool = True) -> list[int]:
     """accept[i] takes tokens[i]; then fill[i] writes its next-token mask into bitmask row rows[i].
     Returns the indices into `accept` of the matchers that refused their token (they keep their
-    state, and their rows are filled from it). Raises RuntimeError when xgrammar does."""
+    state, and their rows are filled from it). Raises RuntimeError when xgrammar does.
+    release_gil: the compiled module's choice; xgrammar's Python calls release it either way."""
     if len(tokens) != len(accept) or len(rows) != len(fill):
         raise ValueError("accept_and_fill needs one token per accepting matcher and one row per filling matcher")
     if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags.c_contiguous:

@@ -102,18 +102,20 @@ def take_tokens(rows: list[tuple[GrammarState, int, int | None]], keep_last: boo
         round_.refuse(refused_tokens([state.matcher for state in round_.states], round_.tokens))
 
 
-# Below this many rows the matchers fill on the calling thread: handing a few rows to xgrammar's
-# thread pool and waiting for it costs more than their fill (host bench, batch 1).
+# Below this many rows the matchers fill on the calling thread, keeping the GIL: handing a few rows
+# to xgrammar's thread pool and waiting for it, or giving the GIL up for microseconds of work and
+# waiting to win it back from the event loop, costs more than their fill (host bench, batch 1).
 BATCH_FILL_MIN_ROWS = 8
 
 
 def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, array: np.ndarray, rows: list[int],
                accepts: TokenRound | None) -> None:
     if all(isinstance(state, GrammarState) for _, state in states):
-        batch = _batch_matcher(pooled=len(states) >= BATCH_FILL_MIN_ROWS)
-        refused = _grammar_step.accept_and_fill(batch, [state.matcher for state in accepts.states] if accepts else [],
+        many = len(states) >= BATCH_FILL_MIN_ROWS
+        refused = _grammar_step.accept_and_fill(_batch_matcher(pooled=many),
+                                                [state.matcher for state in accepts.states] if accepts else [],
                                                 accepts.tokens if accepts else [],
-                                                [state.matcher for _, state in states], array, rows)
+                                                [state.matcher for _, state in states], array, rows, many)
         if refused:  # (only a bug lets the mask allow a refused token) those rows allow everything
             assert accepts is not None
             accepts.refuse(refused)

@@ -26,8 +26,8 @@ def one_by_one(matcher: xgr.GrammarMatcher) -> list[int]:
 
 
 @pytest.mark.parametrize("module", MODULES)
-@pytest.mark.parametrize("threads", [1, "auto"])
-def test_steps_equal_one_matcher_at_a_time(module, compiled, threads):
+@pytest.mark.parametrize("threads, release_gil", [(1, False), (1, True), ("auto", True)])
+def test_steps_equal_one_matcher_at_a_time(module, compiled, threads, release_gil):
     rng = np.random.default_rng(1)
     size = 24
     batch = xgr.BatchGrammarMatcher(max_threads=threads)
@@ -40,7 +40,7 @@ def test_steps_equal_one_matcher_at_a_time(module, compiled, threads):
         rows = rng.permutation(size + 2)[: len(filling)].tolist()  # any rows, in any order
         bitmask = np.full((size + 2, 1), 7, dtype=np.int32)
         refused = module.accept_and_fill(batch, [ours[i] for i in accepting], tokens,
-                                         [ours[i] for i in filling], bitmask, rows)
+                                         [ours[i] for i in filling], bitmask, rows, release_gil)
         expected = [k for k, (i, t) in enumerate(zip(accepting, tokens)) if not reference[i].accept_token(t)]
         assert refused == expected
         for i, row in zip(filling, rows):
