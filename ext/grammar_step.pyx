@@ -3,7 +3,7 @@
 
 The device thread gives the step's tokens to the matchers (one batched accept) and then fills the
 step's bitmask rows (one batched fill). Through xgrammar's Python API these are two calls: the
-accept keeps the GIL (pipeline/grammar/batch_accept.py says why) and the fill releases it and must
+accept keeps the GIL (the twin, ext/grammar_step_py.py, says why) and the fill releases it and must
 win it back from the busy event loop. Here both run in one nogil block, through tvm-ffi's C ABI
 (the interface xgrammar's own bindings use), so the device thread holds the GIL only to gather the
 matchers' handles, and the event loop runs beside the whole of the step's grammar work.

@@ -16,11 +16,17 @@ import torch
 import xgrammar as xgr
 
 import ext
-from pipeline.grammar.batch_accept import refused_tokens
 from pipeline.runner.host_staging import HostStaging
 
 _bitmask = ext.load("bitmask")
 _grammar_step = ext.load("grammar_step")
+_NO_ROWS = np.empty((0, 1), dtype=np.int32)
+
+
+def refused_tokens(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[int]:
+    """Each matcher takes its token (one batched call, keeping the GIL); the indices of those that
+    refused theirs (usually none: the bitmask allows only tokens the grammar accepts)."""
+    return _grammar_step.accept_and_fill(_batch_matcher(pooled=False), matchers, tokens, [], _NO_ROWS, [], False)
 
 
 class GrammarState:

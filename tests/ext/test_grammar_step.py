@@ -5,6 +5,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
+from ext import grammar_step_py
 from tests.ext.twins import twin_and_compiled
 
 MODULES = twin_and_compiled("grammar_step")
@@ -82,3 +83,30 @@ def test_bad_input_raises(module, compiled):
     with pytest.raises(RuntimeError):  # xgrammar's own check: a row is ceil(V/32) words
         module.accept_and_fill(batch, [], [], [matcher], np.zeros((2, 3), dtype=np.int32), [0])
     assert module.accept_and_fill(batch, [matcher], [0], [], bitmask, []) == []  # still usable after
+
+
+@pytest.mark.parametrize("by_handle", [True, False])
+def test_the_twins_accept_by_handle_equals_xgrammars_public_call(compiled, monkeypatch, by_handle):
+    if not by_handle:
+        monkeypatch.setattr(grammar_step_py, "_BY_HANDLE", None)  # xgrammar's public batch call
+    elif grammar_step_py._BY_HANDLE is None:
+        pytest.skip("this xgrammar has no tvm-ffi core")
+    rng = np.random.default_rng(0)
+    sequences = [rng.integers(0, len(VOCAB), 6).tolist() for _ in range(40)]
+    batched = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    single = [xgr.GrammarMatcher(compiled) for _ in sequences]
+    none = np.zeros((0, 1), dtype=np.int32)
+    for step in range(6):
+        tokens = [seq[step] for seq in sequences]
+        refused = grammar_step_py.accept_and_fill(xgr.BatchGrammarMatcher(1), batched, tokens, [], none, [])
+        assert refused == [i for i, (m, t) in enumerate(zip(single, tokens)) if not m.accept_token(t)]
+
+
+def test_the_twins_accept_keeps_the_gil_without_changing_xgrammar():
+    if grammar_step_py._BY_HANDLE is None:
+        pytest.skip("this xgrammar has no tvm-ffi core")
+    from xgrammar.base import _core
+
+    accept, contains = grammar_step_py._BY_HANDLE
+    assert not accept.release_gil and not contains.release_gil
+    assert _core.BatchGrammarMatcher.batch_accept_token.release_gil  # xgrammar's own handle is untouched

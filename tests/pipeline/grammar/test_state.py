@@ -7,8 +7,7 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from pipeline.grammar import batch_accept
-from pipeline.grammar.state import GrammarState, fill_batch_bitmask, take_tokens, unpack_bitmask
+from pipeline.grammar.state import GrammarState, fill_batch_bitmask, refused_tokens, take_tokens, unpack_bitmask
 from pipeline.runner.host_staging import HostStaging
 
 VOCAB = ["a", "b", "c", "ab", "bc", "x", "<eos>"]
@@ -97,31 +96,16 @@ def test_a_token_the_stage_has_not_recorded_is_an_error(compiled):
         take_tokens([(state, 1, None)])
 
 
-@pytest.mark.parametrize("by_handle", [True, False])
-def test_batched_accepts_equal_one_by_one(compiled, monkeypatch, by_handle):
-    if not by_handle:
-        monkeypatch.setattr(batch_accept, "_BY_HANDLE", None)  # xgrammar's public batch call
-    elif batch_accept._BY_HANDLE is None:
-        pytest.skip("this xgrammar has no tvm-ffi core")
+def test_batched_accepts_equal_one_by_one(compiled):
     rng = np.random.default_rng(0)
     sequences = [rng.integers(0, len(VOCAB), 6).tolist() for _ in range(40)]
     batched = [xgr.GrammarMatcher(compiled) for _ in sequences]
     single = [xgr.GrammarMatcher(compiled) for _ in sequences]
     for step in range(6):
         tokens = [seq[step] for seq in sequences]
-        refused = batch_accept.refused_tokens(batched, tokens)
+        refused = refused_tokens(batched, tokens)
         assert refused == [i for i, (m, t) in enumerate(zip(single, tokens)) if not m.accept_token(t)]
-    assert batch_accept.refused_tokens([], []) == []
-
-
-def test_the_accept_keeps_the_gil_without_changing_xgrammar():
-    if batch_accept._BY_HANDLE is None:
-        pytest.skip("this xgrammar has no tvm-ffi core")
-    from xgrammar.base import _core
-
-    accept, contains = batch_accept._BY_HANDLE
-    assert not accept.release_gil and not contains.release_gil
-    assert _core.BatchGrammarMatcher.batch_accept_token.release_gil  # xgrammar's own handle is untouched
+    assert refused_tokens([], []) == []
 
 
 def test_the_last_round_is_kept_for_the_fill_and_equals_taking_it_first(compiled):
