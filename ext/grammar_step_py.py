@@ -14,7 +14,6 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
-import torch
 import xgrammar as xgr
 
 
@@ -70,7 +69,7 @@ def accept_and_fill(batch: xgr.BatchGrammarMatcher, accept: list[xgr.GrammarMatc
     try:
         refused = _refused(accept, tokens)
         if fill:
-            batch.batch_fill_next_token_bitmask(fill, torch.from_numpy(bitmask), rows)
+            batch.batch_fill_next_token_bitmask(fill, bitmask, rows)  # numpy as is: no torch call per step
     except (RuntimeError, ValueError, TypeError) as exc:
         raise RuntimeError(str(exc)) from exc
     return refused
