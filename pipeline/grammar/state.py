@@ -64,9 +64,17 @@ class TokenRound:
     states: list[GrammarState]
     tokens: list[int]
 
+    @property
+    def matchers(self) -> list[xgr.GrammarMatcher]:
+        return [state.matcher for state in self.states]
+
     def refuse(self, indices: list[int]) -> None:
         for i in indices:
             self.states[i].refused = self.states[i].ended = True
+
+    def take(self) -> None:
+        """Give the round to the matchers now, on its own (one batched accept, keeping the GIL)."""
+        self.refuse(refused_tokens(self.matchers, self.tokens))
 
 
 def _next_round(rows: list[tuple[GrammarState, int, int | None]]) -> tuple[TokenRound, bool]:
@@ -105,7 +113,7 @@ def take_tokens(rows: list[tuple[GrammarState, int, int | None]], keep_last: boo
             state.ended = token in state.stop_ids
         if keep_last and not more:  # (a state refused in this round would take nothing later either)
             return round_
-        round_.refuse(refused_tokens([state.matcher for state in round_.states], round_.tokens))
+        round_.take()
 
 
 # Below this many rows the matchers fill on the calling thread, keeping the GIL: handing a few rows
@@ -118,8 +126,7 @@ def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, arr
                accepts: TokenRound | None) -> None:
     if all(isinstance(state, GrammarState) for _, state in states):
         many = len(states) >= BATCH_FILL_MIN_ROWS
-        refused = _grammar_step.accept_and_fill(_batch_matcher(pooled=many),
-                                                [state.matcher for state in accepts.states] if accepts else [],
+        refused = _grammar_step.accept_and_fill(_batch_matcher(pooled=many), accepts.matchers if accepts else [],
                                                 accepts.tokens if accepts else [],
                                                 [state.matcher for _, state in states], array, rows, many)
         if refused:  # (only a bug lets the mask allow a refused token) those rows allow everything
@@ -130,7 +137,7 @@ def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, arr
                     array[row] = -1
         return
     if accepts is not None:  # test doubles: objects with fill(tensor, row)
-        accepts.refuse(refused_tokens([state.matcher for state in accepts.states], accepts.tokens))
+        accepts.take()
     for row, state in states:
         state.fill(tensor, row)
 
@@ -170,7 +177,7 @@ def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vo
         host = torch.from_numpy(array)
     _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda rows: _fill_rows(states, host, array, rows, accepts))
     if accepts is not None and not states:  # no row to fill: the accepts alone
-        accepts.refuse(refused_tokens([state.matcher for state in accepts.states], accepts.tokens))
+        accepts.take()
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host
