@@ -9,18 +9,17 @@ character (at most 3 bytes) until the bytes that complete or break it arrive, an
 bytes the way the full decode does (one U+FFFD per maximal ill-formed subpart).
 
 The table is built once per tokenizer and checked against the tokenizer's own decode of every id;
-any vocabulary that does not fit (another decoder, a mismatch) uses IncrementalDetokenizer.
+any vocabulary that does not fit (another decoder, a mismatch) uses IncrementalDetokenizer. The
+detokenizer that streams a table is ext/byte_detokenizer (compiled, or its pure-Python twin).
 """
 from __future__ import annotations
 
-import codecs
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from tokenizers import decoders
 
-from pipeline.detokenizer import EmittedText
+import ext
 
 
 def _byte_of_char() -> dict[str, int]:
@@ -77,38 +76,6 @@ def _build(backend: Any) -> ByteTable | None:
     return ByteTable(tuple(token_bytes), added_text, special)
 
 
-class ByteLevelDetokenizer(EmittedText):
-    """Same contract as IncrementalDetokenizer: the joined deltas plus flush() equal
-    `backend.decode(output_ids, skip_special_tokens=...)` for any chunking of the ids."""
-
-    __slots__ = ("_added_text", "_dropped", "_token_bytes", "_utf8")
-
-    def __init__(self, table: ByteTable, skip_special_tokens: bool = True) -> None:
-        super().__init__()
-        self._token_bytes = table.token_bytes
-        self._dropped = table.special_ids if skip_special_tokens else frozenset()
-        self._added_text = {i: t for i, t in table.added_text.items() if i not in self._dropped}
-        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def push(self, token_ids: Sequence[int]) -> str:
-        return "".join([self.push_one(int(token_id)) for token_id in token_ids])
-
-    def push_one(self, token_id: int) -> str:
-        """One id (the decode step's case): a table lookup and one incremental UTF-8 decode."""
-        self._check_open()
-        if token_id in self._dropped:
-            return ""
-        added = self._added_text.get(token_id)
-        if added is not None:  # an added token ends the byte run: what is held decodes as is
-            text = self._utf8.decode(b"", True) + added
-            self._utf8.reset()
-        else:
-            text = self._utf8.decode(self._token_bytes[token_id] if 0 <= token_id < len(self._token_bytes) else b"")
-        return self._emit(text)
-
-    def flush(self) -> str:
-        """End of sequence: an incomplete character left over decodes as U+FFFD, as in the full decode."""
-        if self._finished:
-            return ""
-        self._finished = True
-        return self._emit(self._utf8.decode(b"", True))
+# The detokenizer itself: push_one runs once per generated token per sequence, so it is compiled
+# (ext/byte_detokenizer.pyx), with a pure-Python twin where the extension is not built.
+ByteLevelDetokenizer = ext.load("byte_detokenizer").ByteLevelDetokenizer

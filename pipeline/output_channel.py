@@ -41,6 +41,14 @@ class OutputChannel:
 
     def push(self, delta: OutputDelta) -> bool:
         """Queue (or hand to the listener) a delta; False when the unread output passed the cap (caller aborts)."""
+        listener = self._listener
+        if listener is not None and delta.finish_reason is None and self._error is None \
+                and len(self._finished) != self.num_samples:  # a listened token: 256 per step at batch 256
+            try:
+                listener(delta)
+            except Exception as error:  # noqa: BLE001 - the listener's failure is its reader's, not the stage's
+                self._listener_failed(error)
+            return True
         if self.finished:
             return True
         if delta.finish_reason is not None:
@@ -108,9 +116,12 @@ class OutputChannel:
         try:
             self._listener(delta)  # type: ignore[misc]
         except Exception as error:  # noqa: BLE001 - the listener's failure is its reader's, not the stage's
-            self._listener = None
-            self.fail(error)
+            self._listener_failed(error)
             return
         # only a final delta can finish the channel here (a failure resolves the future in fail())
         if delta.finish_reason is not None and self.finished and not self._delivered.done():  # type: ignore[union-attr]
             self._delivered.set_result(None)  # type: ignore[union-attr]
+
+    def _listener_failed(self, error: Exception) -> None:
+        self._listener = None
+        self.fail(error)

@@ -12,12 +12,14 @@ from typing import Any
 from aiohttp import web
 from aiohttp.http import HttpVersion11
 
+import ext
 from web.socket_sender import SenderStream, SocketSender
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
 # aiohttp's writes wait for the socket past 64 KiB buffered; then the engine's output channel fills
 # up to its cap. The sender holds the same total for a client that stops reading.
 TRANSPORT_HIGH_WATER = 64 << 10
+_http_chunk = ext.load("sse_text").http_chunk
 
 
 class SSEBody:
@@ -57,7 +59,7 @@ class SSEBody:
     def send(self, data: bytes) -> None:
         """`write` without waiting, through the sender only (see via_sender)."""
         if data:  # per streamed delta: no asserts here (via_sender says whether there is a stream)
-            self._sender.write(self._stream, b"%x\r\n%b\r\n" % (len(data), data))  # type: ignore[union-attr,arg-type]
+            self._sender.write(self._stream, _http_chunk(data))  # type: ignore[union-attr,arg-type]
 
     async def finish(self) -> None:
         """Everything written reached the socket, then the response ends (a client that hung up at the

@@ -25,7 +25,7 @@ from pipeline.runner.step_plan import ScheduledChunk, StepPlan
 from pipeline.scheduler import blocks_to_grow, decode_victim
 from pipeline.sequence import Sequence
 from pipeline.stage import Stage
-from pipeline.stages.device_stage import DeviceStage
+from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
 
 
 @dataclass(slots=True)
@@ -152,8 +152,8 @@ class DecodeStage(DeviceStage):
             if row >= 0:  # its token is still on the device: feed it from there
                 if _last_token_in_flight(seq):
                     continue
-                chunk = ScheduledChunk([0], num_tokens, seq.block_ids,
-                                       [self.sampling_row(seq, ahead=1, grammar_previous_row=row)], previous_row=row)
+                # positional arguments: this runs per sequence per step, and keywords cost more
+                chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row)
             else:
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:], seq.num_computed, seq.block_ids,
                                        [self.sampling_row(seq)])

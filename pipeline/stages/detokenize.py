@@ -82,19 +82,13 @@ class DetokenizeStage(Stage[StepTokens]):
                     if finish is None:
                         request.cancel.cancel_child(index)  # reaches decode at its next step
                     finish = FinishReason.STOP
-            delta = OutputDelta(
-                request_id=request.request_id,
-                index=index,
-                text=text,
-                token_ids=[token] if token >= 0 else [],
-                logprobs=self._logprobs(message, r, request) if token >= 0 and request.params.logprobs is not None
-                else None,
-                finish_reason=finish,
-                error=request.cancel.message or "request failed" if finish is FinishReason.ERROR else None,
-                prompt_token_count=len(request.prompt_token_ids),
-                prompt_opens_thinking=request.prompt_opens_thinking,
-                output_token_count=message.output_counts[r],
-            )
+            # positional: keyword arguments cost this per-row constructor about three times as much
+            delta = OutputDelta(request.request_id, index, text, [token] if token >= 0 else [],
+                                self._logprobs(message, r, request) if token >= 0 and request.params.logprobs
+                                is not None else None,
+                                finish,
+                                request.cancel.message or "request failed" if finish is FinishReason.ERROR else None,
+                                len(request.prompt_token_ids), message.output_counts[r], request.prompt_opens_thinking)
             out.append((request, delta))
             if finish is not None:
                 state.done = True
