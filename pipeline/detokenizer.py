@@ -65,6 +65,20 @@ def _trailing_replacement_chars(text: str) -> int:
     return len(text) - len(text.rstrip(REPLACEMENT_CHAR))
 
 
+class StreamingDetokenizer(Protocol):
+    """What the detokenize stage uses: IncrementalDetokenizer, or ext/byte_detokenizer's (compiled,
+    so not an EmittedText subclass) for byte-level vocabularies."""
+
+    @property
+    def text(self) -> str: ...
+
+    def push(self, token_ids: Sequence[int]) -> str: ...
+
+    def push_one(self, token_id: int) -> str: ...
+
+    def flush(self) -> str: ...
+
+
 class EmittedText:
     """What every detokenizer keeps of its output: the emitted deltas (joined on demand) and whether
     flush() ended the sequence."""
@@ -218,10 +232,10 @@ class IncrementalDetokenizer(EmittedText):
         return ""
 
 
-def new_detokenizer(backend: TokenDecoder, skip_special_tokens: bool = True) -> EmittedText:
+def new_detokenizer(backend: TokenDecoder, skip_special_tokens: bool = True) -> StreamingDetokenizer:
     """The fastest exact detokenizer for this tokenizer: a byte table for byte-level BPE
     vocabularies, else the windowed decode above (both stream exactly the full decode)."""
-    from pipeline.detokenizer_bytes import ByteLevelDetokenizer, byte_table  # (it imports EmittedText from here)
+    from pipeline.detokenizer_bytes import ByteLevelDetokenizer, byte_table  # (its table check decodes with tokenizers)
 
     table = byte_table(backend)
     if table is not None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from pipeline.detokenizer import EmittedText, new_detokenizer
+from pipeline.detokenizer import StreamingDetokenizer, new_detokenizer
 from pipeline.detokenizer_bytes import byte_table
 from pipeline.messages import StepTokens
 from pipeline.request import FinishReason, OutputDelta, Request, TokenLogprob
@@ -22,7 +22,7 @@ from pipeline.tokenizer import Tokenizer
 
 @dataclass(slots=True)
 class SampleText:
-    detokenizer: EmittedText  # from new_detokenizer: ByteLevelDetokenizer or IncrementalDetokenizer
+    detokenizer: StreamingDetokenizer  # from new_detokenizer
     stops: StopStringMatcher | None
     done: bool = False  # the final delta went out (a stop string may end output before the sequence)
 
