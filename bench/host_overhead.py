@@ -123,12 +123,13 @@ async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> 
     return firsts, time.perf_counter(), None
 
 
-async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float, float]:
+async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float,
+                   nice: int) -> tuple[list[float], float, float]:
     """Streams from real HTTP clients in their own process (as real clients are: their parsing is not
     the server's host time); returns the clients' first-byte times and end (perf_counter: one clock),
     and the client process's CPU seconds while reading."""
     cmd = [sys.executable, __file__, "--clients", url, "--batch", str(batch), "--tokens", str(tokens),
-           "--client-poll-ms", str(poll_ms)]
+           "--client-poll-ms", str(poll_ms), "--client-nice", str(nice)]
     process = await asyncio.create_subprocess_exec(*cmd, *(["--grammar"] if grammar else []),
                                                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
     out, err = await process.communicate()
@@ -138,12 +139,17 @@ async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: fl
     return firsts, end, cpu
 
 
-def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float) -> tuple[list[float], float, float]:
+def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float,
+                 nice: int = 0) -> tuple[list[float], float, float]:
     """`batch` streaming requests over raw sockets, read until each chunked body ends. Lean on purpose
     (no SSE parsing): the clients share this machine's 2 cores with the server, and what is measured is
     the server's host time. poll_ms > 0 reads every poll_ms instead of blocking in select: a client that
     sleeps in select is woken by each server write, and on a VM that wakeup (an inter-processor
-    interrupt) is paid inside the server's send call, a cost a remote client never puts on the server."""
+    interrupt) is paid inside the server's send call, a cost a remote client never puts on the server.
+    nice > 0 lowers the clients' CPU priority: on 2 cores their reads otherwise take turns with the
+    server's threads, which remote clients never do."""
+    if nice > 0:
+        os.nice(nice)
     body = {"model": "m", "prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
             "stream": True, "repetition_detection": False}
     if grammar:
@@ -249,7 +255,8 @@ async def measure(a: argparse.Namespace) -> dict:
         from web.app import ServerSettings, ServerState, build_app
         from web.metrics import ServerMetrics
 
-        state = ServerState(ServerSettings(served_model_names=["m"]), ServerMetrics(engine.stats, "m"))
+        niceness = {"sender_niceness": a.sender_niceness} if a.sender_niceness else {}  # (older servers: no such setting)
+        state = ServerState(ServerSettings(served_model_names=["m"], **niceness), ServerMetrics(engine.stats, "m"))
         state.engine = engine
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -265,7 +272,7 @@ async def measure(a: argparse.Namespace) -> dict:
     results = []
     try:
         for batch in a.batch:
-            run = (lambda b, t: via_http(url, b, t, a.grammar, a.client_poll_ms)) if a.http else (
+            run = (lambda b, t: via_http(url, b, t, a.grammar, a.client_poll_ms, a.client_nice)) if a.http else (
                 lambda b, t: via_engine(engine, b, t, a.grammar))
             await run(min(batch, 8), 8)  # warm-up (grammar compiled here)
             samples: list[tuple[float, int, dict[str, float]]] = []
@@ -295,7 +302,8 @@ async def measure(a: argparse.Namespace) -> dict:
             await runner.cleanup()
         await engine.shutdown()
     return {"http": a.http, "transport": ("unix" if a.unix else "tcp") if a.http else None, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"),
-            "run_ahead": not a.disable_run_ahead, "results": results}
+            "run_ahead": not a.disable_run_ahead, "client_nice": a.client_nice, "sender_niceness": a.sender_niceness,
+            "results": results}
 
 
 def run_all(a: argparse.Namespace) -> dict:
@@ -310,6 +318,7 @@ def run_all(a: argparse.Namespace) -> dict:
                     cmd += ["--http"] if path != "engine" else []
                     cmd += ["--unix"] if path == "http-unix" else []
                     cmd += ["--grammar"] if grammar else []
+                    cmd += ["--client-nice", str(a.client_nice), "--sender-niceness", str(a.sender_niceness)]
                     env = dict(os.environ, CONVEYOR_PURE_PYTHON="0" if cython else "1")
                     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
                     if done.returncode:
@@ -348,6 +357,10 @@ def main() -> None:
                              "calls also run the receiving client's TCP stack on the server's thread")
     parser.add_argument("--client-poll-ms", type=float, default=0.0,
                         help="with --http: clients read every this many ms instead of blocking (see http_clients)")
+    parser.add_argument("--client-nice", type=int, default=0,
+                        help="with --http: the client process runs at this nice value (see http_clients)")
+    parser.add_argument("--sender-niceness", type=int, default=0,
+                        help="with --http: the server's --sender-niceness (web/socket_sender.py)")
     parser.add_argument("--grammar", action="store_true", help="every request json_schema-constrained")
     parser.add_argument("--all", action="store_true", help="every mode (Cython on/off x http x grammar)")
     parser.add_argument("--repeat", type=int, default=1, help="with --all: runs per mode (the median is reported)")
@@ -358,7 +371,7 @@ def main() -> None:
     parser.add_argument("--clients", metavar="URL", help=argparse.SUPPRESS)  # the client process of --http
     a = parser.parse_args()
     if a.clients:
-        print(json.dumps(http_clients(a.clients, a.batch[0], a.tokens, a.grammar, a.client_poll_ms)))
+        print(json.dumps(http_clients(a.clients, a.batch[0], a.tokens, a.grammar, a.client_poll_ms, a.client_nice)))
         return
     import uvloop
     report = run_all(a) if a.all else uvloop.run(measure(a))

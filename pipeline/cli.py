@@ -141,7 +141,7 @@ async def serve_main(args: argparse.Namespace) -> int:
                               request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               enforce_tool_grammar=not args.no_tool_grammar,
-                              socket_sender=not args.no_socket_sender)
+                              socket_sender=not args.no_socket_sender, sender_niceness=args.sender_niceness)
     return await run_server(config, settings, args.host, args.port, args.drain_timeout)
 
 
@@ -167,6 +167,9 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="do not constrain tool calls with a grammar (parse only)")
     serve.add_argument("--no-socket-sender", action="store_true",
                        help="write SSE bytes from the event loop (aiohttp) instead of the sender thread")
+    serve.add_argument("--sender-niceness", type=int, default=0, metavar="N",
+                       help="lower the sender thread's CPU priority by N (Linux), so that on a host with few "
+                            "cores its sends yield to the device thread and the event loop")
     add_engine_args(serve)
 
 

@@ -32,6 +32,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": split <think> blocks into reasoning_content
     enforce_tool_grammar: bool = True  # constrain tool calls to the offered tools' schemas
     socket_sender: bool = True  # stream SSE bytes from the sender thread (web/socket_sender.py)
+    sender_niceness: int = 0  # > 0: the sender thread runs at a lower CPU priority (SocketSender)
 
 
 @dataclass(slots=True)
@@ -191,7 +192,7 @@ def build_app(state: ServerState) -> web.Application:
 
 async def _start_sender(app: web.Application) -> None:
     state = app[STATE]
-    state.sender = SocketSender()
+    state.sender = SocketSender(niceness=state.settings.sender_niceness)
     state.sender.start()
 
 

@@ -20,6 +20,7 @@ import asyncio
 import os
 import select
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -44,9 +45,25 @@ class SenderStream:
     error: str | None = None  # why the stream failed (set by the sender thread, before release)
 
 
+def lower_thread_priority(niceness: int) -> bool:
+    """Add `niceness` to the calling thread's nice value (at most 19); True if it was changed. Linux
+    only: there a thread is a task with its own nice value, elsewhere the call would name a process."""
+    if niceness <= 0 or not sys.platform.startswith("linux"):
+        return False
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + niceness))
+    except OSError:
+        return False
+    return True
+
+
 class SocketSender:
-    def __init__(self, cap_bytes: int = 16 << 20) -> None:
+    def __init__(self, cap_bytes: int = 16 << 20, niceness: int = 0) -> None:
+        """niceness > 0 lowers the sender thread's CPU priority, so that on a host with few cores its
+        sends yield to the device thread's launches and the event loop (the step's critical path)."""
         self.cap_bytes = cap_bytes
+        self.niceness = niceness
         self._open: set[SenderStream] = set()  # loop thread: opened and not released yet
         self._send_all = ext.load("socket_send").send_all
         self._lock = threading.Lock()
@@ -179,6 +196,7 @@ class SocketSender:
     # ---- sender thread ---------------------------------------------------------------------------
 
     def _run(self) -> None:
+        lower_thread_priority(self.niceness)
         while True:
             for fd, _ in self._poller.poll():
                 if fd != self._wake_read:  # the socket takes more (or failed: the send says how)

@@ -6,6 +6,7 @@ import asyncio
 import os
 import random
 import socket
+import sys
 import threading
 from typing import Any
 
@@ -15,7 +16,7 @@ import ext
 from tests.conftest import run_async
 from tests.web.sender_sockets import (KINDS, chunks, fd_count, holders, read_exactly, read_nothing_yet, read_slowly,
                                      read_to_eof, socket_id, Sockets, within)
-from web.socket_sender import SocketSender
+from web.socket_sender import SocketSender, lower_thread_priority
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -257,3 +258,50 @@ def test_the_loop_closing_its_transport_does_not_break_the_stream(kind: str) -> 
 
     assert run_async(main()) == {"held_by_sender": 1, "first": True, "second": True, "open_while_held": True,
                                  "eof_after_close": True, "open_after": 0, "held_after": 0}
+
+
+def _in_thread(function: Any) -> Any:
+    result: list[Any] = []
+    thread = threading.Thread(target=lambda: result.append(function()))
+    thread.start()
+    thread.join()
+    return result[0]
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+def test_lower_thread_priority_changes_only_the_calling_thread() -> None:
+    own = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    def lowered(niceness: int) -> tuple[bool, int]:
+        changed = lower_thread_priority(niceness)
+        return changed, os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    assert _in_thread(lambda: lowered(3)) == (own < 19, min(19, own + 3))
+    assert _in_thread(lambda: lowered(0)) == (False, own)
+    assert _in_thread(lambda: lowered(100)) == (own < 19, 19)  # capped at the lowest priority
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == own  # this thread is untouched
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread nice values are Linux's")
+@pytest.mark.parametrize("niceness", [0, 4])
+def test_the_sender_thread_runs_at_its_niceness(niceness: int) -> None:
+    async def main() -> tuple[int, int, bytes]:
+        sockets, sender = Sockets(), SocketSender(niceness=niceness)
+        sender.start()
+        try:
+            transport, _, client = await sockets.connect("tcp")
+            stream = sender.open(transport)
+            assert stream is not None
+            sender.write(stream, b"hello")
+            await within(sender.close(stream))  # the thread has run: its priority is set
+            assert sender._thread is not None
+            nice = os.getpriority(os.PRIO_PROCESS, sender._thread.native_id)  # type: ignore[arg-type]
+            return nice, os.getpriority(os.PRIO_PROCESS, threading.get_native_id()), \
+                await within(sockets.read_exactly(client, 5))
+        finally:
+            await sender.stop()
+            await sockets.close_all()
+
+    sender_nice, own, received = run_async(main())
+    assert sender_nice == min(19, own + niceness)
+    assert received == b"hello"
