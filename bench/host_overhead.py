@@ -215,6 +215,22 @@ class CollectorPauses:
         return [seconds for start, seconds in self.pauses if t0 <= start <= t1]
 
 
+def speed_reference_ms(rounds: int = 5) -> float:
+    """Median ms of a fixed single-threaded Python workload (small objects, dict and list work, like the
+    event loop's per-row work), run before and after a measurement: this VM's speed drifts by up to 2x
+    between spells, and ms_per_step / reference_ms compares runs taken in different spells."""
+    def work() -> int:
+        table = {i: (i, str(i)) for i in range(20_000)}
+        return sum(len(table[i][1]) for i in range(20_000))
+
+    times = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        work()
+        times.append(time.perf_counter() - started)
+    return sorted(times)[rounds // 2] * 1e3
+
+
 def thread_clocks(engine: Engine) -> dict[str, int]:
     """CPU clock ids of the threads doing per-step work: the event loop (this one), the device thread,
     and the HTTP socket sender when it runs."""
@@ -270,6 +286,7 @@ async def measure(a: argparse.Namespace) -> dict:
         if not a.unix:
             url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
     results = []
+    reference_before = speed_reference_ms()
     try:
         for batch in a.batch:
             run = (lambda b, t: via_http(url, b, t, a.grammar, a.client_poll_ms, a.client_nice)) if a.http else (
@@ -295,15 +312,15 @@ async def measure(a: argparse.Namespace) -> dict:
                 results[-1]["client_process_cpu_ms_per_step"] = client_cpu / a.tokens * 1e3
             print(f"batch {batch}: {ms:.3f} ms/step (CPU ms/step: "
                   + ", ".join(f"{name} {value:.3f}" for name, value in cpu.items())
-                  + (f", clients {client_cpu / a.tokens * 1e3:.3f}" if client_cpu is not None else "") + ")",
-                  file=sys.stderr)
+                  + (f", clients {client_cpu / a.tokens * 1e3:.3f}" if client_cpu is not None else "")
+                  + f") [speed reference {reference_before:.2f} ms]", file=sys.stderr)
     finally:
         if runner is not None:
             await runner.cleanup()
         await engine.shutdown()
     return {"http": a.http, "transport": ("unix" if a.unix else "tcp") if a.http else None, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"),
             "run_ahead": not a.disable_run_ahead, "client_nice": a.client_nice, "sender_niceness": a.sender_niceness,
-            "results": results}
+            "speed_reference_ms": {"before": reference_before, "after": speed_reference_ms()}, "results": results}
 
 
 def run_all(a: argparse.Namespace) -> dict:
