@@ -41,11 +41,9 @@ class OutputChannel:
 
     def push(self, delta: OutputDelta) -> bool:
         """Queue (or hand to the listener) a delta; False when the unread output passed the cap (caller aborts)."""
-        listener = self._listener
-        if listener is not None and delta.finish_reason is None and self._error is None \
-                and len(self._finished) != self.num_samples:  # a listened token: 256 per step at batch 256
-            try:
-                listener(delta)
+        if self._listener is not None and delta.finish_reason is None and not self.finished:
+            try:  # a listened token (256 per step at batch 256): _deliver's work for a non-final delta
+                self._listener(delta)
             except Exception as error:  # noqa: BLE001 - the listener's failure is its reader's, not the stage's
                 self._listener_failed(error)
             return True

@@ -53,9 +53,8 @@ class Tracker:
             now = time.monotonic()
             if self.first_token is None:
                 self.first_token = now
-            elif self.last_delta is not None:  # state.metrics.inter_token_latency, one call instead of three
-                tokens = len(delta.token_ids)
-                state.metrics.token_gaps.observe((now - self.last_delta) / tokens, tokens)
+            elif self.last_delta is not None:
+                state.metrics.inter_token_latency(now - self.last_delta, len(delta.token_ids))
             self.last_delta = now
         self.prompt_tokens = delta.prompt_token_count
         choice = self.choices.get(delta.index)
@@ -307,41 +306,35 @@ def _collect(state: ServerState, delta: OutputDelta, tracker: Tracker) -> None:
         choice.logprobs.extend(delta.logprobs)
 
 
-def event_bytes(endpoint: Endpoint, tracker: Tracker, delta: OutputDelta) -> bytes:
-    """The SSE events of one delta (empty when it carries nothing to show)."""
-    data = endpoint.event(delta, tracker.observe(endpoint.state, delta))
-    if delta.finish_reason is not None and delta.error:
-        data += sse_event(APIError(500, delta.error, "server_error").body())
-    return data
+def delta_events(endpoint: Endpoint, tracker: Tracker) -> Callable[[OutputDelta], bytes]:
+    """A stream's formatter: the SSE events of one delta (empty when it carries nothing to show). It runs
+    for every token of every stream, so what it calls is bound once, here."""
+    state, event, observe = endpoint.state, endpoint.event, tracker.observe
 
-
-def delta_writer(endpoint: Endpoint, tracker: Tracker, body: SSEBody) -> Callable[[OutputDelta], None]:
-    """The stream stage's listener for a response through the socket sender: event_bytes, then
-    body.send. It runs for every token of every stream, so what it calls is bound once, here."""
-    state, event, observe, send = endpoint.state, endpoint.event, tracker.observe, body.send
-
-    def write(delta: OutputDelta) -> None:
+    def events(delta: OutputDelta) -> bytes:
         data = event(delta, observe(state, delta))
         if delta.finish_reason is not None and delta.error:
             data += sse_event(APIError(500, delta.error, "server_error").body())
-        send(data)
+        return data
 
-    return write
+    return events
 
 
 async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[OutputDelta],
                   endpoint: Endpoint, tracker: Tracker, n: int) -> None:
     for chunk in endpoint.opening(n):
         await body.write(sse_event(chunk))
-    await body.write(event_bytes(endpoint, tracker, first))
+    events = delta_events(endpoint, tracker)
+    await body.write(events(first))
     if body.via_sender:  # the stream stage hands each delta to the formatter: no task wakes per token
         engine = endpoint.state.ready_engine()
+        send = body.send
         try:
-            await engine.deliver(endpoint.id, delta_writer(endpoint, tracker, body))
+            await engine.deliver(endpoint.id, lambda delta: send(events(delta)))
         finally:
             engine.stop_delivering(endpoint.id)
     while (delta := await anext(stream, None)) is not None:  # nothing is left after delivery
-        await body.write(event_bytes(endpoint, tracker, delta))
+        await body.write(events(delta))
     if endpoint.include_usage:
         await body.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens))))
     await body.write(SSE_DONE)

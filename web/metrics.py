@@ -168,8 +168,6 @@ class ServerMetrics:
         self._itl = PerTokenHistogram("conveyor_inter_token_latency_seconds",
                                       "Time between consecutive generated tokens.", model_name, REQUEST_LATENCY_BUCKETS)
         reg.register(self._itl)
-        # per streamed delta: observe(seconds per token, tokens), one call (see inter_token_latency)
-        self.token_gaps = self._itl.counts
         self._e2e = self._histogram("e2e_request_latency_seconds", "Arrival to the last byte of the response.")
         self._rejections = Counter("conveyor_admission_rejections", "Requests refused with 503 at admission.",
                                    [*m, "reason"], registry=reg)
@@ -200,7 +198,7 @@ class ServerMetrics:
         and its mean is the per-token latency even when a slow reader got several tokens merged.
         """
         if tokens > 0:
-            self.token_gaps.observe(seconds / tokens, tokens)
+            self._itl.counts.observe(seconds / tokens, tokens)  # per streamed delta: straight to the counts
 
     def admission_rejected(self, reason: str) -> None:
         """A 503 from admission limits or draining; unknown reasons count as "other" (see admission_reason)."""

@@ -25,7 +25,6 @@ def check(module, text: str) -> None:
     for before, after in SURROUNDINGS:
         event = expected_event(before, text, after)
         assert module.text_event(before, text, after) == event
-        assert module.text_event_chunk(before, text, after) == expected_chunk(event)
 
 
 def non_surrogates(start: int, stop: int) -> list[str]:
@@ -60,7 +59,6 @@ def test_random_mixed_text(module):
         text = "".join(rng.choice(rng.choice(pools)) for _ in range(rng.randint(0, 40)))
         before, after = rng.choice(SURROUNDINGS)
         assert module.text_event(before, text, after) == expected_event(before, text, after)
-        assert module.text_event_chunk(before, text, after) == expected_chunk(expected_event(before, text, after))
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -86,8 +84,6 @@ def test_lone_surrogate_raises_type_error(module):
     for text in ["a\ud800b", "\udfff", "x" * 50 + "\udc00"]:
         with pytest.raises(TypeError):
             module.text_event(b"a", text, b"b")
-        with pytest.raises(TypeError):
-            module.text_event_chunk(b"a", text, b"b")
 
 
 @pytest.mark.parametrize("module", MODULES)
@@ -95,8 +91,6 @@ def test_wrong_types_raise_type_error(module):
     for args in [(None, "x", b""), (b"", None, b""), (b"", "x", None), (bytearray(b"a"), "x", b""), (b"", 1, b"")]:
         with pytest.raises(TypeError):
             module.text_event(*args)
-        with pytest.raises(TypeError):
-            module.text_event_chunk(*args)
     for data in [None, bytearray(b"a"), "a"]:
         with pytest.raises(TypeError):
             module.http_chunk(data)
