@@ -128,3 +128,21 @@ def http_chunk(bytes data not None) -> bytes:
     memcpy(out + digits + 2, PyBytes_AS_STRING(data), n)
     memcpy(out + digits + 2 + n, b"\r\n", 2)
     return result
+
+
+def text_event_chunk(bytes before not None, str text not None, bytes after not None) -> bytes:
+    """http_chunk(text_event(before, text, after)), in one allocation."""
+    cdef Py_ssize_t n, nb = PyBytes_GET_SIZE(before), na = PyBytes_GET_SIZE(after)
+    cdef const unsigned char *s = <const unsigned char *>_utf8(text, &n)
+    cdef Py_ssize_t escaped = _escaped_size(s, n)
+    cdef Py_ssize_t size = nb + escaped + 2 + na  # never empty: the JSON string has its quotes
+    cdef int digits = _hex_digits(size)
+    cdef bytes result = PyBytes_FromStringAndSize(NULL, digits + 2 + size + 2)
+    cdef char *out = PyBytes_AS_STRING(result)
+    _write_header(out, size, digits)
+    out += digits + 2
+    memcpy(out, PyBytes_AS_STRING(before), nb)
+    out = _write_json_string(out + nb, s, n, escaped)
+    memcpy(out, PyBytes_AS_STRING(after), na)
+    memcpy(out + na, b"\r\n", 2)
+    return result

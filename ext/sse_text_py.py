@@ -27,3 +27,8 @@ def http_chunk(data: bytes) -> bytes:
     if not data:
         raise ValueError("an empty chunk ends the body")
     return b"%x\r\n%b\r\n" % (len(data), data)
+
+
+def text_event_chunk(before: bytes, text: str, after: bytes) -> bytes:
+    """http_chunk(text_event(before, text, after))."""
+    return http_chunk(text_event(before, text, after))

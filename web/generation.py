@@ -15,6 +15,8 @@ from typing import Any
 
 from aiohttp import web
 
+import ext
+
 from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogprob
 from web.app import STATE, ServerState, json_response, read_json
 from web.chat_output import ChatOutputParser, ChatPiece, wire_tool_call, wire_tool_call_delta
@@ -24,6 +26,8 @@ from web.protocol import (SSE_DONE, APIError, TextEvent, chat_chunk, chat_choice
                           completion_logprobs, completion_response, completion_usage_chunk, new_chat_id,
                           new_completion_id, parse_chat_request, parse_completion_request, sse_event, usage)
 from web.sse_body import SSEBody
+
+_TextDeltaSink = ext.load("text_delta_sink").TextDeltaSink
 
 
 @dataclass(slots=True)
@@ -96,6 +100,14 @@ class Endpoint:
     def opening(self, n: int) -> list[dict]:
         return []
 
+    @property
+    def plain_text(self) -> bool:
+        """Every non-final delta without logprobs is shown as its text alone (no parsing, no echo):
+        the compiled sink may take them (text_listener)."""
+        return not self.want_logprobs
+
+    counts_text_offset = False  # the endpoint counts the characters it sent (completions logprobs)
+
     def event(self, delta: OutputDelta, choice: Choice) -> bytes:
         """The SSE event of a delta (empty when it carries nothing to show)."""
         raise NotImplementedError
@@ -104,6 +116,10 @@ class Endpoint:
         """The event of a delta that only carries text (the common case, from a template)."""
         template = self._text_events.get(index) or self._new_text_event(index)
         return template(text)
+
+    def text_template(self, index: int) -> tuple[bytes, bytes]:
+        """The bytes around the text in the text-only event of choice `index`."""
+        return (self._text_events.get(index) or self._new_text_event(index)).parts
 
     def _new_text_event(self, index: int) -> TextEvent:
         template = self._text_events[index] = TextEvent(lambda text: self.text_chunk(index, text))
@@ -125,6 +141,10 @@ class ChatEndpoint(Endpoint):
         self.id = new_chat_id()
         self.new_parser = parsers
         self.parsers: dict[int, ChatOutputParser] = {}
+
+    @property
+    def plain_text(self) -> bool:
+        return self.new_parser is None and not self.want_logprobs
 
     def parse(self, index: int, text: str, finished: bool, prompt_opens_thinking: bool) -> ChatPiece | None:
         """Reasoning / content / tool calls of a choice's new text (None: no parsing configured)."""
@@ -191,6 +211,12 @@ class CompletionEndpoint(Endpoint):
         super().__init__(*args)
         self.id = new_completion_id()
         self.echo_text = echo_text
+
+    counts_text_offset = True
+
+    @property
+    def plain_text(self) -> bool:
+        return not self.echo_text and not self.want_logprobs
 
     def _text(self, delta: OutputDelta, choice: Choice) -> str:
         """The echoed prompt precedes each choice's first text."""
@@ -320,6 +346,18 @@ def delta_events(endpoint: Endpoint, tracker: Tracker) -> Callable[[OutputDelta]
     return events
 
 
+def text_listener(endpoint: Endpoint, tracker: Tracker, body: SSEBody, slow: Callable[[OutputDelta], None],
+                  n: int) -> Callable[[OutputDelta], None]:
+    """The listener of a response streamed through the sender: `slow` (the general path), fronted by the
+    compiled sink (ext/text_delta_sink) when the response's deltas need no parsing, which then takes
+    each plain text delta in one call."""
+    if not endpoint.plain_text:
+        return slow
+    templates = {index: endpoint.text_template(index) for index in range(n)}
+    return _TextDeltaSink(slow, tracker, templates, body.chunk_writer(), endpoint.state.metrics.inter_token_latency,
+                          time.monotonic, endpoint.counts_text_offset)
+
+
 async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[OutputDelta],
                   endpoint: Endpoint, tracker: Tracker, n: int) -> None:
     for chunk in endpoint.opening(n):
@@ -330,7 +368,7 @@ async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[Outpu
         engine = endpoint.state.ready_engine()
         send = body.send
         try:
-            await engine.deliver(endpoint.id, lambda delta: send(events(delta)))
+            await engine.deliver(endpoint.id, text_listener(endpoint, tracker, body, lambda delta: send(events(delta)), n))
         finally:
             engine.stop_delivering(endpoint.id)
     while (delta := await anext(stream, None)) is not None:  # nothing is left after delivery

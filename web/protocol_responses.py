@@ -53,7 +53,12 @@ class TextEvent:
         self._before, self._after = before, after
 
     def __call__(self, text: str) -> bytes:
-        return _sse_text.text_event(self._before, text, self._after)  # one scan, one allocation (compiled)
+        return _sse_text.text_event(self._before, text, self._after)
+
+    @property
+    def parts(self) -> tuple[bytes, bytes]:
+        """The event's bytes before and after its text."""
+        return self._before, self._after  # one scan, one allocation (compiled)
 
 
 def new_chat_id() -> str:

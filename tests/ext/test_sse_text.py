@@ -94,3 +94,19 @@ def test_wrong_types_raise_type_error(module):
     for data in [None, bytearray(b"a"), "a"]:
         with pytest.raises(TypeError):
             module.http_chunk(data)
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_text_event_chunk_is_the_event_framed(module):
+    rng = random.Random(1)
+    pool = ["a", "é", '"', "\\", "\n", "\x01", "😀", " ", "x" * 40]
+    for before, after in SURROUNDINGS + [(b"p" * 300, b"q" * 5000)]:
+        for _ in range(200):
+            text = "".join(rng.choice(pool) for _ in range(rng.randint(0, 30)))
+            assert module.text_event_chunk(before, text, after) == expected_chunk(expected_event(before, text, after))
+    assert module.text_event_chunk(b"", "", b"") == b'2\r\n""\r\n'  # never an empty (terminating) chunk
+    with pytest.raises(TypeError):
+        module.text_event_chunk(b"a", "\ud800", b"b")
+    for args in [(None, "x", b""), (b"", None, b""), (b"", "x", None)]:
+        with pytest.raises(TypeError):
+            module.text_event_chunk(*args)
