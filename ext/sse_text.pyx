@@ -103,16 +103,23 @@ cdef inline void _write_header(char *out, Py_ssize_t n, int digits) noexcept:
     out[digits + 1] = b'\n'
 
 
-def text_event(bytes before not None, str text not None, bytes after not None) -> bytes:
-    """before + orjson.dumps(text) + after."""
-    cdef Py_ssize_t n, nb = PyBytes_GET_SIZE(before), na = PyBytes_GET_SIZE(after)
-    cdef const unsigned char *s = <const unsigned char *>_utf8(text, &n)
-    cdef Py_ssize_t escaped = _escaped_size(s, n)
-    cdef bytes result = PyBytes_FromStringAndSize(NULL, nb + escaped + 2 + na)
-    cdef char *out = PyBytes_AS_STRING(result)
+cdef inline char *_write_event(char *out, bytes before, const unsigned char *s, Py_ssize_t n,
+                               Py_ssize_t escaped, bytes after) noexcept:
+    """Writes before + the JSON string of s + after; returns the end."""
+    cdef Py_ssize_t nb = PyBytes_GET_SIZE(before), na = PyBytes_GET_SIZE(after)
     memcpy(out, PyBytes_AS_STRING(before), nb)
     out = _write_json_string(out + nb, s, n, escaped)
     memcpy(out, PyBytes_AS_STRING(after), na)
+    return out + na
+
+
+def text_event(bytes before not None, str text not None, bytes after not None) -> bytes:
+    """before + orjson.dumps(text) + after."""
+    cdef Py_ssize_t n
+    cdef const unsigned char *s = <const unsigned char *>_utf8(text, &n)
+    cdef Py_ssize_t escaped = _escaped_size(s, n)
+    cdef bytes result = PyBytes_FromStringAndSize(NULL, PyBytes_GET_SIZE(before) + escaped + 2 + PyBytes_GET_SIZE(after))
+    _write_event(PyBytes_AS_STRING(result), before, s, n, escaped, after)
     return result
 
 
@@ -132,17 +139,14 @@ def http_chunk(bytes data not None) -> bytes:
 
 def text_event_chunk(bytes before not None, str text not None, bytes after not None) -> bytes:
     """http_chunk(text_event(before, text, after)), in one allocation."""
-    cdef Py_ssize_t n, nb = PyBytes_GET_SIZE(before), na = PyBytes_GET_SIZE(after)
+    cdef Py_ssize_t n
     cdef const unsigned char *s = <const unsigned char *>_utf8(text, &n)
     cdef Py_ssize_t escaped = _escaped_size(s, n)
-    cdef Py_ssize_t size = nb + escaped + 2 + na  # never empty: the JSON string has its quotes
+    cdef Py_ssize_t size = PyBytes_GET_SIZE(before) + escaped + 2 + PyBytes_GET_SIZE(after)  # never 0: the quotes
     cdef int digits = _hex_digits(size)
     cdef bytes result = PyBytes_FromStringAndSize(NULL, digits + 2 + size + 2)
     cdef char *out = PyBytes_AS_STRING(result)
     _write_header(out, size, digits)
-    out += digits + 2
-    memcpy(out, PyBytes_AS_STRING(before), nb)
-    out = _write_json_string(out + nb, s, n, escaped)
-    memcpy(out, PyBytes_AS_STRING(after), na)
-    memcpy(out + na, b"\r\n", 2)
+    out = _write_event(out + digits + 2, before, s, n, escaped, after)
+    memcpy(out, b"\r\n", 2)
     return result

@@ -114,15 +114,16 @@ class Endpoint:
 
     def text_event(self, index: int, text: str) -> bytes:
         """The event of a delta that only carries text (the common case, from a template)."""
-        template = self._text_events.get(index) or self._new_text_event(index)
-        return template(text)
+        return self._text_event(index)(text)
 
     def text_template(self, index: int) -> tuple[bytes, bytes]:
         """The bytes around the text in the text-only event of choice `index`."""
-        return (self._text_events.get(index) or self._new_text_event(index)).parts
+        return self._text_event(index).parts
 
-    def _new_text_event(self, index: int) -> TextEvent:
-        template = self._text_events[index] = TextEvent(lambda text: self.text_chunk(index, text))
+    def _text_event(self, index: int) -> TextEvent:
+        template = self._text_events.get(index)
+        if template is None:
+            template = self._text_events[index] = TextEvent(lambda text: self.text_chunk(index, text))
         return template
 
     def text_chunk(self, index: int, text: str) -> dict:
@@ -144,7 +145,7 @@ class ChatEndpoint(Endpoint):
 
     @property
     def plain_text(self) -> bool:
-        return self.new_parser is None and not self.want_logprobs
+        return self.new_parser is None and super().plain_text
 
     def parse(self, index: int, text: str, finished: bool, prompt_opens_thinking: bool) -> ChatPiece | None:
         """Reasoning / content / tool calls of a choice's new text (None: no parsing configured)."""
@@ -216,7 +217,7 @@ class CompletionEndpoint(Endpoint):
 
     @property
     def plain_text(self) -> bool:
-        return not self.echo_text and not self.want_logprobs
+        return not self.echo_text and super().plain_text
 
     def _text(self, delta: OutputDelta, choice: Choice) -> str:
         """The echoed prompt precedes each choice's first text."""
