@@ -5,17 +5,34 @@ tests/ext/test_text_delta_sink.py)."""
 from ext.sse_text import text_event_chunk
 
 
+cdef inline void _observe(histogram, double value, Py_ssize_t times) except *:
+    """histogram.observe(value, times) of pipeline.stage.Histogram, inline: its bucket is the first
+    bound >= value (bisect_left), the last ("+Inf") past every bound."""
+    cdef tuple bounds = histogram.buckets
+    cdef Py_ssize_t low = 0, high = len(bounds), middle
+    while low < high:
+        middle = (low + high) // 2
+        if <double>bounds[middle] < value:
+            low = middle + 1
+        else:
+            high = middle
+    cdef list counts = histogram.counts
+    counts[low] += times
+    histogram.total += value * times
+    histogram.samples += times
+
+
 cdef class TextDeltaSink:
-    cdef readonly object slow, tracker, write, observe_gap, clock
+    cdef readonly object slow, tracker, write, gaps, clock
     cdef readonly dict templates
     cdef readonly bint count_offset
 
-    def __init__(self, slow, tracker, dict templates not None, write, observe_gap, clock, bint count_offset):
+    def __init__(self, slow, tracker, dict templates not None, write, gaps, clock, bint count_offset):
         self.slow = slow
         self.tracker = tracker
         self.templates = templates
         self.write = write
-        self.observe_gap = observe_gap
+        self.gaps = gaps
         self.clock = clock
         self.count_offset = count_offset
 
@@ -38,7 +55,7 @@ cdef class TextDeltaSink:
             else:
                 last = tracker.last_delta
                 if last is not None:
-                    self.observe_gap(now - last, tokens)
+                    _observe(self.gaps, (now - last) / tokens, tokens)
             tracker.last_delta = now
         tracker.prompt_tokens = delta.prompt_token_count
         choice.prompt_opens_thinking = delta.prompt_opens_thinking

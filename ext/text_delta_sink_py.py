@@ -18,20 +18,21 @@ from ext.sse_text_py import text_event_chunk
 
 
 class TextDeltaSink:
-    __slots__ = ("slow", "tracker", "templates", "write", "observe_gap", "clock", "count_offset")
+    __slots__ = ("slow", "tracker", "templates", "write", "gaps", "clock", "count_offset")
 
     def __init__(self, slow: Callable[[Any], None], tracker: Any, templates: dict[int, tuple[bytes, bytes]],
-                 write: Callable[[bytes], None], observe_gap: Callable[[float, int], None],
-                 clock: Callable[[], float], count_offset: bool) -> None:
+                 write: Callable[[bytes], None], gaps: Any, clock: Callable[[], float], count_offset: bool) -> None:
         """slow(delta): the general path. tracker: the response's Tracker (its `choices` by index).
         templates: per choice index, the bytes around the text in its text-only event. write(chunk):
-        the body's raw write. observe_gap(seconds, tokens): the inter-token latency metric. clock: the
+        the body's raw write. gaps: the inter-token latency histogram (a pipeline.stage.Histogram; a
+        delta of k tokens after a gap of s seconds is k gaps of s/k, as ServerMetrics.inter_token_latency
+        books them; the compiled sink observes inline, without the two calls). clock: the
         tracker's clock. count_offset: the endpoint counts characters sent (completions logprobs)."""
         self.slow = slow
         self.tracker = tracker
         self.templates = templates
         self.write = write
-        self.observe_gap = observe_gap
+        self.gaps = gaps
         self.clock = clock
         self.count_offset = count_offset
 
@@ -50,7 +51,7 @@ class TextDeltaSink:
             if tracker.first_token is None:
                 tracker.first_token = now
             elif tracker.last_delta is not None:
-                self.observe_gap(now - tracker.last_delta, tokens)
+                self.gaps.observe((now - tracker.last_delta) / tokens, tokens)
             tracker.last_delta = now
         tracker.prompt_tokens = delta.prompt_token_count
         choice.prompt_opens_thinking = delta.prompt_opens_thinking

@@ -355,7 +355,7 @@ def text_listener(endpoint: Endpoint, tracker: Tracker, body: SSEBody, slow: Cal
     if not endpoint.plain_text:
         return slow
     templates = {index: endpoint.text_template(index) for index in range(n)}
-    return _TextDeltaSink(slow, tracker, templates, body.chunk_writer(), endpoint.state.metrics.inter_token_latency,
+    return _TextDeltaSink(slow, tracker, templates, body.chunk_writer(), endpoint.state.metrics.inter_token_gaps,
                           time.monotonic, endpoint.counts_text_offset)
 
 

@@ -22,27 +22,14 @@ import select
 import socket
 import sys
 import threading
-from dataclasses import dataclass, field
 from typing import Any
 
 import ext
 
 _CLOSE, _DROP, _STOP = "close", "drop", "stop"
+# A stream's loop-side state and its per-delta write (compiled with the sends: ext/socket_send)
+SenderStream = ext.load("socket_send").SenderStream
 _STREAM_FAMILIES = (socket.AF_INET, socket.AF_INET6, socket.AF_UNIX)
-
-
-@dataclass(slots=True, eq=False)
-class SenderStream:
-    fd: int  # the sender's own duplicate of the connection's descriptor
-    released: asyncio.Future[None]  # resolved on the loop once the sender let go of `fd`
-    cap_bytes: int  # unsent bytes past which the client is taken to have stopped reading
-    pending: list[bytes] = field(default_factory=list)  # loop thread: written, not handed over yet
-    queued: bool = False  # loop thread: in the next hand-over
-    ending: str | None = None  # loop thread: close or drop was asked
-    unsent: bytes = b""  # sender thread: handed over, not yet taken by the kernel
-    closing: bool = False  # sender thread: release once `unsent` is empty
-    gone: bool = False  # sender thread: `fd` was closed
-    error: str | None = None  # why the stream failed (set by the sender thread, before release)
 
 
 def lower_thread_priority(niceness: int) -> bool:
@@ -65,12 +52,13 @@ class SocketSender:
         self.cap_bytes = cap_bytes
         self.niceness = niceness
         self._open: set[SenderStream] = set()  # loop thread: opened and not released yet
-        self._send_all = ext.load("socket_send").send_all
+        module = ext.load("socket_send")
+        self._stream_type, self._write_queue_type = module.SenderStream, module.WriteQueue
+        self._take_handed, self._send_round = module.take_handed, module.send_round
         self._lock = threading.Lock()
         self._handed: list[tuple[SenderStream | None, bytes, str | None]] = []  # under _lock
         self._woken = False  # under _lock: a wake byte is in the pipe
-        self._dirty: list[SenderStream] = []  # loop thread: streams to hand over
-        self._hand_off_scheduled = False
+        self._writes: Any = None  # loop thread: the streams to hand over (a WriteQueue, made by start())
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._wake_read = self._wake_write = -1
@@ -87,7 +75,8 @@ class SocketSender:
         return len(self._open)
 
     def start(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._loop = loop = asyncio.get_running_loop()
+        self._writes = self._write_queue_type(lambda: loop.call_soon(self._hand_off))
         self._wake_read, self._wake_write = os.pipe()
         os.set_blocking(self._wake_read, False)
         os.set_blocking(self._wake_write, False)
@@ -102,6 +91,7 @@ class SocketSender:
         self._hand_off()  # what was written in this iteration goes first
         self._hand_over([(None, b"", _STOP)])
         thread, self._thread = self._thread, None
+        self._writes.stopped = True
         await asyncio.to_thread(thread.join)
         for stream in list(self._open):  # the thread released what it held; the rest it never saw
             if not stream.gone:
@@ -128,27 +118,22 @@ class SocketSender:
         fd = os.dup(sock.fileno())
         os.set_blocking(fd, False)
         assert self._loop is not None
-        stream = SenderStream(fd, self._loop.create_future(), self.cap_bytes if cap_bytes is None else cap_bytes)
+        stream = self._stream_type(fd, self._loop.create_future(), self.cap_bytes if cap_bytes is None else cap_bytes,
+                                   self._writes)
         self._open.add(stream)
         return stream
 
     def write(self, stream: SenderStream, data: bytes) -> None:
-        if stream.error is not None:
-            raise ConnectionResetError(stream.error)
-        if self._thread is None:
-            raise ConnectionResetError("the server stopped")
-        if stream.ending is not None:
-            raise RuntimeError("write to a closed sender stream")
-        stream.pending.append(data)
-        if not stream.queued:  # else it is in the hand-over already scheduled
-            self._queue(stream)
+        """Queue bytes for the stream's socket; raises ConnectionResetError once the stream failed or the
+        sender stopped. (Per delta, callers may use `stream.write` itself: see SSEBody.chunk_writer.)"""
+        stream.write(data)
 
     async def close(self, stream: SenderStream) -> None:
         """Returns once every byte written was taken by the kernel and the descriptor released;
         raises ConnectionResetError if the stream failed."""
         if stream.ending is None:
             stream.ending = _CLOSE
-            self._queue(stream)
+            self._writes.queue(stream)
         await asyncio.shield(stream.released)
         if stream.error is not None:
             raise ConnectionResetError(stream.error)
@@ -158,26 +143,18 @@ class SocketSender:
         if stream.ending != _DROP and not stream.released.done():
             stream.pending.clear()
             stream.ending = _DROP
-            self._queue(stream)
-
-    def _queue(self, stream: SenderStream) -> None:
-        """One hand-over per loop iteration, after every handler woken in it has written."""
-        if not stream.queued:
-            stream.queued = True
-            self._dirty.append(stream)
-        if not self._hand_off_scheduled:
-            self._hand_off_scheduled = True
-            assert self._loop is not None
-            self._loop.call_soon(self._hand_off)
+            self._writes.queue(stream)
 
     def _hand_off(self) -> None:
-        self._hand_off_scheduled = False
+        """One hand-over per loop iteration, after every handler woken in it has written."""
+        writes = self._writes
+        writes.scheduled = False
         items: list[tuple[SenderStream | None, bytes, str | None]] = []
-        for stream in self._dirty:
+        for stream in writes.streams:
             items.append((stream, b"".join(stream.pending), stream.ending))
             stream.pending.clear()
             stream.queued = False
-        self._dirty.clear()
+        writes.streams.clear()
         if items and self._thread is not None:
             self._hand_over(items)
 
@@ -206,46 +183,17 @@ class SocketSender:
             self._drain_wake_pipe()  # before taking the items: a hand-over after the take wakes us again
             with self._lock:
                 items, self._handed, self._woken = self._handed, [], False
-            for stream, data, ending in items:
-                if stream is None:  # stop
-                    for held in list(self._held.values()):
-                        held.error = held.error or "the server stopped"
-                        self._release(held)
-                    return
-                if not stream.gone:
-                    self._take(stream, data, ending)
+            if not self._take_handed(items, self._held, self._sendable, self._blocked, self._release, self._fail):
+                for held in list(self._held.values()):  # the stop item
+                    held.error = held.error or "the server stopped"
+                    self._release(held)
+                return
             if self._sendable:
-                self._send_round()
+                self._send_round(self._sendable, self._blocked, self._block, self._release, self._fail)
 
-    def _take(self, stream: SenderStream, data: bytes, ending: str | None) -> None:
-        self._held[stream.fd] = stream
-        if data:
-            stream.unsent = stream.unsent + data if stream.unsent else data
-            if stream.fd not in self._blocked:
-                self._sendable[stream.fd] = stream
-        if ending == _DROP:
-            self._release(stream)
-        elif stream.fd in self._blocked and len(stream.unsent) > stream.cap_bytes:  # the socket refused more
-            self._fail(stream, f"the client stopped reading ({len(stream.unsent)} bytes unsent)")
-        elif ending == _CLOSE:
-            stream.closing = True
-            if not stream.unsent:
-                self._release(stream)
-
-    def _send_round(self) -> None:
-        streams = list(self._sendable.values())
-        self._sendable.clear()
-        results = self._send_all([s.fd for s in streams], [s.unsent for s in streams])
-        for stream, sent in zip(streams, results):
-            if sent < 0:
-                self._fail(stream, f"the client connection failed: {os.strerror(-sent)}")
-                continue
-            stream.unsent = stream.unsent[sent:] if sent < len(stream.unsent) else b""
-            if stream.unsent:
-                self._blocked.add(stream.fd)
-                self._poller.register(stream.fd, select.POLLOUT)
-            elif stream.closing:
-                self._release(stream)
+    def _block(self, fd: int) -> None:
+        """The socket took less than it was given: send to it again once it takes more (POLLOUT)."""
+        self._poller.register(fd, select.POLLOUT)
 
     def _fail(self, stream: SenderStream, reason: str) -> None:
         stream.error = reason

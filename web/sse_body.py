@@ -8,7 +8,6 @@ two never interleave.
 from __future__ import annotations
 
 from collections.abc import Callable
-from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -61,11 +60,11 @@ class SSEBody:
     def send(self, data: bytes) -> None:
         """`write` without waiting, through the sender only (see via_sender)."""
         if data:  # per streamed delta: no asserts here (via_sender says whether there is a stream)
-            self._sender.write(self._stream, _http_chunk(data))  # type: ignore[union-attr,arg-type]
+            self._stream.write(_http_chunk(data))  # type: ignore[union-attr]
 
     def chunk_writer(self) -> Callable[[bytes], None]:
         """`send` for bytes already framed as one HTTP chunk, through the sender only (see via_sender)."""
-        return partial(self._sender.write, self._stream)  # type: ignore[union-attr]
+        return self._stream.write  # type: ignore[union-attr]
 
     async def finish(self) -> None:
         """Everything written reached the socket, then the response ends (a client that hung up at the

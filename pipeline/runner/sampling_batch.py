@@ -20,27 +20,13 @@ import torch
 from torch import Tensor
 
 import ext
+from ext.sampling_rows_py import GREEDY_EPS as GREEDY_EPS  # re-exported: defined with the row loop's twin
+from ext.sampling_rows_py import rng_key as rng_key
 from pipeline.request import SamplingParams
 from pipeline.runner.host_staging import HostStaging
 
 _penalties = ext.load("penalties")
-
-GREEDY_EPS = 1e-5  # temperatures below this are greedy: dividing by them would overflow the logits
-_MASK64 = (1 << 64) - 1
-_MASK32 = (1 << 32) - 1
-
-
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _MASK64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
-    return x ^ (x >> 31)
-
-
-def rng_key(seed: int, counter: int) -> int:
-    """The 64-bit key of one row's noise. Nothing but (seed, counter) feeds a draw, so a row picks
-    the same token alone or in any batch, at any position."""
-    return _splitmix64(_splitmix64(seed & _MASK64) ^ (counter & _MASK64))
+_sampling_rows = ext.load("sampling_rows")
 
 
 def depends_on_output_tokens(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -163,118 +149,57 @@ class SamplingBatch:
         With a runner's `staging` (its own thread only), the host buffers are reused: on CPU the
         batch is valid until that runner's next step."""
         num_rows, vocab = len(rows), vocab_size
-        temperature, min_p = [1.0] * num_rows, [0.0] * num_rows
-        top_k_all, top_p_all = [0] * num_rows, [1.0] * num_rows
-        rep, presence, frequency = [1.0] * num_rows, [0.0] * num_rows, [0.0] * num_rows
-        random_rows: list[int] = []
-        rng_keys: list[tuple[int, int]] = []
-        top_k_rows: list[int] = []
-        top_k: list[int] = []
-        top_p_rows: list[int] = []
-        top_p: list[float] = []
-        top_p_sort_k: list[int] = []  # per top-p row: its k, or 0 when it has no top-k
-        seen_rows: list[tuple[int, Any]] = []
-        counted_rows: list[tuple[int, Any]] = []
-        bias: list[tuple[int, int, float]] = []
-        suppress: list[tuple[int, int]] = []
-        grammar_rows: list[tuple[int, Any, int, int]] = []
-        forced: list[tuple[int, int]] = []
-        num_logprobs = np.full(num_rows, -1, dtype=np.int64)
-
-        for i, row in enumerate(rows):
-            p = row.params
-            t = 1.0 if p.temperature is None else float(p.temperature)
-            if t >= GREEDY_EPS:
-                temperature[i] = t
-                random_rows.append(i)
-                key = rng_key(row.seed, row.counter)
-                rng_keys.append((key & _MASK32, key >> 32))
-                k = p.top_k or 0
-                has_k = 0 < k < vocab
-                if has_k:
-                    top_k_rows.append(i)
-                    top_k.append(k)
-                    top_k_all[i] = k
-                if p.top_p is not None and p.top_p < 1.0:
-                    top_p_rows.append(i)
-                    top_p.append(float(p.top_p))
-                    top_p_all[i] = float(p.top_p)
-                    top_p_sort_k.append(k if has_k else 0)
-                if p.min_p:
-                    min_p[i] = float(p.min_p)
-            if p.repetition_penalty is not None and p.repetition_penalty != 1.0:
-                rep[i] = float(p.repetition_penalty)
-                seen_rows.append((i, _counts_of(row)))
-            if p.presence_penalty or p.frequency_penalty:
-                presence[i], frequency[i] = float(p.presence_penalty), float(p.frequency_penalty)
-                counted_rows.append((i, _counts_of(row)))
-            # Ids outside [0, V) cannot be sampled, so biasing or suppressing them is a no-op;
-            # the intake rejects bad logit_bias ids for the client.
-            for tok, value in (p.logit_bias or {}).items():
-                if 0 <= int(tok) < vocab:
-                    bias.append((i, int(tok), float(value)))
-            num_output = len(row.output_token_ids) if row.num_output_tokens is None else row.num_output_tokens
-            if num_output < p.min_tokens:
-                # ignore_eos: eos does not end the sequence, so there is nothing to hold back.
-                stops = set(p.stop_token_ids) if p.ignore_eos else set(p.stop_token_ids) | row.eos_token_ids
-                suppress += [(i, tok) for tok in sorted(stops) if 0 <= tok < vocab]
-            if p.logprobs is not None:
-                num_logprobs[i] = p.logprobs
-            if row.grammar is not None:
-                grammar_rows.append((i, row.grammar, row.grammar_previous_row, row.counter))
-            if row.forced_token is not None and 0 <= row.forced_token < vocab:
-                forced.append((i, row.forced_token))
-
-        seen_flat, counted_flat, counted_values = _penalties.penalty_inputs(seen_rows, counted_rows, vocab)
+        r = _sampling_rows.gather(rows, vocab, _counts_of)  # ext/sampling_rows_py.py says what it reads
+        seen_flat, counted_flat, counted_values = _penalties.penalty_inputs(r.seen_rows, r.counted_rows, vocab)
         upload = _Upload(device, staging)
-        upload.f32(temperature=temperature, top_p=top_p, top_p_all=top_p_all, min_p=min_p, repetition_penalty=rep,
-                   presence_penalty=presence, frequency_penalty=frequency, bias_values=[b[2] for b in bias])
-        upload.i64(top_k_all=top_k_all, random_rows=random_rows, rng_keys=[half for key in rng_keys for half in key], top_k=top_k,
-                   top_k_rows=top_k_rows, top_p_rows=top_p_rows,
-                   bias_index=[b[j] for j in range(2) for b in bias],
-                   suppress_index=[s[j] for j in range(2) for s in suppress],
-                   forced_index=[f[j] for j in range(2) for f in forced],
+        upload.f32(temperature=r.temperature, top_p=r.top_p, top_p_all=r.top_p_all, min_p=r.min_p,
+                   repetition_penalty=r.repetition_penalty, presence_penalty=r.presence_penalty,
+                   frequency_penalty=r.frequency_penalty, bias_values=r.bias_values)
+        upload.i64(top_k_all=r.top_k_all, random_rows=r.random_rows, rng_keys=r.rng_keys, top_k=r.top_k,
+                   top_k_rows=r.top_k_rows, top_p_rows=r.top_p_rows, bias_index=r.bias_index,
+                   suppress_index=r.suppress_index, forced_index=r.forced_index,
                    seen_ids=seen_flat, counted_ids=counted_flat)
         upload.f32(counted_values=counted_values)
         on_device = upload.send()
 
-        def subset(name: str, indices: list[int]) -> Tensor | None:
+        def subset(name: str, indices: np.ndarray) -> Tensor | None:
             return None if len(indices) == num_rows else on_device[name]
 
-        any_top_p = bool(top_p_rows)
+        num_random, num_bias = len(r.random_rows), len(r.bias_values)
+        num_suppress, num_forced = len(r.suppress_index) // 2, len(r.forced_index) // 2
         return cls(
             num_rows=num_rows,
             vocab_size=vocab,
             device=torch.device(device),
             temperature=on_device["temperature"],
-            any_temperature=any(t != 1.0 for t in temperature),
+            any_temperature=r.any_temperature,
             random_rows=on_device["random_rows"],
-            rng_keys=upload.shaped(on_device["rng_keys"], (len(rng_keys), 2)),
-            num_random=len(random_rows),
+            rng_keys=upload.shaped(on_device["rng_keys"], (num_random, 2)),
+            num_random=num_random,
             top_k=on_device["top_k"],
-            top_k_rows=subset("top_k_rows", top_k_rows),
-            top_k_max=max(top_k, default=0),
+            top_k_rows=subset("top_k_rows", r.top_k_rows),
+            top_k_max=r.top_k_max,
             top_p=on_device["top_p"],
-            top_p_rows=subset("top_p_rows", top_p_rows),
-            any_top_p=any_top_p,
-            top_p_sort_k=max(top_p_sort_k) if any_top_p and min(top_p_sort_k) > 0 else 0,
+            top_p_rows=subset("top_p_rows", r.top_p_rows),
+            any_top_p=len(r.top_p_rows) > 0,
+            top_p_sort_k=r.top_p_sort_k,
             top_k_all=on_device["top_k_all"],
             top_p_all=on_device["top_p_all"],
             min_p=on_device["min_p"],
-            any_min_p=any(min_p),
+            any_min_p=r.any_min_p,
             repetition_penalty=on_device["repetition_penalty"],
             presence_penalty=on_device["presence_penalty"],
             frequency_penalty=on_device["frequency_penalty"],
-            seen_mask=_scatter(on_device["seen_ids"], None, num_rows, vocab) > 0 if seen_rows else None,
+            seen_mask=_scatter(on_device["seen_ids"], None, num_rows, vocab) > 0 if r.seen_rows else None,
             output_counts=_scatter(on_device["counted_ids"], on_device["counted_values"], num_rows, vocab)
-            if counted_rows else None,
-            bias_index=upload.shaped(on_device["bias_index"], (2, len(bias))) if bias else None,
-            bias_values=on_device["bias_values"] if bias else None,
-            suppress_index=upload.shaped(on_device["suppress_index"], (2, len(suppress))) if suppress else None,
-            num_logprobs=num_logprobs,
-            max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
-            grammar_rows=grammar_rows,
-            forced_index=upload.shaped(on_device["forced_index"], (2, len(forced))) if forced else None,
+            if r.counted_rows else None,
+            bias_index=upload.shaped(on_device["bias_index"], (2, num_bias)) if num_bias else None,
+            bias_values=on_device["bias_values"] if num_bias else None,
+            suppress_index=upload.shaped(on_device["suppress_index"], (2, num_suppress)) if num_suppress else None,
+            num_logprobs=r.num_logprobs,
+            max_num_logprobs=r.max_num_logprobs,
+            grammar_rows=r.grammar_rows,
+            forced_index=upload.shaped(on_device["forced_index"], (2, num_forced)) if num_forced else None,
             staging=staging,
         )
 

@@ -82,16 +82,23 @@ class DecodeStage(DeviceStage):
 
     def _reap_cancelled(self, events: StepTokensBuilder) -> bool:
         """Finish the cancelled sequences; returns whether a remaining one reads its own tokens (then
-        the stage may not run ahead). One pass: this runs per sequence per step."""
+        the stage may not run ahead). One pass, per sequence per step: two cheap screens first (a
+        set flag, and what could make a sequence read its tokens: a thinking budget, penalties, which
+        come with token counts, or min_tokens), the exact checks only past them."""
         keep: list[Sequence] = []
         reads_own_tokens = False
         for seq in self.running:
-            reason = seq.cancel_reason()
-            if reason is not None:
-                self.finish(seq, reason, events)
-                continue
+            request = seq.request
+            flag = request.cancel
+            if flag.reason is not None or flag.children:
+                reason = seq.cancel_reason()
+                if reason is not None:
+                    self.finish(seq, reason, events)
+                    continue
             keep.append(seq)
-            reads_own_tokens = reads_own_tokens or seq.reads_own_tokens
+            if (seq.thinking is not None or seq.token_counts is not None or request.params.min_tokens) \
+                    and seq.reads_own_tokens:
+                reads_own_tokens = True
         self.running = keep
         return reads_own_tokens
 
@@ -111,8 +118,9 @@ class DecodeStage(DeviceStage):
                 return 0  # nothing to launch for it
             return blocks_to_grow(seq, block_size, 1)
 
-        if in_flight is not None:
-            wants = [(seq, n) for seq in self.running if (n := needed(seq))]
+        if in_flight is not None:  # (the screen: a sequence can only need a block when its next token's is full)
+            wants = [(seq, n) for seq in self.running
+                     if len(seq.token_ids) + 1 > len(seq.block_ids) * block_size and (n := needed(seq))]
             if sum(n for _, n in wants) > self.pool.num_free:
                 return False
             for seq, n in wants:

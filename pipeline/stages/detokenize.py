@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from functools import partial
 
+import ext
 from pipeline.detokenizer import StreamingDetokenizer, new_detokenizer
 from pipeline.detokenizer_bytes import byte_table
 from pipeline.messages import StepTokens
@@ -18,6 +20,8 @@ from pipeline.request import FinishReason, OutputDelta, Request, TokenLogprob
 from pipeline.stage import Stage
 from pipeline.stop_strings import StopStringMatcher
 from pipeline.tokenizer import Tokenizer
+
+_detokenize_rows = ext.load("detokenize_rows")
 
 
 @dataclass(slots=True)
@@ -57,41 +61,51 @@ class DetokenizeStage(Stage[StepTokens]):
         return state
 
     def _process(self, message: StepTokens, out: list[tuple[Request, OutputDelta]]) -> None:
-        """One step's rows; the common row costs a lookup, a table decode and one delta."""
+        """One step's rows, in order. The common row (a plain next token: no stop strings, no logprobs, not
+        finished) costs a lookup, a table decode and one delta, in ext/detokenize_rows; every other row
+        goes through _process_row."""
         tokens = message.token_ids.tolist()
+        _detokenize_rows.detokenize_rows(message.requests, message.indices, message.finish, tokens,
+                                         message.output_counts, self.samples, out,
+                                         partial(self._process_row, message, tokens, out), OutputDelta)
+
+    def _process_row(self, message: StepTokens, tokens: list[int], out: list[tuple[Request, OutputDelta]],
+                     r: int) -> None:
+        """Row r, any kind: a new or done sample, a finish-only row (-1), the owner's finish, stop strings,
+        logprobs, errors."""
         samples = self.samples
-        for r, request in enumerate(message.requests):
-            index = message.indices[r]
-            owner_finish = message.finish[r]
-            state = samples.get((request.request_id, index)) or self._new_state(request, index)
-            if state.done:
-                if owner_finish is not None:
-                    del samples[(request.request_id, index)]
-                continue
-            token = tokens[r]
-            text = state.detokenizer.push_one(token) if token >= 0 else ""
-            finish = owner_finish
-            if finish is not None:
-                text += state.detokenizer.flush()
-            if state.stops is not None:
-                text, matched = state.stops.feed(text)
-                if not matched and finish is not None:  # the end releases held-back text
-                    text += state.stops.flush()
-                    matched = state.stops.matched is not None
-                if matched:
-                    if finish is None:
-                        request.cancel.cancel_child(index)  # reaches decode at its next step
-                    finish = FinishReason.STOP
-            logprobs = self._logprobs(message, r, request) if token >= 0 and request.params.logprobs is not None else None
-            error = request.cancel.message or "request failed" if finish is FinishReason.ERROR else None
-            # positional (the fields' order): keyword arguments cost this per-row constructor about three times as much
-            delta = OutputDelta(request.request_id, index, text, [token] if token >= 0 else [], logprobs, finish, error,
-                                len(request.prompt_token_ids), message.output_counts[r], request.prompt_opens_thinking)
-            out.append((request, delta))
-            if finish is not None:
-                state.done = True
-                if owner_finish is not None:
-                    del samples[(request.request_id, index)]
+        request = message.requests[r]
+        index = message.indices[r]
+        owner_finish = message.finish[r]
+        state = samples.get((request.request_id, index)) or self._new_state(request, index)
+        if state.done:
+            if owner_finish is not None:
+                del samples[(request.request_id, index)]
+            return
+        token = tokens[r]
+        text = state.detokenizer.push_one(token) if token >= 0 else ""
+        finish = owner_finish
+        if finish is not None:
+            text += state.detokenizer.flush()
+        if state.stops is not None:
+            text, matched = state.stops.feed(text)
+            if not matched and finish is not None:  # the end releases held-back text
+                text += state.stops.flush()
+                matched = state.stops.matched is not None
+            if matched:
+                if finish is None:
+                    request.cancel.cancel_child(index)  # reaches decode at its next step
+                finish = FinishReason.STOP
+        logprobs = self._logprobs(message, r, request) if token >= 0 and request.params.logprobs is not None else None
+        error = request.cancel.message or "request failed" if finish is FinishReason.ERROR else None
+        # positional (the fields' order): keyword arguments cost this per-row constructor about three times as much
+        delta = OutputDelta(request.request_id, index, text, [token] if token >= 0 else [], logprobs, finish, error,
+                            len(request.prompt_token_ids), message.output_counts[r], request.prompt_opens_thinking)
+        out.append((request, delta))
+        if finish is not None:
+            state.done = True
+            if owner_finish is not None:
+                del samples[(request.request_id, index)]
 
     @staticmethod
     def _logprobs(message: StepTokens, r: int, request: Request) -> list[TokenLogprob] | None:

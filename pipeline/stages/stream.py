@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import time
 
+from pipeline.output_channel import push_all
 from pipeline.request import CancelReason, OutputDelta, Request
 from pipeline.stage import Stage
 
@@ -18,13 +19,9 @@ class StreamStage(Stage[list[tuple[Request, OutputDelta]]]):
         while True:
             batch = await self.receive()
             started = time.monotonic()
-            for request, delta in batch:
-                channel = request.channel
-                if channel is None:
-                    continue
-                if not channel.push(delta):
-                    request.cancel.cancel(
-                        CancelReason.ERROR,
-                        f"output buffer exceeded {channel.cap_bytes} bytes: the client is not reading",
-                    )
+            for request in push_all(batch):
+                request.cancel.cancel(
+                    CancelReason.ERROR,
+                    f"output buffer exceeded {request.channel.cap_bytes} bytes: the client is not reading",
+                )
             self.record(started, len(batch), len(batch))

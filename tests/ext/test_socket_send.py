@@ -267,3 +267,124 @@ def test_twin_and_compiled_agree_on_the_same_operations(pairs) -> None:
     assert [step[2:] for step in twin] == [[-errno.EPIPE, -errno.EBADF, 0]] * len(full_sizes)
     full = [step[1] for step in twin]
     assert 0 < full[0] < full_sizes[0] and 0 in full and len(set(full)) > 2, full
+
+
+def _write_session(module: ModuleType, seed: int) -> list:
+    """Random writes, closes and failures over three streams with hand-overs between loop iterations
+    (what web/socket_sender.py does with them): the observable state after every operation."""
+    rng = random.Random(seed)
+    scheduled: list[int] = []
+    writes = module.WriteQueue(lambda: scheduled.append(len(scheduled)))
+    streams = [module.SenderStream(10 + i, None, 1 << 10, writes) for i in range(3)]
+    log: list = []
+    for _ in range(60):
+        stream = rng.choice(streams)
+        action = rng.random()
+        try:
+            if action < 0.6:
+                stream.write(bytes([rng.randrange(256)]) * rng.randrange(0, 4))
+            elif action < 0.7:
+                stream.ending = "close"
+                writes.queue(stream)
+            elif action < 0.75:
+                stream.error = "the client connection failed"
+                stream.write(b"x")
+            elif action < 0.78:
+                writes.stopped = True
+                stream.write(b"y")
+            else:  # the hand-over at the end of the loop iteration
+                writes.scheduled = False
+                log.append(("handed", [(s.fd, b"".join(s.pending), s.ending) for s in writes.streams]))
+                for s in writes.streams:
+                    s.pending.clear()
+                    s.queued = False
+                writes.streams.clear()
+        except (ConnectionResetError, RuntimeError) as error:
+            log.append((type(error).__name__, str(error)))
+        log.append([(s.fd, list(s.pending), s.queued, s.ending, s.error, s.cap_bytes) for s in streams])
+        log.append((list(scheduled), writes.scheduled, writes.stopped, [s.fd for s in writes.streams]))
+    return log
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_a_stream_write_queues_it_once_per_hand_over(module: ModuleType) -> None:
+    scheduled: list[str] = []
+    writes = module.WriteQueue(lambda: scheduled.append("hand-over"))
+    first, second = (module.SenderStream(fd, None, 100, writes) for fd in (3, 4))
+    first.write(b"a")
+    second.write(b"b")
+    first.write(b"c")
+    assert scheduled == ["hand-over"] and writes.streams == [first, second]
+    assert first.pending == [b"a", b"c"] and first.queued and second.pending == [b"b"]
+    with pytest.raises(TypeError):
+        first.write("text")  # type: ignore[arg-type]
+    first.ending = "close"
+    with pytest.raises(RuntimeError, match="closed sender stream"):
+        first.write(b"d")
+    second.error = "the client stopped reading"
+    with pytest.raises(ConnectionResetError, match="stopped reading"):
+        second.write(b"e")
+    writes.stopped = True
+    third = module.SenderStream(5, None, 100, writes)
+    with pytest.raises(ConnectionResetError, match="server stopped"):
+        third.write(b"f")
+    assert first.pending == [b"a", b"c"] and second.pending == [b"b"] and not third.pending
+
+
+@pytest.mark.skipif(compiled is None, reason="not built")
+def test_twin_and_compiled_streams_agree_on_random_sessions() -> None:
+    for seed in range(40):
+        assert _write_session(socket_send_py, seed) == _write_session(compiled, seed), seed
+
+
+def _sender_rounds(module: ModuleType, pairs: Callable[..., Pair], seed: int) -> tuple[list, list[bytes]]:
+    """The sender thread's intake and send rounds (take_handed, send_round) on real Unix sockets with
+    small buffers, over random hand-overs of bytes, closes, drops and a client that hangs up: the log
+    of every callback and state, and what each client received."""
+    rng = random.Random(seed)
+    writes = module.WriteQueue(lambda: None)
+    connections = [pairs(unix_pair, small=True) for _ in range(4)]
+    streams = [module.SenderStream(writer.fileno(), None, 6000, writes) for writer, _ in connections]
+    held: dict = {}
+    sendable: dict = {}
+    blocked: set = set()
+    log: list = []
+    fds = [stream.fd for stream in streams]
+    which = fds.index  # the log names streams by position: the two runs' descriptors differ
+    release = lambda stream: (log.append(("release", which(stream.fd))), held.pop(stream.fd, None),  # noqa: E731
+                              sendable.pop(stream.fd, None), blocked.discard(stream.fd), setattr(stream, "gone", True))
+    fail = lambda stream, reason: (log.append(("fail", which(stream.fd), reason)), release(stream))  # noqa: E731
+    block = lambda fd: log.append(("block", which(fd)))  # noqa: E731
+    received = [b""] * len(connections)
+    for round_ in range(25):
+        items = []
+        for i in rng.sample(range(len(streams)), 3):
+            ending = rng.choice([None] * 8 + ["close", "drop"])
+            items.append((streams[i], payload(rng.randrange(0, 5000), seed * 100 + round_ * 4 + i), ending))
+        if round_ == 24:
+            items.insert(1, (None, b"", "stop"))
+        log.append(("took", module.take_handed(items, held, sendable, blocked, release, fail)))
+        if round_ == 10:
+            close_abruptly(connections[3][1])  # the client hangs up: a later send fails
+        if sendable:
+            module.send_round(sendable, blocked, block, release, fail)
+        for i, (_, reader) in enumerate(connections):  # the clients read some of it
+            if i != 3 and rng.random() < 0.5:
+                reader.setblocking(False)
+                try:
+                    received[i] += reader.recv(rng.randrange(1, 8000))
+                except BlockingIOError:
+                    pass
+        for fd in sorted(blocked, key=which):  # the socket takes more (what the sender's poll reports)
+            if rng.random() < 0.5:
+                blocked.discard(fd)
+                sendable[fd] = held[fd]
+        log.append((sorted(map(which, held)), sorted(map(which, sendable)), sorted(map(which, blocked)),
+                    [(len(s.unsent), s.closing, s.gone, s.error) for s in streams]))
+    return log, received
+
+
+@pytest.mark.skipif(compiled is None, reason="not built")
+def test_twin_and_compiled_take_and_send_rounds_agree(pairs) -> None:
+    for seed in range(6):
+        assert _sender_rounds(socket_send_py, pairs, seed) == _sender_rounds(compiled, pairs, seed), seed

@@ -69,7 +69,7 @@ class Response:
     def sink(self, module, n: int):
         templates = {index: self.endpoint.text_template(index) for index in range(n)}
         return module.TextDeltaSink(self.slow, self.tracker, templates, self.chunks.append,
-                                    self.state.metrics.inter_token_latency, generation.time.monotonic,
+                                    self.state.metrics.inter_token_gaps, generation.time.monotonic,
                                     self.endpoint.counts_text_offset)
 
     def observed(self) -> tuple:
@@ -77,20 +77,26 @@ class Response:
         choices = {i: (c.output_tokens, c.text_offset, c.prompt_opens_thinking, c.finish_reason, c.error, c.text)
                    for i, c in t.choices.items()}
         itl = self.state.metrics._itl.counts
-        return b"".join(self.chunks), t.first_token, t.last_delta, t.prompt_tokens, choices, itl.counts, itl.samples
+        return (b"".join(self.chunks), t.first_token, t.last_delta, t.prompt_tokens, choices, itl.counts, itl.samples,
+                itl.total)
 
 
 class FakeClock:
-    """time.monotonic for both paths, restarted between them so they see the same times."""
+    """time.monotonic for both paths, restarted between them so they see the same times. Its gaps span
+    the inter-token histogram's buckets, some exactly on a bound (the sink bisects them itself)."""
+
+    GAPS = (0.001, 0.00025, 0.004, 0.0000001, 0.3, 12.0, 0.05, 0.0025, 1.0)
 
     def __init__(self) -> None:
         self.restart()
 
     def restart(self) -> None:
-        self.ticks = itertools.count(1)
+        self.gaps = itertools.cycle(self.GAPS)
+        self.now = 100.0
 
     def __call__(self) -> float:
-        return next(self.ticks) * 0.001
+        self.now += next(self.gaps)
+        return self.now
 
 
 @pytest.fixture
@@ -124,7 +130,7 @@ def test_plain_text_deltas_skip_the_general_path(module, fake_clock):
     general = []
     sink = module.TextDeltaSink(lambda d: (general.append(d), response.slow(d)), response.tracker,
                                 {0: response.endpoint.text_template(0)}, response.chunks.append,
-                                response.state.metrics.inter_token_latency, generation.time.monotonic, True)
+                                response.state.metrics.inter_token_gaps, generation.time.monotonic, True)
     first = OutputDelta("r", 0, "a", [1], None, None, None, 3, 1)
     sink(first)  # no Choice yet: the general path makes it
     for i in range(2, 6):
@@ -144,7 +150,7 @@ def test_write_failure_propagates(module, fake_clock):
         raise ConnectionResetError("the client went away")
 
     sink = module.TextDeltaSink(response.slow, response.tracker, {0: response.endpoint.text_template(0)}, gone,
-                                response.state.metrics.inter_token_latency, generation.time.monotonic, False)
+                                response.state.metrics.inter_token_gaps, generation.time.monotonic, False)
     with pytest.raises(ConnectionResetError):
         sink(OutputDelta("r", 0, "a", [1], None, None, None, 3, 1))
 

@@ -147,3 +147,57 @@ def test_stop_delivering_returns_to_pulling():
 
     seen, rest = run_async(main())
     assert seen == ["a"] and [d.text for d in rest] == ["b"]
+
+
+def test_push_all_equals_pushing_each_delta():
+    """The stream stage's batch push (a listened channel's non-final delta straight to its listener) has
+    push's results on random steps over listened, pulled, failing and finished channels: the same
+    deliveries, overflows, failures and finished states."""
+    import random
+    import types
+
+    from pipeline.output_channel import push_all
+
+    def scenario(rng: random.Random, batched: bool) -> list:
+        log: list = []
+        requests = []
+        for r in range(6):
+            channel = None if r == 5 else OutputChannel(num_samples=2, cap_bytes=12)
+            requests.append(types.SimpleNamespace(channel=channel, name=r))
+
+        def listener(r: int):
+            def listen(d: OutputDelta) -> None:
+                if d.text == "boom" and r == 2:
+                    raise ConnectionResetError("client gone")
+                log.append((r, d.index, d.text, d.finish_reason))
+            return listen
+
+        futures = {}
+        for step in range(40):
+            for r in (0, 1, 2):
+                channel = requests[r].channel
+                if step == 3 * r + 1:
+                    futures[r] = channel.deliver_to(listener(r))
+                if r == 1 and step == 30:
+                    channel.stop_delivering()
+            batch = []
+            for r in rng.sample(range(6), 4):
+                index = rng.randrange(2)
+                finish = FinishReason.STOP if rng.random() < 0.05 else None
+                text = rng.choice(["a", "bb", "boom", "", "cccc"])
+                batch.append((requests[r], OutputDelta("r", index, text, [step], finish_reason=finish)))
+            if batched:
+                overflowed = [request.name for request in push_all(batch)]
+            else:
+                overflowed = [request.name for request, d in batch if request.channel is not None and not request.channel.push(d)]
+            log.append(("overflowed", overflowed))
+            log.append(("state", [(c.finished, c.overflowed, c.direct is not None) if (c := q.channel) else None
+                                  for q in requests]))
+        log.append(("futures", sorted((r, f.done() and (f.exception() is not None)) for r, f in futures.items())))
+        return log
+
+    async def main():
+        for seed in range(30):
+            assert scenario(random.Random(seed), True) == scenario(random.Random(seed), False), seed
+
+    run_async(main())
