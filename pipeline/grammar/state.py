@@ -19,6 +19,7 @@ import ext
 from pipeline.runner.host_staging import HostStaging
 
 _bitmask = ext.load("bitmask")
+_grammar_rows = ext.load("grammar_rows")
 _grammar_step = ext.load("grammar_step")
 _NO_ROWS = np.empty((0, 1), dtype=np.int32)
 
@@ -114,6 +115,22 @@ def take_tokens(rows: list[tuple[GrammarState, int, int | None]], keep_last: boo
         if keep_last and not more:  # (a state refused in this round would take nothing later either)
             return round_
         round_.take()
+
+
+def plan_rows(grammar_rows: list[tuple[int, GrammarState, int, int]],
+              host: list[int]) -> tuple[TokenRound | None, list[tuple[int, GrammarState]]]:
+    """A step's grammar work before its fill: (the last round of tokens to accept, kept for the fill;
+    the (row, state) pairs to fill). grammar_rows: (row, state, previous row, output position being
+    picked); host: the previous step's tokens, for rows one step ahead. A state that ended (its
+    previous token was a stop token) drops its row: it allows everything. The usual step, every
+    state behind by one token, is one compiled pass (ext/grammar_rows); any other, take_tokens."""
+    planned = _grammar_rows.plan_step(grammar_rows, host, GrammarState, TokenRound)
+    if planned is not None:
+        return planned
+    accepts = take_tokens([(state, position, host[previous] if previous >= 0 else None)
+                           for _, state, previous, position in grammar_rows if isinstance(state, GrammarState)],
+                          keep_last=True)
+    return accepts, [(row, state) for row, state, _, _ in grammar_rows if not state.ended]
 
 
 # Below this many rows the matchers fill on the calling thread, keeping the GIL: handing a few rows

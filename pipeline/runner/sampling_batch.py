@@ -115,17 +115,14 @@ class SamplingBatch:
         ahead takes its previous token from `previous_tokens()`, the host ids of the stage's previous step."""
         if not self.grammar_rows:
             return
-        from pipeline.grammar.state import GrammarState, fill_batch_bitmask, take_tokens
+        from pipeline.grammar.state import fill_batch_bitmask, plan_rows
 
         ahead = any(previous >= 0 for _, _, previous, _ in self.grammar_rows)
         if ahead and previous_tokens is None:
             raise ValueError("a grammar row is one step ahead, but the previous step's tokens are unknown")
         host = previous_tokens().tolist() if ahead else []  # type: ignore[misc]
-        accepts = take_tokens([(state, position, host[previous] if previous >= 0 else None)
-                               for _, state, previous, position in self.grammar_rows if isinstance(state, GrammarState)],
-                              keep_last=True)  # given to the matchers with the fill, in one GIL release
-        # a state that ended (its previous token was a stop token) drops its row: it allows everything
-        states = [(row, state) for row, state, _, _ in self.grammar_rows if not state.ended]
+        # the accepts go to the matchers with the fill, in one GIL release
+        accepts, states = plan_rows(self.grammar_rows, host)
         self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device, self.staging,
                                                   accepts)
 
