@@ -44,6 +44,10 @@ class StepPlan:
 
 
 def merge_plans(plans: list[StepPlan]) -> StepPlan:
+    """One forward's plan from the plans queued together; a lone plan is itself (plans are fixed once
+    planned, and rebuilding one walks every chunk on the device thread, per step)."""
+    if len(plans) == 1:
+        return plans[0]
     return StepPlan([chunk for plan in plans for chunk in plan.chunks])
 
 
