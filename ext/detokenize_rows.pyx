@@ -6,18 +6,16 @@ common row is and why; equal results, tests/ext/test_detokenize_rows.py)."""
 
 def detokenize_rows(list requests not None, list indices not None, list finish not None, list tokens not None,
                     list output_counts not None, dict samples not None, list out not None, general, delta_type):
-    cdef Py_ssize_t r = 0
-    while r < len(requests):  # the length is read per row, as the per-row loop's enumerate does
-        if not _push_common(requests[r], r, indices, finish, tokens, output_counts, samples, out, delta_type):
+    # rows past a short list are the general path's (to raise on): indexing below skips bounds checks
+    cdef Py_ssize_t r, covered = min(len(indices), len(finish), len(tokens), len(output_counts))
+    for r in range(len(requests)):
+        if r >= covered or not _push_common(requests[r], r, indices, finish, tokens, output_counts, samples, out,
+                                            delta_type):
             general(r)
-        r += 1
 
 
 cdef bint _push_common(request, Py_ssize_t r, list indices, list finish, list tokens, list output_counts,
                        dict samples, list out, delta_type) except -1:
-    # every list is checked per row: indexing below skips bounds checks, and a short list is the general path's to raise on
-    if r >= len(indices) or r >= len(finish) or r >= len(tokens) or r >= len(output_counts):
-        return False
     if finish[r] is not None:
         return False
     index = indices[r]

@@ -22,20 +22,17 @@ def detokenize_rows(requests: list[Any], indices: list[int], finish: list[Any], 
     """Appends (request, delta) to `out` for each row r of a StepTokens message's lists (tokens: its
     token_ids as a list), calling general(r) for every row that is not the common one. samples maps
     (request_id, index) to the sample's SampleText; delta_type is OutputDelta (ext does not import pipeline)."""
-    r = 0
-    while r < len(requests):  # the length is read per row, as the per-row loop's enumerate does
-        if not _push_common(requests[r], r, indices, finish, tokens, output_counts, samples, out, delta_type):
+    covered = min(len(indices), len(finish), len(tokens), len(output_counts))  # rows past it: the general path raises
+    for r in range(len(requests)):
+        if r >= covered or not _push_common(requests[r], r, indices, finish, tokens, output_counts, samples, out,
+                                            delta_type):
             general(r)
-        r += 1
 
 
 def _push_common(request: Any, r: int, indices: list[int], finish: list[Any], tokens: list[int],
                  output_counts: list[int], samples: dict[tuple[str, int], Any], out: list[tuple[Any, Any]],
                  delta_type: Callable[..., Any]) -> bool:
-    """Row r's delta when it is the common row (then True); False, with nothing done, for any other row.
-    A list too short for r is not common either: the general path raises where the per-row loop does."""
-    if r >= len(indices) or r >= len(finish) or r >= len(tokens) or r >= len(output_counts):
-        return False
+    """Row r's delta when it is the common row (then True); False, with nothing done, for any other row."""
     if finish[r] is not None:
         return False
     index = indices[r]

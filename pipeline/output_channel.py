@@ -42,13 +42,8 @@ class OutputChannel:
         return self._error is not None or len(self._finished) == self.num_samples
 
     def push(self, delta: OutputDelta) -> bool:
-        """Queue (or hand to the listener) a delta; False when the unread output passed the cap (caller aborts)."""
-        if self.direct is not None and delta.finish_reason is None:
-            try:  # a listened token: _deliver's work for a non-final delta
-                self.direct(delta)
-            except Exception as error:  # noqa: BLE001 - the listener's failure is its reader's, not the stage's
-                self._listener_failed(error)
-            return True
+        """Queue (or hand to the listener) a delta; False when the unread output passed the cap (caller aborts).
+        (The stream stage's push_all hands a listened non-final delta to the listener itself.)"""
         if self.finished:
             return True
         if delta.finish_reason is not None:
