@@ -258,7 +258,8 @@ async def sample_full_batch(engine: Engine, batch: int,
     while True:
         if len(engine.decode.running) == batch:
             cpu = {name: time.clock_gettime(clock) for name, clock in clocks.items()}
-            samples.append((time.perf_counter(), engine.executor.steps, cpu, resource.getrusage(resource.RUSAGE_SELF).ru_minflt))
+            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+            samples.append((time.perf_counter(), engine.executor.steps, cpu, faults))
         await asyncio.sleep(0.002)
 
 
