@@ -21,8 +21,6 @@ import json
 import os
 import platform
 import resource
-import selectors
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +35,7 @@ sys.path.insert(0, ROOT)
 
 import ext  # noqa: E402
 from bench.report import emit_json  # noqa: E402
+from bench.sse_clients import SCHEMA  # noqa: E402
 from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.grammar.spec import GrammarSpec  # noqa: E402
@@ -46,8 +45,6 @@ from pipeline.runner.sampler import SamplerOutput  # noqa: E402
 from pipeline.runner.sampling_batch import SamplingBatch  # noqa: E402
 from pipeline.runner.step_plan import StepPlan  # noqa: E402
 
-SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "tags": {"type": "array",
-          "items": {"type": "string"}}}, "required": ["name", "tags"]}
 TARGET_MS = {1: 0.25, 256: 3.0}
 
 
@@ -129,78 +126,19 @@ async def via_http(url: str, batch: int, tokens: int, grammar: bool, poll_ms: fl
     """Streams from real HTTP clients in their own process (as real clients are: their parsing is not
     the server's host time); returns the clients' first-byte times and end (perf_counter: one clock),
     and the client process's CPU seconds while reading."""
-    cmd = [sys.executable, __file__, "--clients", url, "--batch", str(batch), "--tokens", str(tokens),
-           "--client-poll-ms", str(poll_ms), "--client-nice", str(nice)]
+    cmd = [sys.executable, os.path.join(ROOT, "bench", "sse_clients.py"), url, str(batch), str(tokens), str(poll_ms),
+           str(nice), *(["--grammar"] if grammar else [])]
     # Popen (vfork), not the event loop's subprocess: uvloop spawns with fork(), which write-protects
     # every page of this multi-GB server process, and each page the server writes afterwards faults
     # once, all run long (batch 256 with grammars: 57 -> 32 page faults per step, 2.5-5 us each on
     # this VM; the rest are the matchers' growing histories): a cost of the bench's client launch
     # that a serving engine never pays.
-    process = subprocess.Popen([*cmd, *(["--grammar"] if grammar else [])], stdout=subprocess.PIPE,
-                               stderr=subprocess.PIPE)
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     out, err = await asyncio.to_thread(process.communicate)
     if process.returncode:
         raise RuntimeError(f"the client process failed: {err.decode()[-2000:]}")
     firsts, end, cpu = json.loads(out)
     return firsts, end, cpu
-
-
-def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: float,
-                 nice: int = 0) -> tuple[list[float], float, float]:
-    """`batch` streaming requests over raw sockets, read until each chunked body ends. Lean on purpose
-    (no SSE parsing): the clients share this machine's 2 cores with the server, and what is measured is
-    the server's host time. poll_ms > 0 reads every poll_ms instead of blocking in select: a client that
-    sleeps in select is woken by each server write, and on a VM that wakeup (an inter-processor
-    interrupt) is paid inside the server's send call, a cost a remote client never puts on the server.
-    nice > 0 lowers the clients' CPU priority: on 2 cores their reads otherwise take turns with the
-    server's threads, which remote clients never do."""
-    if nice > 0:
-        os.nice(nice)
-    body = {"model": "m", "prompt": "hello", "max_tokens": tokens, "temperature": 0, "ignore_eos": True,
-            "stream": True, "repetition_detection": False}
-    if grammar:
-        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "s", "schema": SCHEMA}}
-    payload = json.dumps(body).encode()
-    request = (f"POST /v1/completions HTTP/1.1\r\nHost: conveyor\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(payload)}\r\nConnection: close\r\n\r\n").encode() + payload
-    selector = selectors.DefaultSelector()
-    sockets = []
-    for _ in range(batch):  # connect everything first, then send the requests back to back
-        if url.startswith("unix:"):
-            sock = socket.socket(socket.AF_UNIX)
-            sock.connect(url.removeprefix("unix:"))
-        else:
-            host, port = url.removeprefix("http://").split(":")
-            sock = socket.create_connection((host, int(port)))
-        sockets.append(sock)
-    for i, sock in enumerate(sockets):
-        sock.sendall(request)
-        sock.setblocking(False)
-        selector.register(sock, selectors.EVENT_READ, i)
-    firsts: list[float | None] = [None] * batch
-    heads, tails = [b""] * batch, [b""] * batch
-    open_streams = batch
-    buffer = bytearray(1 << 16)  # one read buffer, as real clients have (a fresh 1 MiB per recv costs an mmap)
-    view = memoryview(buffer)
-    cpu = time.process_time()
-    while open_streams:
-        if poll_ms > 0:
-            time.sleep(poll_ms / 1e3)
-        for key, _ in selector.select(timeout=0 if poll_ms > 0 else None):
-            i, size = key.data, key.fileobj.recv_into(buffer)  # type: ignore[union-attr]
-            data = bytes(view[:size])
-            if firsts[i] is None:
-                firsts[i], heads[i] = time.perf_counter(), data[:12]
-            tails[i] = (tails[i] + data)[-5:]
-            if not data or tails[i] == b"0\r\n\r\n":
-                selector.unregister(key.fileobj)
-                key.fileobj.close()  # type: ignore[union-attr]
-                open_streams -= 1
-    end, cpu = time.perf_counter(), time.process_time() - cpu
-    failed = [h for h in heads if not h.startswith(b"HTTP/1.1 200")]
-    if failed:
-        raise RuntimeError(f"{len(failed)} requests failed: {failed[0]!r}")
-    return [f for f in firsts if f is not None], end, cpu
 
 
 class CollectorPauses:
@@ -251,9 +189,10 @@ def thread_clocks(engine: Engine) -> dict[str, int]:
 async def sample_full_batch(engine: Engine, batch: int,
                             samples: list[tuple[float, int, dict[str, float], int]]) -> None:
     """(time, device steps, CPU time per thread, the process's minor page faults) while all `batch`
-    sequences decode: the steady state, measured on the server whatever the clients' read timing. Every 2 ms (this runs on the server's
-    event loop: each wake-up is host time the server does not spend, so not every millisecond; a
-    batch-1 run of 256 tokens lasts ~30 ms, so not much rarer either), with the thread clocks."""
+    sequences decode: the steady state, measured on the server whatever the clients' read timing.
+    Every 2 ms (this runs on the server's event loop: each wake-up is host time the server does not
+    spend, so not every millisecond; a batch-1 run of 256 tokens lasts ~30 ms, so not much rarer
+    either), with the thread clocks."""
     clocks = thread_clocks(engine)
     while True:
         if len(engine.decode.running) == batch:
@@ -381,9 +320,9 @@ def main() -> None:
                         help="with --http: clients connect over a Unix socket instead of TCP loopback, whose send "
                              "calls also run the receiving client's TCP stack on the server's thread")
     parser.add_argument("--client-poll-ms", type=float, default=0.0,
-                        help="with --http: clients read every this many ms instead of blocking (see http_clients)")
+                        help="with --http: clients read every this many ms instead of blocking (see bench/sse_clients.py)")
     parser.add_argument("--client-nice", type=int, default=0,
-                        help="with --http: the client process runs at this nice value (see http_clients)")
+                        help="with --http: the client process runs at this nice value (see bench/sse_clients.py)")
     parser.add_argument("--sender-niceness", type=int, default=0,
                         help="with --http: the server's --sender-niceness (web/socket_sender.py)")
     parser.add_argument("--grammar", action="store_true", help="every request json_schema-constrained")
@@ -393,11 +332,7 @@ def main() -> None:
     parser.add_argument("--gil-switch-interval", type=float, default=None,
                         help="seconds (the engine's setting while it serves; default: the engine's default)")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--clients", metavar="URL", help=argparse.SUPPRESS)  # the client process of --http
     a = parser.parse_args()
-    if a.clients:
-        print(json.dumps(http_clients(a.clients, a.batch[0], a.tokens, a.grammar, a.client_poll_ms, a.client_nice)))
-        return
     import uvloop
     report = run_all(a) if a.all else uvloop.run(measure(a))
     emit_json(report, a.out)
