@@ -291,7 +291,7 @@ def run_all(a: argparse.Namespace) -> dict:
                     print(f"{'cython' if cython else 'twins'} {path} grammar={grammar}: {done.stderr.strip()}",
                           file=sys.stderr)
     return {"benchmark": "host_overhead", "date": time.strftime("%Y-%m-%d"),
-            "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.processor() or ''}".strip(", "),
+            "machine": f"{platform.machine()}, {os.cpu_count()} cores, kernel {platform.release()}",
             "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                                      cwd=ROOT).stdout.strip(),
             "method": "null device (runner host work kept, no math); ms/step = steady-state time with every "
