@@ -4,6 +4,10 @@ lengths; TTFT, inter-token latency and end-to-end p50/p99 and output tokens/s, p
 Starts `conveyor serve` itself (or targets --url) and asserts nothing.
 
     .venv/bin/python bench/serve.py [--model PATH] [--max-concurrency 64] [--prompt-tokens 128] [--output-tokens 64]
+                                    [--json-schema]
+
+--json-schema constrains every output with a JSON schema (one long string field, so outputs run to
+--output-tokens): the ladder then measures grammar-constrained decoding.
 """
 from __future__ import annotations
 
@@ -31,12 +35,19 @@ def percentile(values: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(round(q / 100 * (len(ordered) - 1))))]
 
 
-async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_tokens: int) -> dict:
+LONG_STRING_SCHEMA = {"type": "object", "properties": {"text": {"type": "string", "minLength": 4096}},
+                      "required": ["text"]}
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int], output_tokens: int,
+                      json_schema: bool = False) -> dict:
     body = {"model": None, "prompt": prompt, "max_tokens": output_tokens, "ignore_eos": True, "stream": True,
-            "temperature": 0}
+            "temperature": 0, "stream_options": {"include_usage": True}}
+    if json_schema:
+        body["response_format"] = {"type": "json_schema", "json_schema": {"name": "long", "schema": LONG_STRING_SCHEMA}}
     start = time.perf_counter()
     stamps: list[float] = []
-    tokens = 0
+    chunks = tokens = 0
     async with session.post(url + "/v1/completions", json={k: v for k, v in body.items() if v is not None}) as resp:
         if resp.status != 200:
             return {"error": resp.status}
@@ -46,14 +57,17 @@ async def one_request(session: aiohttp.ClientSession, url: str, prompt: list[int
             event = orjson.loads(line[6:])
             if event.get("choices") and event["choices"][0].get("text"):
                 stamps.append(time.perf_counter())
-                tokens += 1
+                chunks += 1
+            elif event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
     end = time.perf_counter()
     gaps = [b - a for a, b in zip(stamps, stamps[1:])]
-    return {"ttft": stamps[0] - start if stamps else None, "gaps": gaps, "e2e": end - start, "chunks": tokens}
+    return {"ttft": stamps[0] - start if stamps else None, "gaps": gaps, "e2e": end - start, "chunks": chunks,
+            "tokens": tokens or chunks}
 
 
 async def level(url: str, concurrency: int, requests: int, prompt_tokens: int, output_tokens: int,
-                seed: int) -> dict:
+                seed: int, json_schema: bool = False) -> dict:
     rng = random.Random(seed)
     prompts = [[rng.randrange(1000, 40000) for _ in range(prompt_tokens)] for _ in range(requests)]
     queue: asyncio.Queue[list[int]] = asyncio.Queue()
@@ -63,7 +77,7 @@ async def level(url: str, concurrency: int, requests: int, prompt_tokens: int, o
 
     async def worker(session: aiohttp.ClientSession) -> None:
         while not queue.empty():
-            results.append(await one_request(session, url, queue.get_nowait(), output_tokens))
+            results.append(await one_request(session, url, queue.get_nowait(), output_tokens, json_schema))
 
     start = time.perf_counter()
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=concurrency + 4),
@@ -77,7 +91,7 @@ async def level(url: str, concurrency: int, requests: int, prompt_tokens: int, o
     ms = lambda v: None if v is None else round(v * 1e3, 2)  # noqa: E731
     return {
         "concurrency": concurrency, "requests": len(results), "errors": len(results) - len(ok),
-        "output_tok_s": round(len(ok) * output_tokens / wall, 1), "wall_s": round(wall, 2),
+        "output_tok_s": round(sum(r["tokens"] for r in ok) / wall, 1), "wall_s": round(wall, 2),
         "ttft_ms": {"p50": ms(percentile(ttft, 50)), "p99": ms(percentile(ttft, 99))},
         "itl_ms": {"p50": ms(percentile(gaps, 50)), "p99": ms(percentile(gaps, 99))},
         "e2e_ms": {"p50": ms(percentile(e2e, 50)), "p99": ms(percentile(e2e, 99))},
@@ -109,6 +123,7 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--requests-per-level", type=int, default=0, help="default: 2 x concurrency, at least 8")
+    parser.add_argument("--json-schema", action="store_true", help="constrain every output with a JSON schema")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     process = None
@@ -130,7 +145,7 @@ def main() -> None:
         while concurrency <= args.max_concurrency:
             requests = args.requests_per_level or max(8, 2 * concurrency)
             levels.append(asyncio.run(level(url, concurrency, requests, args.prompt_tokens, args.output_tokens,
-                                            seed=concurrency)))
+                                            seed=concurrency, json_schema=args.json_schema)))
             concurrency *= 2
     finally:
         if process is not None:
@@ -140,7 +155,7 @@ def main() -> None:
     report = {
         "benchmark": "serve", "date": time.strftime("%Y-%m-%d"), "commit": commit.stdout.strip(),
         "machine": f"{platform.machine()}, {os.cpu_count()} cores", "model": args.model or "embedded SmolLM2-135M",
-        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens,
+        "prompt_tokens": args.prompt_tokens, "output_tokens": args.output_tokens, "json_schema": args.json_schema,
         "notes": "itl = gaps between streamed text chunks (one token each unless the client falls behind)",
         "levels": levels,
     }

@@ -7,7 +7,7 @@ import logging
 import sys
 from typing import Any
 
-from pipeline.config import EngineConfig
+from pipeline.config import CPU_DEFAULTS, CUDA_DEFAULTS, CUDA_GRAPH_MAX_BATCH, EngineConfig
 from pipeline.errors import AdmissionRefused, InvalidRequest
 from pipeline.request import RepetitionDetection, SamplingParams
 
@@ -15,14 +15,21 @@ from pipeline.request import RepetitionDetection, SamplingParams
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--device", default=defaults.device)
+    parser.add_argument("--device", default=defaults.device, help="auto (CUDA when visible, else CPU), cuda, cuda:N or cpu")
     parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
     parser.add_argument("--kv-cache-memory-gib", type=float, default=defaults.kv_cache_memory_gib)
     parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=defaults.max_num_seqs)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=defaults.max_num_batched_tokens)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help=f"sequences running at once (default: {CUDA_DEFAULTS.max_num_seqs} on CUDA, "
+                             f"{CPU_DEFAULTS.max_num_seqs} on CPU)")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=None,
+                        help=f"tokens per device step, decode rows and prefill chunks together (default: "
+                             f"{CUDA_DEFAULTS.max_num_batched_tokens} on CUDA, {CPU_DEFAULTS.max_num_batched_tokens} on CPU)")
+    parser.add_argument("--cuda-graph-max-batch", type=int, default=None,
+                        help=f"largest decode batch replayed from a CUDA graph; larger ones run eager (default: "
+                             f"max-num-seqs, at most {CUDA_GRAPH_MAX_BATCH})")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default=defaults.load_format,
                         help="dummy: random weights from config.json (benchmarks)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
@@ -53,7 +60,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     return EngineConfig(model=args.model, device=args.device, dtype=args.dtype, block_size=args.block_size,
                         num_kv_blocks=args.num_kv_blocks, kv_cache_memory_gib=args.kv_cache_memory_gib,
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                        max_num_batched_tokens=args.max_num_batched_tokens, load_format=args.load_format,
+                        max_num_batched_tokens=args.max_num_batched_tokens,
+                        cuda_graph_max_batch=args.cuda_graph_max_batch, load_format=args.load_format,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
                         run_ahead=not args.disable_run_ahead, gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,

@@ -85,6 +85,7 @@ class Engine:
     @classmethod
     async def create(cls, config: EngineConfig, progress: Callable[[str], None] | None = None) -> Engine:
         """Load the model on the device thread (off the event loop), then start every stage."""
+        config = config.resolved()
         config.validate()
         executor = DeviceExecutor()
         try:

@@ -93,8 +93,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     pool_tokens = (num_blocks - 1) * config.block_size
     max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
     if device.type == "cuda" and config.cuda_graphs:
-        say(f"capturing CUDA graphs for decode batches up to {config.max_num_seqs}")
-        runner.capture_decode_graphs(config.max_num_seqs, max_model_len)
+        say(f"capturing CUDA graphs for decode batches up to {config.cuda_graph_max_batch}")
+        runner.capture_decode_graphs(config.cuda_graph_max_batch, max_model_len)
     limits = ModelLimits(
         max_model_len=max_model_len,
         vocab_size=arch.vocab_size,

@@ -23,14 +23,16 @@ log = logging.getLogger("conveyor.serve")
 
 
 def banner(engine: Engine, url: str) -> str:
-    loaded = engine.loaded
+    loaded, config = engine.loaded, engine.config
     arch = loaded.arch
     lines = [
         f"model        {loaded.path}",
         f"architecture {arch.model_type}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}",
         f"device       {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})",
-        f"KV cache     {loaded.num_blocks} blocks x {engine.config.block_size} tokens",
-        f"max length   {loaded.limits.max_model_len} tokens, up to {engine.config.max_num_seqs} sequences",
+        f"KV cache     {loaded.num_blocks} blocks x {config.block_size} tokens",
+        f"max length   {loaded.limits.max_model_len} tokens",
+        f"batching     up to {config.max_num_seqs} sequences, {config.max_num_batched_tokens} tokens per step"
+        + (f", CUDA graphs up to batch {config.cuda_graph_max_batch}" if loaded.runner.graphs is not None else ""),
         f"listening    {url}  (OpenAI API under {url}/v1)",
     ]
     return "\n".join("[conveyor] " + line for line in lines)

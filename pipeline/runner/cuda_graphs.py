@@ -1,6 +1,6 @@
 """CUDA graphs for decode steps: one replay instead of hundreds of kernel launches per token.
 
-A graph is captured per padded batch size (1, 2, 4, 8, then multiples of 8 up to max_num_seqs) over
+A graph is captured per padded batch size (1, 2, 4, 8, then multiples of 8 up to max_batch) over
 static device buffers. A decode step copies its inputs from pinned host buffers into them (one
 non-blocking copy each; tokens still on the device from the previous step are copied in on the
 device), pads the unused rows (slot -1: the KV write skips it; length 1 over the
@@ -20,10 +20,10 @@ from pipeline.models.attention import AttentionMetadata
 from pipeline.runner.token_feed import TokenFeed
 
 
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    sizes = [s for s in (1, 2, 4) if s < max_num_seqs] + list(range(8, max_num_seqs + 1, 8))
-    if not sizes or sizes[-1] < max_num_seqs:
-        sizes.append(max_num_seqs)
+def graph_batch_sizes(max_batch: int) -> list[int]:
+    sizes = [s for s in (1, 2, 4) if s < max_batch] + list(range(8, max_batch + 1, 8))
+    if not sizes or sizes[-1] < max_batch:
+        sizes.append(max_batch)
     return sizes
 
 
@@ -34,13 +34,13 @@ class _Graph:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], *, max_num_seqs: int,
+    def __init__(self, model: torch.nn.Module, kv_caches: list[torch.Tensor], *, max_batch: int,
                  max_blocks_per_seq: int, max_model_len: int, num_kv_heads: int, device: torch.device) -> None:
         self.model = model
         self.kv_caches = kv_caches
-        self.max_batch = max_num_seqs
+        self.max_batch = max_batch
         self.max_blocks = max_blocks_per_seq
-        n, w = max_num_seqs, max_blocks_per_seq
+        n, w = max_batch, max_blocks_per_seq
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.slots = torch.full((n,), -1, dtype=torch.int64, device=device)
@@ -53,7 +53,7 @@ class DecodeGraphs:
                          for name, tensor in self._buffers().items()} for _ in range(2)]
         self.staged: list[torch.cuda.Event | None] = [None, None]  # set once a set's copies are queued
         self.turn = 0
-        self.sizes = graph_batch_sizes(max_num_seqs)
+        self.sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[int, _Graph] = {}
         self._capture(max_model_len, num_kv_heads, device)
 

@@ -104,8 +104,8 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def capture_decode_graphs(self, max_num_seqs: int, max_model_len: int) -> None:
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_num_seqs=max_num_seqs,
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
+        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch=max_batch,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    max_model_len=max_model_len, num_kv_heads=self.kv_shape[1], device=self.device)
 

@@ -17,10 +17,12 @@ def test_graph_batch_sizes_cover_every_batch(max_num_seqs, expected):
 
 @pytest.mark.gpu
 def test_graphed_decode_equals_eager_on_cuda(tiny_model_dir):
-    async def main(graphs: bool):
+    async def main(graphs: bool, graph_max_batch: int | None = None):
         from pipeline.engine import Engine
 
-        engine = await Engine.create(config_for(tiny_model_dir, device="cuda", cuda_graphs=graphs, max_num_seqs=8))
+        engine = await Engine.create(config_for(tiny_model_dir, device="cuda", cuda_graphs=graphs, max_num_seqs=8,
+                                                cuda_graph_max_batch=graph_max_batch))
+        assert (engine.loaded.runner.graphs is not None) == graphs
         try:
             params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
             prompts = [[100 + 7 * i + j for j in range(3 + 5 * i)] for i in range(5)]
@@ -31,4 +33,6 @@ def test_graphed_decode_equals_eager_on_cuda(tiny_model_dir):
         finally:
             await engine.shutdown()
 
-    assert run_async(main(True)) == run_async(main(False))
+    eager = run_async(main(False))
+    assert run_async(main(True)) == eager
+    assert run_async(main(True, graph_max_batch=2)) == eager  # batches past the largest graph run eager
