@@ -9,4 +9,4 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 python3 -m pip install -q --no-deps --no-build-isolation --no-index -e . > "${OUT:-/tmp}/install.log" 2>&1 \
   || { tail -20 "${OUT:-/tmp}/install.log"; return 1 2>/dev/null || exit 1; }
-python3 -c "import ext, torch; print('compiled ext:', sorted(m for m in ('bitmask', 'step_inputs', 'penalties', 'stop_strings', 'repetition', 'sampling_rows', 'grammar_rows', 'grammar_step', 'detokenize_rows', 'byte_detokenizer', 'sse_text', 'text_delta_sink', 'socket_send') if ext.is_compiled(m)), '| torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"
+python3 -c "import ext, torch; print('compiled ext:', sorted(m for m in ('bitmask', 'step_inputs', 'penalties', 'stop_strings', 'repetition', 'grammar_rows', 'grammar_step') if ext.is_compiled(m)), '| torch', torch.__version__, torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'no CUDA')"

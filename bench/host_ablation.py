@@ -5,10 +5,10 @@ with the baseline that opens and closes the list); a variant names the compiled 
 for their pure-Python twins (CONVEYOR_PURE_PYTHON) and any extra `conveyor serve` arguments.
 
     python bench/host_ablation.py --out ablation.json [--model DIR] [--server-args "..."] [--json-schema]
-        [--variants base twin-sse_text no-sender base ...]
+        [--variants base twin-penalties none base ...]
 
-A variant is `base` (everything compiled), `twin-NAME` (module NAME's twin), `no-sender` (no socket
-sender thread: --no-socket-sender), or `none` (every module in HOST_MODULES a twin, and no sender).
+A variant is `base` (everything compiled), `twin-NAME` (module NAME's twin) or `none` (every module
+in EXT_MODULES a twin).
 Prints JSON: each run's ladder, and per variant the change of every level's output tok/s, TTFT p50
 and ITL p50 against the mean of the baseline runs. Asserts nothing.
 """
@@ -25,8 +25,7 @@ import time
 from report import emit_json  # noqa: E402  (bench/ is on sys.path when run as a script)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-HOST_MODULES = ("socket_send", "sse_text", "text_delta_sink", "detokenize_rows", "byte_detokenizer", "sampling_rows",
-                "grammar_rows", "grammar_step")
+EXT_MODULES = ("bitmask", "penalties", "repetition", "stop_strings", "step_inputs", "grammar_rows", "grammar_step")
 
 
 def variant_setup(variant: str) -> tuple[str, list[str]]:
@@ -34,17 +33,15 @@ def variant_setup(variant: str) -> tuple[str, list[str]]:
     if variant == "base":
         return "", []
     if variant == "none":
-        return ",".join(HOST_MODULES), ["--no-socket-sender"]
-    if variant == "no-sender":
-        return "", ["--no-socket-sender"]
-    if variant.removeprefix("twin-") in HOST_MODULES:
+        return ",".join(EXT_MODULES), []
+    if variant.removeprefix("twin-") in EXT_MODULES:
         return variant.removeprefix("twin-"), []
-    raise SystemExit(f"unknown variant {variant!r}: base, none, no-sender or twin-MODULE ({', '.join(HOST_MODULES)})")
+    raise SystemExit(f"unknown variant {variant!r}: base, none or twin-MODULE ({', '.join(EXT_MODULES)})")
 
 
 def default_variants() -> list[str]:
-    """Every module's twin, no sender, and none, with a baseline run before, between every three, and after."""
-    variants = [*(f"twin-{m}" for m in HOST_MODULES), "no-sender", "none"]
+    """Every module's twin, and none, with a baseline run before, between every three, and after."""
+    variants = [*(f"twin-{m}" for m in EXT_MODULES), "none"]
     order = ["base"]
     for i in range(0, len(variants), 3):
         order += [*variants[i:i + 3], "base"]

@@ -176,13 +176,9 @@ def speed_reference_ms(rounds: int = 5) -> float:
 
 
 def thread_clocks(engine: Engine) -> dict[str, int]:
-    """CPU clock ids of the threads doing per-step work: the event loop (this one), the device thread,
-    and the HTTP socket sender when it runs."""
+    """CPU clock ids of the threads doing per-step work: the event loop (this one) and the device thread."""
     clocks = {"event_loop": time.pthread_getcpuclockid(threading.get_ident()),
               "device_thread": time.pthread_getcpuclockid(engine.executor._thread.ident)}  # type: ignore[arg-type]
-    for thread in threading.enumerate():
-        if thread.name == "conveyor-sender" and thread.ident is not None:
-            clocks["sender_thread"] = time.pthread_getcpuclockid(thread.ident)
     return clocks
 
 
@@ -217,8 +213,7 @@ async def measure(a: argparse.Namespace) -> dict:
         from web.app import ServerSettings, ServerState, build_app
         from web.metrics import ServerMetrics
 
-        niceness = {"sender_niceness": a.sender_niceness} if a.sender_niceness else {}  # (older servers: no such setting)
-        state = ServerState(ServerSettings(served_model_names=["m"], **niceness), ServerMetrics(engine.stats, "m"))
+        state = ServerState(ServerSettings(served_model_names=["m"]), ServerMetrics(engine.stats, "m"))
         state.engine = engine
         runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
         await runner.setup()
@@ -266,7 +261,7 @@ async def measure(a: argparse.Namespace) -> dict:
             await runner.cleanup()
         await engine.shutdown()
     return {"http": a.http, "transport": ("unix" if a.unix else "tcp") if a.http else None, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"),
-            "run_ahead": not a.disable_run_ahead, "client_nice": a.client_nice, "sender_niceness": a.sender_niceness,
+            "run_ahead": not a.disable_run_ahead, "client_nice": a.client_nice,
             "speed_reference_ms": {"before": reference_before, "after": speed_reference_ms()}, "results": results}
 
 
@@ -282,7 +277,7 @@ def run_all(a: argparse.Namespace) -> dict:
                     cmd += ["--http"] if path != "engine" else []
                     cmd += ["--unix"] if path == "http-unix" else []
                     cmd += ["--grammar"] if grammar else []
-                    cmd += ["--client-nice", str(a.client_nice), "--sender-niceness", str(a.sender_niceness)]
+                    cmd += ["--client-nice", str(a.client_nice)]
                     env = dict(os.environ, CONVEYOR_PURE_PYTHON="0" if cython else "1")
                     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
                     if done.returncode:
@@ -323,8 +318,6 @@ def main() -> None:
                         help="with --http: clients read every this many ms instead of blocking (see bench/sse_clients.py)")
     parser.add_argument("--client-nice", type=int, default=0,
                         help="with --http: the client process runs at this nice value (see bench/sse_clients.py)")
-    parser.add_argument("--sender-niceness", type=int, default=0,
-                        help="with --http: the server's --sender-niceness (web/socket_sender.py)")
     parser.add_argument("--grammar", action="store_true", help="every request json_schema-constrained")
     parser.add_argument("--all", action="store_true", help="every mode (Cython on/off x http x grammar)")
     parser.add_argument("--repeat", type=int, default=1, help="with --all: runs per mode (the median is reported)")

@@ -148,8 +148,7 @@ async def serve_main(args: argparse.Namespace) -> int:
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                              enforce_tool_grammar=not args.no_tool_grammar,
-                              socket_sender=not args.no_socket_sender, sender_niceness=args.sender_niceness)
+                              enforce_tool_grammar=not args.no_tool_grammar)
     return await run_server(config, settings, args.host, args.port, args.drain_timeout)
 
 
@@ -173,11 +172,6 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                        help="split <think> blocks into reasoning_content")
     serve.add_argument("--no-tool-grammar", action="store_true",
                        help="do not constrain tool calls with a grammar (parse only)")
-    serve.add_argument("--no-socket-sender", action="store_true",
-                       help="write SSE bytes from the event loop (aiohttp) instead of the sender thread")
-    serve.add_argument("--sender-niceness", type=int, default=0, metavar="N",
-                       help="lower the sender thread's CPU priority by N (Linux), so that on a host with few "
-                            "cores its sends yield to the device thread and the event loop")
     add_engine_args(serve)
 
 

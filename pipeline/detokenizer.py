@@ -66,8 +66,8 @@ def _trailing_replacement_chars(text: str) -> int:
 
 
 class StreamingDetokenizer(Protocol):
-    """What the detokenize stage uses: IncrementalDetokenizer, or ext/byte_detokenizer's (compiled,
-    so not an EmittedText subclass) for byte-level vocabularies."""
+    """What the detokenize stage uses: IncrementalDetokenizer, or ByteLevelDetokenizer
+    (pipeline/detokenizer_bytes.py) for byte-level vocabularies."""
 
     @property
     def text(self) -> str: ...

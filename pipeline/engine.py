@@ -20,7 +20,7 @@ from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_s
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.messages import IntakeItem
-from pipeline.output_channel import Listener, OutputChannel
+from pipeline.output_channel import OutputChannel
 from pipeline.prompt import PromptRenderer
 from pipeline.request import CancelReason, OutputDelta, Request, SamplingParams, new_request_id
 from pipeline.runner.executor import DeviceExecutor
@@ -158,18 +158,6 @@ class Engine:
             request = self._live.pop(request_id, None)
             if request is not None and not complete:
                 request.cancel.cancel(CancelReason.CLIENT_DISCONNECTED)
-
-    def deliver(self, request_id: str, listener: Listener) -> asyncio.Future[None]:
-        """Switch a request's output from pulling `generate()` to a callback that the stream stage
-        calls with each delta (it must not block). The future ends with the last delta; the caller
-        then reads `generate()` to its end (nothing is left), or closes it to cancel the request.
-        See OutputChannel.deliver_to."""
-        return self._channels[request_id].deliver_to(listener)
-
-    def stop_delivering(self, request_id: str) -> None:
-        channel = self._channels.get(request_id)
-        if channel is not None:
-            channel.stop_delivering()
 
     def _on_admitted(self, request: Request) -> None:
         self._live[request.request_id] = request

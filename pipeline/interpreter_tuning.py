@@ -1,7 +1,7 @@
 """Process-wide interpreter settings while an engine serves: the cyclic GC and the GIL switch interval.
 
 Both are tuned for the serving shape: one event-loop thread running Python nearly all the time, and
-helper threads (the device thread, the HTTP socket sender, xgrammar's fill) that release the GIL for
+helper threads (the device thread, xgrammar's fill) that release the GIL for
 C work and must get it back promptly.
 """
 from __future__ import annotations

@@ -16,7 +16,6 @@ from aiohttp import web
 from pipeline.engine import Engine
 from web.metrics import ServerMetrics, admission_reason
 from web.protocol import APIError, api_error_from_exception, bad_request, models_list
-from web.socket_sender import SocketSender
 
 log = logging.getLogger("conveyor.web")
 
@@ -31,8 +30,6 @@ class ServerSettings:
     tool_call_parser: str | None = None  # None: the format the chat template writes
     reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": split <think> blocks into reasoning_content
     enforce_tool_grammar: bool = True  # constrain tool calls to the offered tools' schemas
-    socket_sender: bool = True  # stream SSE bytes from the sender thread (web/socket_sender.py)
-    sender_niceness: int = 0  # > 0: the sender thread runs at a lower CPU priority (SocketSender)
 
 
 @dataclass(slots=True)
@@ -40,7 +37,6 @@ class ServerState:
     settings: ServerSettings
     metrics: ServerMetrics
     engine: Engine | None = None
-    sender: SocketSender | None = None  # running while the app is (build_app starts and stops it)
     started: int = field(default_factory=lambda: int(time.time()))
 
     def ready_engine(self) -> Engine:
@@ -184,20 +180,4 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/debug/stages", debug_stages)
-    if state.settings.socket_sender:
-        app.on_startup.append(_start_sender)
-        app.on_cleanup.append(_stop_sender)
     return app
-
-
-async def _start_sender(app: web.Application) -> None:
-    state = app[STATE]
-    state.sender = SocketSender(niceness=state.settings.sender_niceness)
-    state.sender.start()
-
-
-async def _stop_sender(app: web.Application) -> None:
-    state = app[STATE]
-    if state.sender is not None:
-        sender, state.sender = state.sender, None
-        await sender.stop()

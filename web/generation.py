@@ -15,8 +15,6 @@ from typing import Any
 
 from aiohttp import web
 
-import ext
-
 from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogprob
 from web.app import STATE, ServerState, json_response, read_json
 from web.chat_output import ChatOutputParser, ChatPiece, wire_tool_call, wire_tool_call_delta
@@ -26,8 +24,6 @@ from web.protocol import (SSE_DONE, APIError, TextEvent, chat_chunk, chat_choice
                           completion_logprobs, completion_response, completion_usage_chunk, new_chat_id,
                           new_completion_id, parse_chat_request, parse_completion_request, sse_event, usage)
 from web.sse_body import SSEBody
-
-_TextDeltaSink = ext.load("text_delta_sink").TextDeltaSink
 
 
 @dataclass(slots=True)
@@ -100,14 +96,6 @@ class Endpoint:
     def opening(self, n: int) -> list[dict]:
         return []
 
-    @property
-    def plain_text(self) -> bool:
-        """Every non-final delta without logprobs is shown as its text alone (no parsing, no echo):
-        the compiled sink may take them (text_listener)."""
-        return not self.want_logprobs
-
-    counts_text_offset = False  # the endpoint counts the characters it sent (completions logprobs)
-
     def event(self, delta: OutputDelta, choice: Choice) -> bytes:
         """The SSE event of a delta (empty when it carries nothing to show)."""
         raise NotImplementedError
@@ -115,10 +103,6 @@ class Endpoint:
     def text_event(self, index: int, text: str) -> bytes:
         """The event of a delta that only carries text (the common case, from a template)."""
         return self._text_event(index)(text)
-
-    def text_template(self, index: int) -> tuple[bytes, bytes]:
-        """The bytes around the text in the text-only event of choice `index`."""
-        return self._text_event(index).parts
 
     def _text_event(self, index: int) -> TextEvent:
         template = self._text_events.get(index)
@@ -142,10 +126,6 @@ class ChatEndpoint(Endpoint):
         self.id = new_chat_id()
         self.new_parser = parsers
         self.parsers: dict[int, ChatOutputParser] = {}
-
-    @property
-    def plain_text(self) -> bool:
-        return self.new_parser is None and super().plain_text
 
     def parse(self, index: int, text: str, finished: bool, prompt_opens_thinking: bool) -> ChatPiece | None:
         """Reasoning / content / tool calls of a choice's new text (None: no parsing configured)."""
@@ -212,12 +192,6 @@ class CompletionEndpoint(Endpoint):
         super().__init__(*args)
         self.id = new_completion_id()
         self.echo_text = echo_text
-
-    counts_text_offset = True
-
-    @property
-    def plain_text(self) -> bool:
-        return not self.echo_text and super().plain_text
 
     def _text(self, delta: OutputDelta, choice: Choice) -> str:
         """The echoed prompt precedes each choice's first text."""
@@ -294,7 +268,7 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
         async with asyncio.timeout(timeout_s):
             first = await anext(stream)  # admission and validation errors surface here, before any byte
             if streaming:
-                body = await SSEBody.open(request, state.sender, state.ready_engine().config.output_channel_cap_bytes)
+                body = await SSEBody.open(request)
                 await _stream(body, first, stream, endpoint, tracker, n)
             else:
                 _collect(state, first, tracker)
@@ -347,32 +321,13 @@ def delta_events(endpoint: Endpoint, tracker: Tracker) -> Callable[[OutputDelta]
     return events
 
 
-def text_listener(endpoint: Endpoint, tracker: Tracker, body: SSEBody, slow: Callable[[OutputDelta], None],
-                  n: int) -> Callable[[OutputDelta], None]:
-    """The listener of a response streamed through the sender: `slow` (the general path), fronted by the
-    compiled sink (ext/text_delta_sink) when the response's deltas need no parsing, which then takes
-    each plain text delta in one call."""
-    if not endpoint.plain_text:
-        return slow
-    templates = {index: endpoint.text_template(index) for index in range(n)}
-    return _TextDeltaSink(slow, tracker, templates, body.chunk_writer(), endpoint.state.metrics.inter_token_gaps,
-                          time.monotonic, endpoint.counts_text_offset)
-
-
 async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[OutputDelta],
                   endpoint: Endpoint, tracker: Tracker, n: int) -> None:
     for chunk in endpoint.opening(n):
         await body.write(sse_event(chunk))
     events = delta_events(endpoint, tracker)
     await body.write(events(first))
-    if body.via_sender:  # the stream stage hands each delta to the formatter: no task wakes per token
-        engine = endpoint.state.ready_engine()
-        send = body.send
-        try:
-            await engine.deliver(endpoint.id, text_listener(endpoint, tracker, body, lambda delta: send(events(delta)), n))
-        finally:
-            engine.stop_delivering(endpoint.id)
-    while (delta := await anext(stream, None)) is not None:  # nothing is left after delivery
+    while (delta := await anext(stream, None)) is not None:  # one merged delta per read: a slow client falls behind
         await body.write(events(delta))
     if endpoint.include_usage:
         await body.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens))))

@@ -200,12 +200,6 @@ class ServerMetrics:
         if tokens > 0:
             self._itl.counts.observe(seconds / tokens, tokens)  # per streamed delta: straight to the counts
 
-    @property
-    def inter_token_gaps(self) -> BucketCounts:
-        """The inter-token latency histogram's counts, for a streaming path that observes into them
-        itself (ext/text_delta_sink, as inter_token_latency would). Event-loop thread only."""
-        return self._itl.counts
-
     def admission_rejected(self, reason: str) -> None:
         """A 503 from admission limits or draining; unknown reasons count as "other" (see admission_reason)."""
         label = _label(reason)

@@ -20,13 +20,13 @@ import torch
 from torch import Tensor
 
 import ext
-from ext.sampling_rows_py import GREEDY_EPS as GREEDY_EPS  # re-exported: defined with the row loop's twin
-from ext.sampling_rows_py import rng_key as rng_key
 from pipeline.request import SamplingParams
+from pipeline.runner import sampling_rows as _sampling_rows
 from pipeline.runner.host_staging import HostStaging
+from pipeline.runner.sampling_rows import GREEDY_EPS as GREEDY_EPS  # re-exported
+from pipeline.runner.sampling_rows import rng_key as rng_key
 
 _penalties = ext.load("penalties")
-_sampling_rows = ext.load("sampling_rows")
 
 
 def depends_on_output_tokens(params: SamplingParams, num_output_tokens: int) -> bool:
@@ -146,7 +146,7 @@ class SamplingBatch:
         With a runner's `staging` (its own thread only), the host buffers are reused: on CPU the
         batch is valid until that runner's next step."""
         num_rows, vocab = len(rows), vocab_size
-        r = _sampling_rows.gather(rows, vocab, _counts_of)  # ext/sampling_rows_py.py says what it reads
+        r = _sampling_rows.gather(rows, vocab, _counts_of)  # pipeline/runner/sampling_rows.py says what it reads
         seen_flat, counted_flat, counted_values = _penalties.penalty_inputs(r.seen_rows, r.counted_rows, vocab)
         upload = _Upload(device, staging)
         upload.f32(temperature=r.temperature, top_p=r.top_p, top_p_all=r.top_p_all, min_p=r.min_p,

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from functools import partial
 
-import ext
 from pipeline.detokenizer import StreamingDetokenizer, new_detokenizer
 from pipeline.detokenizer_bytes import byte_table
 from pipeline.messages import StepTokens
@@ -20,8 +18,6 @@ from pipeline.request import FinishReason, OutputDelta, Request, TokenLogprob
 from pipeline.stage import Stage
 from pipeline.stop_strings import StopStringMatcher
 from pipeline.tokenizer import Tokenizer
-
-_detokenize_rows = ext.load("detokenize_rows")
 
 
 @dataclass(slots=True)
@@ -61,13 +57,10 @@ class DetokenizeStage(Stage[StepTokens]):
         return state
 
     def _process(self, message: StepTokens, out: list[tuple[Request, OutputDelta]]) -> None:
-        """One step's rows, in order. The common row (a plain next token: no stop strings, no logprobs, not
-        finished) costs a lookup, a table decode and one delta, in ext/detokenize_rows; every other row
-        goes through _process_row."""
+        """One step's rows, in order."""
         tokens = message.token_ids.tolist()
-        _detokenize_rows.detokenize_rows(message.requests, message.indices, message.finish, tokens,
-                                         message.output_counts, self.samples, out,
-                                         partial(self._process_row, message, tokens, out), OutputDelta)
+        for r in range(len(message.requests)):
+            self._process_row(message, tokens, out, r)
 
     def _process_row(self, message: StepTokens, tokens: list[int], out: list[tuple[Request, OutputDelta]],
                      r: int) -> None:

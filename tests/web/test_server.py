@@ -14,10 +14,9 @@ from web.app import ServerSettings
 MESSAGES = [{"role": "user", "content": "Say something."}]
 
 
-@pytest.fixture(scope="module", params=[True, False], ids=["socket-sender", "aiohttp-writes"])
-def server(tiny_model_dir, request):
-    """Every test runs with SSE bytes written by the socket sender thread and by aiohttp itself."""
-    with LiveServer(tiny_model_dir, ServerSettings(served_model_names=["tiny"], socket_sender=request.param)) as live:
+@pytest.fixture(scope="module")
+def server(tiny_model_dir):
+    with LiveServer(tiny_model_dir, ServerSettings(served_model_names=["tiny"])) as live:
         yield live
 
 

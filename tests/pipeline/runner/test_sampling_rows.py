@@ -1,5 +1,5 @@
-"""A step's sampling rows: compiled == twin == the row loop SamplingBatch.from_rows ran before the
-loop moved to ext/ (kept below as the reference, so either module drifting fails here)."""
+"""A step's sampling rows (pipeline/runner/sampling_rows.py) equal a plain per-row reference loop
+(kept below, so the module drifting fails here)."""
 from __future__ import annotations
 
 import dataclasses
@@ -14,9 +14,9 @@ import pipeline.runner.sampling_batch as sampling_batch
 from pipeline.request import SamplingParams
 from pipeline.runner.host_staging import HostStaging
 from pipeline.runner.sampling_batch import SamplingBatch, SamplingRow
-from tests.ext.twins import compiled_module, twin_and_compiled
+from pipeline.runner import sampling_rows
 
-MODULES = twin_and_compiled("sampling_rows")
+MODULES = [sampling_rows]
 VOCAB = 100
 
 _MASK64 = (1 << 64) - 1
@@ -199,40 +199,10 @@ def test_integral_float_top_k_counts_as_its_int(module):
 
 
 def test_rng_key_is_the_reference_splitmix():
-    from ext.sampling_rows_py import rng_key
+    from pipeline.runner.sampling_rows import rng_key
 
     rng = random.Random(0)
     for _ in range(200):
         seed, counter = rng.getrandbits(80) - (1 << 79), rng.getrandbits(70) - (1 << 69)
         assert rng_key(seed, counter) == _rng_key(seed, counter)
     assert sampling_batch.rng_key is rng_key
-
-
-def _batch_fields(batch: SamplingBatch) -> dict[str, Any]:
-    return {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch) if f.name != "staging"}
-
-
-@pytest.mark.skipif(compiled_module("sampling_rows") is None, reason="not built")
-@pytest.mark.parametrize("staging", [False, True])
-def test_from_rows_same_tensors_with_twin_and_compiled(monkeypatch, staging):
-    import ext.sampling_rows as compiled
-    import ext.sampling_rows_py as twin
-
-    rows = random_rows(99, 200)
-    batches = []
-    for module in (twin, compiled):  # as CONVEYOR_PURE_PYTHON=1 would load it, and as built
-        monkeypatch.setattr(sampling_batch, "_sampling_rows", module)
-        batch = SamplingBatch.from_rows(rows, VOCAB, torch.device("cpu"), HostStaging() if staging else None)
-        batches.append(_batch_fields(batch))
-    by_twin, by_compiled = batches
-    assert by_twin.keys() == by_compiled.keys()
-    for name, want in by_twin.items():
-        got = by_compiled[name]
-        if isinstance(want, torch.Tensor):
-            assert got.dtype == want.dtype and got.shape == want.shape and torch.equal(got, want), name
-        elif isinstance(want, np.ndarray):
-            assert got.dtype == want.dtype and np.array_equal(got, want), name
-        else:
-            assert type(got) is type(want) and got == want, name
-    assert by_twin["seen_mask"] is not None and by_twin["bias_index"] is not None  # the rare paths ran
-    assert by_twin["suppress_index"] is not None and by_twin["forced_index"] is not None

@@ -1,10 +1,5 @@
-"""Pure-Python twin of ext/sampling_rows.pyx: one step's sampling rows, read into the host arrays
-and lists that `SamplingBatch.from_rows` uploads (pipeline/runner/sampling_batch.py).
-
-The device thread runs this once per step over every row (256 at batch 256), holding the GIL; in
-Python a row costs most of a microsecond, a seeded one's 64-bit key several. The compiled module
-does the common row (greedy or temperature, maybe top-k/top-p/min-p, maybe a grammar) in C, and the
-rare parts (penalties, logit_bias, min_tokens, forced tokens) with the same Python calls as here.
+"""One step's sampling rows, read into the host arrays and lists that `SamplingBatch.from_rows`
+uploads (pipeline/runner/sampling_batch.py). The device thread runs this once per step over every row.
 
 Neutral values encode "off": temperature 1, top_k 0, top_p 1, min_p 0, penalties 1/0/0, logprobs -1.
 Greedy rows (temperature < GREEDY_EPS) keep neutral temperature and filters and draw no noise.
