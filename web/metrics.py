@@ -1,4 +1,4 @@
-"""Prometheus metrics for GET /metrics (DESIGN.md "Observability").
+"""Prometheus metrics for GET /metrics (docs/architecture.md, "Observability").
 
 Two sources: per-request observations pushed by the HTTP layer (counters and histograms kept here),
 and engine state pulled from `Engine.stats()` at scrape time by a custom collector, so the engine

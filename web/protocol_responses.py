@@ -24,7 +24,7 @@ OWNED_BY = "conveyor"
 # The openai types accept only stop/length/tool_calls/content_filter/function_call. A sequence the
 # server cut short (abort: timeout, shutdown, admin abort) or that failed mid-way is reported as
 # "length": the answer is truncated, and agent clients must not read it as a complete "stop"
-# (DESIGN lesson 2). Errors are also sent as an error object; this is only the choice's field.
+# (docs/architecture.md, invariant 2). Errors are also sent as an error object; this is only the choice's field.
 WIRE_FINISH_REASONS: dict[FinishReason, str] = {
     FinishReason.STOP: "stop",
     FinishReason.LENGTH: "length",

@@ -1,4 +1,4 @@
-"""The one logits-processing pipeline (DESIGN lesson 3).
+"""The one logits-processing pipeline (docs/architecture.md, invariant 3).
 
 Every path that picks a token — the first token after prefill, plain decode, each position of a
 speculative verify — goes through `Sampler`, which calls `apply_logits_pipeline` exactly once. The

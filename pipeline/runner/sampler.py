@@ -1,7 +1,7 @@
 """The sampler: logits [S, V] -> one token per row, plus logprobs, with one device->host copy.
 
 Every path that picks a token calls `Sampler`, and the sampler runs the single logits pipeline
-(`apply_logits_pipeline`) before choosing; there is no other route to a token (DESIGN lesson 3).
+(`apply_logits_pipeline`) before choosing; there is no other route to a token (docs/architecture.md, invariant 3).
 
 Randomness is stateless. A random row's noise is a counter-based hash of (its rng_key, vocab
 index): rng_key mixes only (seed, counter), so a row draws the same token alone or in any batch,
