@@ -31,7 +31,7 @@ from pipeline.engine import Engine  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
 
 from gpu_correctness import correctness  # noqa: E402
-from gpu_steps import step_profile  # noqa: E402
+from gpu_steps import step_profile, verify_profile  # noqa: E402
 from gpu_util import T0, free_device, log, num_params, pct, time_ms  # noqa: E402
 
 QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
@@ -41,7 +41,7 @@ QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_si
                 attention_bias=False)
 QUICK = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
-SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "steps", "serve", "kernels", "peer")
+SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "steps", "verify", "serve", "kernels", "peer")
 
 
 def ceilings(a: argparse.Namespace) -> dict:
@@ -132,7 +132,7 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
     """B1 (batch-1 decode, best of 3 after a warm-up) and OFF (all requests at once) on one dummy engine."""
     config = engine_config(a, model_dir)
     engine = await Engine.create(config, progress=lambda m: log(f"  engine: {m}"))
-    blocks = engine.pool.capacity
+    blocks = engine.cache.capacity
     report["engine_config"] = {k: getattr(config, k) for k in ("max_num_seqs", "max_num_batched_tokens", "block_size",
                                                                 "gpu_memory_utilization", "cuda_graphs", "dtype")}
     try:
@@ -167,6 +167,9 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
             report["steps"] = await step_profile(engine, batches, 64 if a.quick else 576)
             steps = {k: v for k, v in report['steps'].items() if not k.startswith('top_kernels')}
             log(f"steps: {json.dumps(steps)}")
+        if "verify" not in a.skip and a.device == "cuda":  # last: it recaptures the graphs for q <= 8
+            report["verify"] = await verify_profile(engine, [1, 64], 64 if a.quick else 576)
+            log(f"verify: {json.dumps(report['verify'])}")
     finally:
         await engine.shutdown()
         del engine
@@ -321,7 +324,7 @@ def main() -> None:
                                          max(60.0, left()))),
     ]
     for name, fn in steps:
-        if name in a.skip or (name == "b1_off" and {"b1", "off", "steps"} <= set(a.skip)):
+        if name in a.skip or (name == "b1_off" and {"b1", "off", "steps", "verify"} <= set(a.skip)):
             continue
         if not cuda and name in ("kernels", "peer"):
             report[name] = {"skipped": "needs CUDA"}

@@ -33,18 +33,16 @@ def hf_greedy(hf, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor,
 @torch.no_grad()
 def paged_greedy(model, prompt: list[int], n: int, device: str, bs: int = 16):
     """Ours over a paged KV cache on ``device``: prefill then n greedy decode steps (same outputs as hf_greedy)."""
-    from kernels.kv_cache import allocate_kv_cache
     from pipeline.models.attention import build_attention_metadata
+    from pipeline.models.forward_context import ForwardContext, allocate_caches
 
-    arch = model.arch
     table = list(range(1, -(-(len(prompt) + n) // bs) + 1))
-    caches = allocate_kv_cache(arch.num_layers, len(table) + 1, bs, arch.num_kv_heads, arch.head_dim,
-                               model.model.embed_tokens.weight.dtype, device)
+    caches = allocate_caches(model.cache_specs(model.model.embed_tokens.weight.dtype), len(table) + 1, bs, device)
 
     def step(ids: list[int], start: int) -> torch.Tensor:
         meta = build_attention_metadata([len(ids)], [start + len(ids)], [table], bs, device)
         hidden = model(torch.tensor(ids, device=device), torch.arange(start, start + len(ids), device=device),
-                       caches, meta)
+                       ForwardContext(meta, caches))
         return model.compute_logits(hidden).float()
 
     prompt_logits = step(prompt, 0)

@@ -39,7 +39,7 @@ async def off_run(a: argparse.Namespace, model_dir: str, budget: int, seats: int
         out, ttft = sum(len(r["ids"]) for r in res), [r["stamps"][0][0] - start for r in res]
         graphs = engine.loaded.runner.graphs
         return {"max_num_batched_tokens": budget, "max_num_seqs": seats, "engine_start_s": round(start_s, 1),
-                "graph_sizes": len(graphs.sizes) if graphs is not None else 0, "kv_blocks": engine.pool.capacity,
+                "graph_sizes": len(graphs.sizes) if graphs is not None else 0, "kv_blocks": engine.cache.capacity,
                 "requests": nreq, "output_tok_s": round(out / wall, 1), "wall_s": round(wall, 2),
                 "ttft_s": {"p50": pct(ttft, 50), "max": max(ttft)},
                 **{k: after[k] - before[k] for k in ("device_steps", "mixed_steps", "preemptions")}}

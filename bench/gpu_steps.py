@@ -1,9 +1,14 @@
-"""bench/gpu.py's step section: where a decode step's time goes, at several batch sizes.
+"""bench/gpu.py's step section: where a decode step's time goes, at several batch sizes, and what a
+multi-token (verify) step costs.
 
 For each batch (every sequence at the same context length) on the engine's own runner, on its
 device thread: the graph replay alone (CUDA events), a launch + wait loop (what step-by-step
 decode costs), a run-ahead loop (launch N+1 fed from N, then wait for N), and the host time of a
 launch. At the largest batch, the top kernels of one step from torch.profiler.
+
+`verify_cost`: the forward of rows of q = K+1 tokens with logits at every position (what a
+speculative verify step runs), q = 1..8, at batch 1 and 64, through the runner's CUDA graphs
+(captured for q up to 8) and eagerly: its time against one decode step's.
 """
 from __future__ import annotations
 
@@ -14,18 +19,21 @@ import torch
 
 from pipeline.request import SamplingParams
 from pipeline.runner.sampling_batch import SamplingRow
-from pipeline.runner.step_plan import ScheduledChunk, StepPlan
+from pipeline.runner.step_plan import ScheduledChunk, StepPlan, build_step_plan
 
 
-def decode_plan(batch: int, context: int, block_size: int, fed: bool) -> StepPlan:
-    per_seq = -(-(context + 1) // block_size)
+def decode_plan(batch: int, context: int, block_size: int, fed: bool, query_len: int = 1) -> StepPlan:
+    """`batch` rows of `query_len` tokens after `context` cached ones, logits at every token."""
+    per_seq = -(-(context + query_len) // block_size)
     params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
     chunks = []
     for i in range(batch):
-        row = SamplingRow(params, [], [], frozenset(), seed=i, counter=0)
+        rows = [SamplingRow(params, [], [], frozenset(), seed=i, counter=0) for _ in range(query_len)]
         blocks = list(range(1 + i * per_seq, 1 + (i + 1) * per_seq))
-        chunks.append(ScheduledChunk([100 + i], context, blocks, [row], previous_row=i if fed else -1))
-    return StepPlan(chunks)
+        chunks.append(ScheduledChunk([100 + i + j for j in range(query_len)], context, blocks, rows,
+                                     previous_row=i * query_len + query_len - 1 if fed else -1,
+                                     logits_offsets=list(range(query_len))))
+    return build_step_plan(chunks, block_size)
 
 
 def profile_runner(runner, batches: list[int], context: int, iters: int = 20) -> dict:
@@ -55,22 +63,8 @@ def profile_runner(runner, batches: list[int], context: int, iters: int = 20) ->
         ahead_ms = (time.perf_counter() - start) * 1e3 / iters
 
         replay_ms = None
-        if runner.graphs is not None and runner.graphs.fits(batch, len(plain.chunks[0].block_ids)):
-            from ext import load
-
-            inputs = load("step_inputs").build_step_inputs(
-                [c.token_ids for c in plain.chunks], [c.start_pos for c in plain.chunks],
-                [c.block_ids for c in plain.chunks], runner.block_size)
-            ids, pos, slots, _, lens, tables = inputs
-            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            runner.graphs.run(ids, pos, slots, lens, tables)
-            torch.cuda.synchronize()
-            begin.record()
-            for _ in range(iters):
-                runner.graphs.run(ids, pos, slots, lens, tables)
-            end.record()
-            torch.cuda.synchronize()
-            replay_ms = begin.elapsed_time(end) / iters
+        if runner.graphs is not None and runner.graphs.fits(batch, 1, plain.forward.block_tables.shape[1]):
+            replay_ms = _device_ms(lambda: runner.graphs.run(plain.forward), iters)
         results[str(batch)] = {"stepwise_ms": stepwise_ms, "run_ahead_ms": ahead_ms, "graph_replay_ms": replay_ms,
                                "host_launch_ms_p50": float(np.median(host_launch)) * 1e3}
     for batch in (batches[0], batches[-1]):
@@ -86,6 +80,51 @@ def profile_runner(runner, batches: list[int], context: int, iters: int = 20) ->
                         for e in events[:20]]}
     results["context"] = context
     return results
+
+
+def _device_ms(step, iters: int) -> float:
+    """Mean device time of `step()` over `iters` back-to-back calls (CUDA events)."""
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    step()
+    torch.cuda.synchronize()
+    begin.record()
+    for _ in range(iters):
+        step()
+    end.record()
+    torch.cuda.synchronize()
+    return begin.elapsed_time(end) / iters
+
+
+def verify_cost(runner, batches: list[int], context: int, max_query_len: int = 8, iters: int = 20) -> dict:
+    """Forward time of rows of q tokens (logits at all q) against q = 1, per batch: graph and eager.
+    Runs on the device thread; captures graphs for q <= max_query_len first if the runner has none."""
+    if runner.graphs is None or runner.graphs.max_query_len < max_query_len:
+        max_model_len = runner.graphs.max_blocks * runner.block_size if runner.graphs else context + 64
+        runner.capture_decode_graphs(max(batches), max_model_len, max_query_len)
+    results: dict = {"context": context}
+    for batch in batches:
+        rows: dict = {}
+        for q in range(1, max_query_len + 1):
+            forward = decode_plan(batch, context, runner.block_size, fed=False, query_len=q).forward
+            graphs = runner.graphs
+            graph_ms = (_device_ms(lambda: graphs.run(forward), iters)
+                        if graphs.fits(batch, q, forward.block_tables.shape[1]) else None)
+            saved, runner.graphs = runner.graphs, None  # the eager path for the same batch
+            try:
+                eager_ms = _device_ms(lambda: runner.compute_logits(forward), iters)
+            finally:
+                runner.graphs = saved
+            rows[str(q)] = {"graph_ms": graph_ms, "eager_ms": eager_ms}
+        base = rows["1"]["graph_ms"] or rows["1"]["eager_ms"]
+        for entry in rows.values():
+            entry["vs_decode_step"] = (entry["graph_ms"] or entry["eager_ms"]) / base
+        results[f"batch{batch}"] = rows
+    return results
+
+
+async def verify_profile(engine, batches: list[int], context: int) -> dict:
+    runner = engine.loaded.runner
+    return await engine.executor.call(lambda: verify_cost(runner, batches, context))
 
 
 async def step_profile(engine, batches: list[int], context: int) -> dict:

@@ -79,18 +79,15 @@ def masked_pick(words: np.ndarray, rows: list[int], ids: np.ndarray) -> None:
         ids[refused] = first * 32 + np.log2(lowest).astype(np.int64)
 
 
-def null_launch(vocab: int, block_size: int):
-    step_inputs = ext.load("step_inputs")
+def null_launch(vocab: int):
+    """A launch with no device: the plans arrive built (their inputs were built on the event loop)."""
     cpu = torch.device("cpu")
     staging = HostStaging()  # as the runner's
 
     def launch(plan: StepPlan, previous_tokens, previous_host=None) -> NullSample:
-        chunks = plan.chunks
-        step_inputs.build_step_inputs([c.token_ids for c in chunks], [c.start_pos for c in chunks],
-                                      [c.block_ids for c in chunks], block_size)
-        rows = [row for c in chunks for row in c.rows]
+        rows = list(plan.rows)
         # the "device's" pick, as cheap as a device's is for the host: a hash of each row's position
-        ends = np.fromiter((c.start_pos + len(c.token_ids) for c in chunks for _ in c.rows), np.int64, len(rows))
+        ends = plan.forward.positions[plan.forward.logits_indices] + 1
         ids = (ends * 2654435761 + np.arange(len(rows)) * 97) % (vocab - 300) + 256
         if rows:
             batch = SamplingBatch.from_rows(rows, vocab, cpu, staging)
@@ -205,7 +202,7 @@ async def measure(a: argparse.Namespace) -> dict:
                           **({"gil_switch_interval_s": a.gil_switch_interval} if a.gil_switch_interval else {}))
     engine = await Engine.create(config)
     collector = CollectorPauses()
-    engine.executor.bind(null_launch(engine.loaded.limits.vocab_size, config.block_size))
+    engine.executor.bind(null_launch(engine.loaded.limits.vocab_size))
     runner = url = None
     if a.http:
         from aiohttp import web

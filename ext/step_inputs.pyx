@@ -10,9 +10,8 @@ def build_step_inputs(list token_lists, list start_positions, list block_lists, 
     cdef Py_ssize_t num_seqs = len(token_lists)
     cdef Py_ssize_t total = 0, max_blocks = 1, b, j, cursor = 0, pos, start, n, needed
     cdef list tokens, blocks
-    # A table holds the blocks the positions reach, no more: the lists are shared with the event loop,
-    # which may append while this runs (the numpy calls below can switch threads), so only that prefix
-    # is a snapshot, and the table's width must not depend on a list's current length.
+    # A table holds the blocks the positions reach, no more: a sequence's list may already hold blocks
+    # for tokens past this step (a lookahead), and the table's width must not depend on them.
     for b in range(num_seqs):
         n = len(<list>token_lists[b])
         total += n

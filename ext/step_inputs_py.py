@@ -18,9 +18,8 @@ def build_step_inputs(
     """Return input_ids, positions, slot_mapping (int64 [T]), query_start_loc (int32 [B+1]),
     seq_lens (int32 [B]) and block_tables (int32 [B, max_blocks], padded with block 0).
 
-    A sequence's block table holds the blocks its positions reach, no more: block lists are shared
-    with the event loop, which may append to one while this runs (step_plan.py), so only that
-    prefix of a list is a snapshot."""
+    A sequence's block table holds the blocks its positions reach, no more: its list may already
+    hold blocks for tokens past this step (a lookahead), and the table's width must not depend on them."""
     num_seqs = len(token_lists)
     total = sum(len(tokens) for tokens in token_lists)
     needed = [-(-(start + len(tokens)) // block_size) for tokens, start in zip(token_lists, start_positions)]

@@ -3,7 +3,8 @@
     generate() ─▶ Intake ─▶ Prefill ─▶ Decode ─▶ Detokenize ─▶ Stream ─▶ OutputChannel ─▶ caller
                                  ▲        │  (preempted sequences go back to prefill)
                                  └────────┘
-Prefill and decode share one device through the DeviceExecutor thread and one KV block pool.
+Prefill and decode share one device through the DeviceExecutor thread and one KV cache manager
+(which owns the KV block pool: the stages ask it, they never touch the pool).
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pipeline.config import EngineConfig
 from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
 from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_serving
 from pipeline.loading import LoadedModel, load_model
+from pipeline.memory.cache_manager import CacheManager
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.messages import IntakeItem
 from pipeline.output_channel import OutputChannel
@@ -43,7 +45,7 @@ class Engine:
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.pool = KVBlockPool(loaded.num_blocks, config.block_size)
+        self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size))
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
         self.executor = executor
@@ -51,7 +53,7 @@ class Engine:
         seat_bound = config.max_num_seqs + config.stage_queue_size  # never full: see scheduler.py
         self.stream = StreamStage(config.stage_queue_size)
         self.detokenize = DetokenizeStage(config.stage_queue_size, tokenizer=self.tokenizer, stream=self.stream)
-        shared = dict(pool=self.pool, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
+        shared = dict(cache=self.cache, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
         self.decode = DecodeStage(seat_bound, run_ahead=config.run_ahead, **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, token_budget=config.max_num_batched_tokens,
                                     decode=self.decode, **shared)
@@ -213,7 +215,7 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         return {
             "stages": {stage.name: stage.snapshot() for stage in self.stages},
-            "kv_blocks": {"total": self.pool.capacity, "used": self.pool.num_used, "free": self.pool.num_free},
+            "kv_blocks": {"total": self.cache.capacity, "used": self.cache.num_used, "free": self.cache.num_free},
             "seats": {"capacity": self.seats.capacity, "held": self.seats.held},
             "waiting": {"requests": self.waiting.requests, "tokens": self.waiting.tokens},
             "running": len(self.decode.running),

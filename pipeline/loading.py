@@ -11,7 +11,7 @@ from pipeline.config import EngineConfig
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
 from pipeline.models.registry import build_model
-from pipeline.runner.model_runner import ModelRunner, kv_bytes_per_block
+from pipeline.runner.model_runner import ModelRunner
 from pipeline.stages.intake import ModelLimits, generation_defaults
 from pipeline.thinking import ThinkingTags
 from pipeline.tokenizer import Tokenizer
@@ -78,9 +78,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers) "
         f"as {dtype} on {device}")
     model = build_model(arch, None if dummy else iter_weights(path), dtype, device)
-    runner = ModelRunner(model, num_layers=arch.num_layers, num_kv_heads=arch.num_kv_heads, head_dim=arch.head_dim,
-                         vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device)
-    block_bytes = kv_bytes_per_block(arch.num_layers, arch.num_kv_heads, arch.head_dim, config.block_size, dtype)
+    runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device)
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
@@ -88,8 +86,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         num_blocks = runner.kv_blocks_for_gpu(config.gpu_memory_utilization, config.max_num_batched_tokens,
                                               config.max_num_seqs)
     else:
-        num_blocks = max(2, int(config.kv_cache_memory_gib * (1 << 30)) // block_bytes)
-    runner.allocate_kv_cache(num_blocks)
+        num_blocks = max(2, int(config.kv_cache_memory_gib * (1 << 30)) // runner.bytes_per_block)
+    runner.allocate_caches(num_blocks)
     pool_tokens = (num_blocks - 1) * config.block_size
     max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
     if device.type == "cuda" and config.cuda_graphs:

@@ -128,9 +128,3 @@ def prefill_victims(waiting: list[Sequence], blocks_needed: int, head: Sequence)
 def decode_victim(running: list[Sequence]) -> Sequence:
     """The running sequence to preempt when decode runs out of blocks: the latest arrival."""
     return max(running, key=lambda s: s.arrival)
-
-
-def blocks_to_grow(seq: Sequence, block_size: int, ahead: int = 0) -> int:
-    """Blocks a decoding sequence needs before its pending tokens (and `ahead` tokens sampled on the
-    device but not yet seen by the host) can be written."""
-    return max(0, -(-(len(seq.token_ids) + ahead) // block_size) - len(seq.block_ids))

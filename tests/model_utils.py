@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kernels.kv_cache import allocate_kv_cache
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
 from pipeline.models.config import ModelArchConfig
+from pipeline.models.forward_context import ForwardContext, allocate_caches
 from pipeline.models.registry import build_model
 
 SMOLLM2_VOCAB = 49152  # the SmolLM2 tokenizer's vocab size, so tiny models can share its tokenizer
@@ -120,7 +120,7 @@ class PagedRun:
     generated: list[list[int]]  # per sequence: greedy tokens
     decode_logits: list[list[torch.Tensor]]  # per sequence: the [V] logits each generated token was taken from
     block_tables: list[list[int]]
-    kv_caches: list[torch.Tensor]
+    caches: list[torch.Tensor]  # by cache index, as model.cache_specs() declared them
     step_kinds: list[str] = field(default_factory=list)  # "decode" | "prefill" | "mixed" per forward step
 
 
@@ -181,13 +181,12 @@ def run_paged(
     still prefilling and one decode token of every other unfinished sequence, so mixed lengths give mixed
     prefill+decode steps and the tail is decode-only. batched=False runs the sequences one after another.
     """
-    arch: ModelArchConfig = model.arch
     prompts = [list(p) for p in token_ids_per_seq]
     tables, nb = allocate_blocks(
         [len(p) + max_new_tokens for p in prompts], block_size, num_blocks, shuffle_blocks, seed
     )
     dtype = kv_dtype or model.model.embed_tokens.weight.dtype
-    kv_caches = allocate_kv_cache(arch.num_layers, nb, block_size, arch.num_kv_heads, arch.head_dim, dtype)
+    caches = allocate_caches(model.cache_specs(dtype), nb, block_size)
     n = len(prompts)
     plans = [_chunk_sizes(chunks, len(p)) for p in prompts]
     tokens = [list(p) for p in prompts]
@@ -223,7 +222,8 @@ def run_paged(
                 slens.append(start + q)
             meta = build_attention_metadata(qlens, slens, [tables[b] for b in active], block_size)
             kinds.append("decode" if not any(prefilling) else ("prefill" if all(prefilling) else "mixed"))
-            hidden = model(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), kv_caches, meta)
+            ctx = ForwardContext(meta, caches)
+            hidden = model(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), ctx)
             qsl = meta.query_start_loc_host
             for i, b in enumerate(active):
                 if prefilling[i]:
@@ -243,6 +243,6 @@ def run_paged(
         generated=generated,
         decode_logits=decode_logits,
         block_tables=tables,
-        kv_caches=kv_caches,
+        caches=caches,
         step_kinds=kinds,
     )

@@ -9,9 +9,9 @@ from torch import nn
 
 from kernels import dispatch
 from kernels.kv_cache import write_kv_ref
-from kernels.paged_attention import PagedAttentionPlan, paged_attention_ref
+from kernels.paged_attention import paged_attention_ref
 from kernels.triton_paged_attention import paged_attention_triton
-from pipeline.models.attention import AttentionMetadata
+from pipeline.models.forward_context import ForwardContext
 from pipeline.models.rope import apply_rotary_emb_
 
 
@@ -160,10 +160,14 @@ class GatedMLP(nn.Module):
 
 
 class PagedAttention(nn.Module):
-    """Fused qkv projection (+bias), optional per-head q/k RMSNorm, rope, KV write, paged attention, o_proj."""
+    """Fused qkv projection (+bias), optional per-head q/k RMSNorm, rope, KV write, paged attention, o_proj.
+
+    ``cache_index`` is this layer's place among the model's attention layers: which of ``ctx.caches`` is
+    its paged K/V cache (the model's ``cache_specs()`` declares them in that order)."""
 
     def __init__(
         self,
+        cache_index: int,
         hidden_size: int,
         num_heads: int,
         num_kv_heads: int,
@@ -177,6 +181,7 @@ class PagedAttention(nn.Module):
         device=None,
     ) -> None:
         super().__init__()
+        self.cache_index = cache_index
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -192,15 +197,12 @@ class PagedAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(
-        self,
-        x: torch.Tensor,  # [T, hidden]
-        cos: torch.Tensor,  # [T, 1, rotary_dim] from RotaryEmbedding.cos_sin (once per step)
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,  # [2, NB, BS, KVH, D]
-        meta: AttentionMetadata,
-        plan: PagedAttentionPlan | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """x [T, hidden] -> [T, hidden]. Reads the step's rope (cos/sin [T, 1, rotary_dim]) and attention plan
+        from ``ctx``, which the model filled once for all layers, and writes this step's K/V into its cache."""
+        kv_cache = ctx.kv_cache(self.cache_index)  # [2, NB, BS, KVH, D]
+        meta, plan = ctx.attention, ctx.attention_plan
+        cos, sin = ctx.rope
         T = x.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)

@@ -10,9 +10,9 @@ import torch
 from torch import nn
 
 from kernels.dispatch import use_triton
-from kernels.paged_attention import PagedAttentionPlan, plan_paged_attention
-from pipeline.models.attention import AttentionMetadata
+from kernels.paged_attention import plan_paged_attention
 from pipeline.models.config import ModelArchConfig
+from pipeline.models.forward_context import ForwardContext, PagedKVSpec
 from pipeline.models.layers import (
     Embedding,
     GatedMLP,
@@ -29,10 +29,14 @@ from pipeline.models.rope import RotaryEmbedding
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype=None, device=None) -> None:
+    """Attention then MLP, each behind a fused residual-add RMSNorm. Every layer attends, so its
+    cache index is its layer index."""
+
+    def __init__(self, arch: ModelArchConfig, layer_index: int, dtype=None, device=None) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.self_attn = PagedAttention(
+            layer_index,
             arch.hidden_size,
             arch.num_heads,
             arch.num_kv_heads,
@@ -52,18 +56,14 @@ class LlamaDecoderLayer(nn.Module):
         self,
         x: torch.Tensor,
         residual: torch.Tensor | None,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        kv_cache: torch.Tensor,
-        meta: AttentionMetadata,
-        plan: PagedAttentionPlan | None,
+        ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if residual is None:
             residual = x
             x = self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, cos, sin, kv_cache, meta, plan)
+        x = self.self_attn(x, ctx)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
@@ -72,7 +72,7 @@ class LlamaModel(nn.Module):
     def __init__(self, arch: ModelArchConfig, dtype=None, device=None) -> None:
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, dtype, device) for _ in range(arch.num_layers)])
+        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding.from_arch(arch, dtype=dtype, device=device)
 
@@ -89,8 +89,9 @@ _IGNORED_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
 class LlamaForCausalLM(nn.Module):
-    """``forward(input_ids [T], positions [T], kv_caches, meta) -> hidden [T, hidden]`` (final norm applied);
-    ``compute_logits(hidden [S, hidden]) -> [S, vocab] float32``."""
+    """``forward(input_ids [T], positions [T], ctx) -> hidden [T, hidden]`` (final norm applied);
+    ``compute_logits(hidden [S, hidden]) -> [S, vocab] float32``; ``cache_specs(kv_dtype)`` -> the caches
+    ``ctx.caches`` must hold (one paged K/V cache per layer)."""
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
@@ -112,22 +113,27 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
+    def cache_specs(self, kv_dtype: torch.dtype) -> list[PagedKVSpec]:
+        """One paged K/V cache per layer, in layer (= cache-index) order; the runner allocates them."""
+        spec = PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)
+        return [spec] * self.arch.num_layers
+
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        kv_caches: list[torch.Tensor],
-        meta: AttentionMetadata,
-    ) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """Fills ``ctx.rope`` and ``ctx.attention_plan`` (computed once here, read by every layer), then runs
+        the layers over ``ctx.caches``."""
         m = self.model
         x = m.embed_tokens(input_ids)
-        cos, sin = m.rotary_emb.cos_sin(positions)  # shared by all layers
-        # the torch reference's gather indices / masks, shared by all layers (the Triton path needs none)
-        plan = meta.kernel_plan if use_triton(input_ids.device) else plan_paged_attention(meta, kv_caches[0].shape[2])
+        ctx.rope = m.rotary_emb.cos_sin(positions)
+        # the Triton path's launch choices, or the torch reference's gather indices / masks
+        ctx.attention_plan = (
+            ctx.attention.kernel_plan
+            if use_triton(input_ids.device)
+            else plan_paged_attention(ctx.attention, ctx.kv_cache(0).shape[2])
+        )
         residual = None
-        for layer, kv_cache in zip(m.layers, kv_caches):
-            x, residual = layer(x, residual, cos, sin, kv_cache, meta, plan)
+        for layer in m.layers:
+            x, residual = layer(x, residual, ctx)
         x, _ = m.norm(x, residual)
         return x
 

@@ -156,7 +156,7 @@ class DeviceExecutor:
         try:
             if self._launch is None:
                 raise RuntimeError("the device executor has no model bound")
-            fed = [s.lane for s in steps if any(c.previous_row >= 0 for c in s.plan.chunks)]
+            fed = [s.lane for s in steps if len(s.plan.forward.feed_targets)]
             if len(fed) > 1:
                 raise RuntimeError(f"several stages feed from their previous steps in one forward: {fed}")
             last = self._lane_samples.get(fed[0]) if fed else None

@@ -1,28 +1,29 @@
-"""Runs one step plan on the device: build inputs, forward, pick tokens through the one sampler.
+"""Runs one step plan on the device, in three parts that a second process could split:
+
+- `prepare`: a plan's forward batch (host arrays) -> a `DeviceBatch`: its tensors on the device and
+  the forward context (or a CUDA graph chosen for it);
+- `forward`: what every rank runs for a step: the fed tokens copied in, the model, the logits at the
+  batch's logits indices;
+- `sample`: rank 0 only: the grammar masks and the one sampler (the logits pipeline).
 
 Owned by the executor thread; nothing here touches asyncio or stage state.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-import ext
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
+from pipeline.models.forward_context import ForwardContext, allocate_caches, bytes_per_block
 from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.runner.host_staging import HostStaging
 from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
 from pipeline.runner.sampling_batch import SamplingBatch
-from pipeline.runner.step_plan import StepPlan
+from pipeline.runner.step_plan import ForwardBatch, StepPlan
 from pipeline.runner.token_feed import TokenFeed
-
-_step_inputs = ext.load("step_inputs")
-
-
-def kv_bytes_per_block(num_layers: int, num_kv_heads: int, head_dim: int, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * num_layers * block_size * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
 def empty_sample(device: torch.device) -> DeviceSample:
@@ -30,56 +31,57 @@ def empty_sample(device: torch.device) -> DeviceSample:
                         torch.empty(0, 1, dtype=torch.float64, device=device), 0, np.empty(0, dtype=np.int64), False)
 
 
+@dataclass(slots=True)
+class DeviceBatch:
+    """A forward batch made ready on the device. With `graph` set, a CUDA graph replays it (the
+    graph copies the host arrays into its own buffers); otherwise the tensors and context are set."""
+
+    batch: ForwardBatch
+    graph: bool
+    input_ids: torch.Tensor | None = None
+    positions: torch.Tensor | None = None
+    context: ForwardContext | None = None
+    logits_indices: torch.Tensor | None = None
+
+
 class ModelRunner:
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        *,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        vocab_size: int,
-        block_size: int,
-        dtype: torch.dtype,
-        device: torch.device,
-    ) -> None:
+    def __init__(self, model: torch.nn.Module, *, vocab_size: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device) -> None:
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
-        self.kv_shape = (num_layers, num_kv_heads, head_dim)
         self.dtype = dtype
-        self.kv_caches: list[torch.Tensor] = []
+        self.cache_specs = model.cache_specs(dtype)
+        self.caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
         self.staging = HostStaging()  # this runner's reused host buffers (only its launches touch them)
 
-    def allocate_kv_cache(self, num_blocks: int) -> None:
-        num_layers, num_kv_heads, head_dim = self.kv_shape
-        self.kv_caches = [
-            torch.zeros(2, num_blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype, device=self.device)
-            for _ in range(num_layers)
-        ]
+    @property
+    def bytes_per_block(self) -> int:
+        return bytes_per_block(self.cache_specs, self.block_size)
+
+    def allocate_caches(self, num_blocks: int) -> None:
+        self.caches = allocate_caches(self.cache_specs, num_blocks, self.block_size, self.device)
 
     @torch.inference_mode()
     def kv_blocks_for_gpu(self, utilization: float, profile_tokens: int, profile_rows: int,
                           reserve_bytes: int = 1 << 30) -> int:
         """KV blocks that fit in `utilization` of the device after weights and the peak activations of
         the largest step (a profiling prefill of `profile_tokens` tokens, logits for `profile_rows`)."""
-        num_layers, num_kv_heads, head_dim = self.kv_shape
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         blocks = -(-profile_tokens // self.block_size) + 1
-        scratch = [torch.zeros(2, blocks, self.block_size, num_kv_heads, head_dim, dtype=self.dtype,
-                               device=self.device) for _ in range(num_layers)]
+        scratch = allocate_caches(self.cache_specs, blocks, self.block_size, self.device)
         meta = build_attention_metadata([profile_tokens], [profile_tokens], [list(range(1, blocks))],
                                         self.block_size, self.device)
         ids = torch.zeros(profile_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(profile_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, positions, scratch, meta)
+        hidden = self.model(ids, positions, ForwardContext(meta, scratch))
         self.model.compute_logits(hidden[-min(profile_rows, profile_tokens):].repeat(
             -(-profile_rows // min(profile_rows, profile_tokens)), 1)[:profile_rows])
         torch.cuda.synchronize(self.device)
@@ -88,26 +90,26 @@ class ModelRunner:
         del scratch, hidden
         torch.cuda.empty_cache()
         budget = total * utilization - (total - free) - activations - reserve_bytes
-        block_bytes = kv_bytes_per_block(num_layers, num_kv_heads, head_dim, self.block_size, self.dtype)
-        if budget < 2 * block_bytes:
+        if budget < 2 * self.bytes_per_block:
             raise RuntimeError(f"no room for the KV cache: {total * utilization / 2**30:.1f} GiB allowed, "
                                f"{(total - free) / 2**30:.1f} GiB used by weights, "
                                f"{activations / 2**30:.1f} GiB by activations")
-        return int(budget // block_bytes)
+        return int(budget // self.bytes_per_block)
 
     def release(self) -> None:
-        """Drop the KV cache, graphs and weights (on the device thread) so the memory returns at shutdown."""
+        """Drop the caches, graphs and weights (on the device thread) so the memory returns at shutdown."""
         self.graphs = None
-        self.kv_caches = []
+        self.caches = []
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
-    def capture_decode_graphs(self, max_batch: int, max_model_len: int) -> None:
-        self.graphs = DecodeGraphs(self.model, self.kv_caches, max_batch=max_batch,
+    def capture_decode_graphs(self, max_batch: int, max_model_len: int, max_query_len: int = 1) -> None:
+        self.graphs = DecodeGraphs(self.model, self.caches, max_batch=max_batch,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
-                                   max_model_len=max_model_len, num_kv_heads=self.kv_shape[1], device=self.device)
+                                   max_model_len=max_model_len, num_kv_heads=self.cache_specs[0].num_kv_heads,
+                                   device=self.device, max_query_len=max_query_len)
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
         """Run a step and wait for its results (tests and tools; the engine launches and fetches apart)."""
@@ -119,53 +121,69 @@ class ModelRunner:
         """Queue a step on the device and return at once; its results arrive with `to_host()`.
 
         `previous_tokens` are the device token ids of the previous step of the stage that planned
-        this one, for chunks that name theirs by row (`previous_row`); `previous_host()` gives the
-        same ids on the host (waiting for them), for grammar rows one step ahead.
+        this one, for tokens named by row (`feed_sources`); `previous_host()` gives the same ids on
+        the host (waiting for them), for grammar rows one step ahead.
         """
-        chunks = plan.chunks
-        if not chunks:
+        if plan.forward.num_tokens == 0:
             return empty_sample(self.device)
-        input_ids, positions, slots, qsl, seq_lens, tables = _step_inputs.build_step_inputs(
-            [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], self.block_size
-        )
-        rows = [row for c in chunks for row in c.rows]
         # Sampling inputs go to the device before the forward is launched: their small copies then
         # never wait behind the step's kernels (on CUDA a pageable copy blocks the host until it lands).
-        batch = SamplingBatch.from_rows(rows, self.vocab_size, self.device, self.staging) if rows else None
-        feed = TokenFeed.for_chunks(chunks, qsl, previous_tokens)
-        decode_only = len(input_ids) == len(chunks)
-        if (self.graphs is not None and decode_only and len(rows) == len(chunks)
-                and self.graphs.fits(len(chunks), tables.shape[1])):
-            logits = self.graphs.run(input_ids, positions, slots, seq_lens, tables, feed)
-            batch.fill_grammar_bitmask(previous_host)  # host work while the graph runs
-            return self.sampler.sample(logits, batch)
-        qsl_host = qsl.tolist()
-        lens_host = seq_lens.tolist()
-        query_lens = [qsl_host[i + 1] - qsl_host[i] for i in range(len(chunks))]
+        sampling = (SamplingBatch.from_rows(list(plan.rows), self.vocab_size, self.device, self.staging)
+                    if plan.rows else None)
+        logits = self.forward(self.prepare(plan.forward), previous_tokens)
+        if sampling is None:
+            return empty_sample(self.device)
+        return self.sample(logits, sampling, previous_host)
+
+    @torch.inference_mode()
+    def compute_logits(self, batch: ForwardBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """The logits [S, vocab] at the batch's logits indices (tests and tools: no sampling)."""
+        return self.forward(self.prepare(batch), previous_tokens)
+
+    def prepare(self, batch: ForwardBatch) -> DeviceBatch:
+        graphs = self.graphs
+        if graphs is not None and batch.is_uniform_decode and graphs.fits(
+                batch.num_seqs, batch.num_tokens // batch.num_seqs, batch.block_tables.shape[1]):
+            return DeviceBatch(batch, graph=True)
+        qsl_host = batch.query_start_loc.tolist()
+        lens_host = batch.seq_lens.tolist()
+        max_query_len = max(qsl_host[i + 1] - qsl_host[i] for i in range(len(lens_host)))
         meta = AttentionMetadata(
-            slot_mapping=self._to_device(slots),
-            query_start_loc=self._to_device(qsl),
-            seq_lens=self._to_device(seq_lens),
-            block_tables=self._to_device(tables),
+            slot_mapping=self._to_device(batch.slot_mapping),
+            query_start_loc=self._to_device(batch.query_start_loc),
+            seq_lens=self._to_device(batch.seq_lens),
+            block_tables=self._to_device(batch.block_tables),
             query_start_loc_host=qsl_host,
             seq_lens_host=lens_host,
-            max_query_len=max(query_lens),
+            max_query_len=max_query_len,
             max_seq_len=max(lens_host),
-            is_decode_only=decode_only,
+            is_decode_only=max_query_len == 1,
         )
-        last_index = self._to_device(np.asarray([qsl_host[i + 1] - 1 for i, c in enumerate(chunks) for _ in c.rows],
-                                                dtype=np.int64))
-        ids = self._to_device(input_ids)
+        return DeviceBatch(batch, False, self._to_device(batch.input_ids), self._to_device(batch.positions),
+                           ForwardContext(meta, self.caches), self._to_device(batch.logits_indices))
+
+    def forward(self, prepared: DeviceBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [S, vocab] float32 at the batch's logits indices, queued on the device."""
+        batch = prepared.batch
+        feed = TokenFeed.of(batch.feed_targets, batch.feed_sources, previous_tokens)
+        if prepared.graph:
+            assert self.graphs is not None
+            return self.graphs.run(batch, feed)
+        ids = prepared.input_ids
+        assert ids is not None and prepared.context is not None and prepared.logits_indices is not None
         if feed is not None:
             if not ids.is_cuda:
                 ids = ids.clone()  # a view of the plan's host array on CPU; do not write into it
             feed.apply(ids)
-        hidden = self.model(ids, self._to_device(positions), self.kv_caches, meta)
-        if batch is None:
-            return empty_sample(self.device)
-        logits = self.model.compute_logits(hidden[last_index])
-        batch.fill_grammar_bitmask(previous_host)  # host work while the forward runs (on CUDA)
-        return self.sampler.sample(logits, batch)
+        hidden = self.model(ids, prepared.positions, prepared.context)
+        if batch.num_logits == 0:  # prompt chunks short of their end
+            return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
+        return self.model.compute_logits(hidden[prepared.logits_indices])
+
+    def sample(self, logits: torch.Tensor, sampling: SamplingBatch,
+               previous_host: Callable[[], np.ndarray] | None = None) -> DeviceSample:
+        sampling.fill_grammar_bitmask(previous_host)  # host work while the forward runs (on CUDA)
+        return self.sampler.sample(logits, sampling)
 
     def _to_device(self, array: np.ndarray) -> torch.Tensor:
         tensor = torch.from_numpy(array)

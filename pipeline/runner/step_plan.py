@@ -1,54 +1,179 @@
-"""What a stage asks the device to do in one step, and what comes back.
+"""What one device step computes, as arrays built once, and what comes back.
 
-A plan is a snapshot: the stage copies tokens into it, so the executor thread never reads state
-that the event loop may change while the step runs. Block lists are shared, not copied (a copy per
-sequence per step costs O(context)): a live sequence's block list only ever grows at its end, and
-freeing rebinds it to a new list, so a plan always finds the blocks its positions need.
+A stage describes its part of a step as `ScheduledChunk`s (a run of tokens of one sequence, the
+sequence's block list, the sampling rows). `build_step_plan` flattens them at once, on the event
+loop, into a `ForwardBatch`: integer arrays that copy what they need (a block list's prefix, the
+tokens), so no plan shares anything with state the loop changes after it was built.
 
-A decode chunk may name its token by the row that sampled it in the stage's previous step, when
-that step is still in flight. Plans from several stages that are waiting at the same time are
-concatenated into one forward (a mixed prefill + decode step).
+A chunk may carry several tokens and ask for logits at several of its positions (a prompt chunk:
+its last; a decode row: its one token; a speculative verify row: all K+1). Its first token may be
+one the previous step sampled and left on the device (`previous_row`), which the runner copies in on
+the device (one step ahead).
+
+The plan splits along the process boundary: the `ForwardBatch` is tensor-only and versioned (what
+every rank runs; it serialises to bytes), the sampling rows stay on rank 0 (live grammar and penalty
+state: what the sampler reads at each logits position).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
-from pipeline.runner.sampling_batch import SamplingRow
+import ext
 from pipeline.runner.sampler import SamplerOutput
+from pipeline.runner.sampling_batch import SamplingRow
+
+_step_inputs = ext.load("step_inputs")
+
+FORWARD_BATCH_VERSION = 1
+
+
+class ForwardBatchVersionError(ValueError):
+    """A serialised forward batch of another layout version (ranks running different code)."""
 
 
 @dataclass(slots=True)
 class ScheduledChunk:
-    token_ids: list[int]  # new tokens fed this step (a prompt chunk, or one decode token)
+    token_ids: list[int]  # new tokens fed this step (a prompt chunk, a decode token, a token and its drafts)
     start_pos: int  # position of token_ids[0]; K/V of positions < start_pos are already cached
-    block_ids: list[int]  # covers start_pos + len(token_ids) tokens (the sequence's own list, shared)
-    rows: list[SamplingRow]  # tokens to pick from the chunk's last position (0, 1 or n)
-    # >= 0: the chunk's one token is still on the device, sampled in row `previous_row` of the
-    # previous step its stage launched (token_ids holds a placeholder). One step ahead.
+    block_ids: list[int]  # covers start_pos + len(token_ids) tokens (read, and copied, when the plan is built)
+    rows: list[SamplingRow]  # tokens to pick; row i reads the logits at position logits_offsets[i]
+    # >= 0: token_ids[0] is still on the device, sampled in row `previous_row` of the previous step
+    # its stage launched (token_ids[0] is a placeholder).
     previous_row: int = -1
+    logits_offsets: list[int] | None = None  # offsets within the chunk, one per row; None: all at the last
 
 
-@dataclass(slots=True)
-class StepPlan:
-    chunks: list[ScheduledChunk]  # fixed once planned
-    num_rows: int = field(init=False)  # sampled rows: read by both threads every step, so counted once
+_ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
+           "logits_indices", "feed_targets", "feed_sources")
+_DTYPES = (np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.int64, np.int64, np.int64)
 
-    def __post_init__(self) -> None:
-        self.num_rows = sum(len(c.rows) for c in self.chunks)
+
+@dataclass(frozen=True, slots=True)
+class ForwardBatch:
+    """One forward's inputs: B rows, T tokens in row order, S logits positions, F fed tokens."""
+
+    input_ids: np.ndarray  # int64 [T] (fed positions hold a placeholder)
+    positions: np.ndarray  # int64 [T]
+    slot_mapping: np.ndarray  # int64 [T]: KV slot each token's K/V is written to
+    query_start_loc: np.ndarray  # int32 [B+1]: row b owns tokens qsl[b]:qsl[b+1]
+    seq_lens: np.ndarray  # int32 [B]: context length including this step's tokens
+    block_tables: np.ndarray  # int32 [B, W], padded with the null block
+    logits_indices: np.ndarray  # int64 [S]: token indices whose logits are computed, in row order
+    feed_targets: np.ndarray  # int64 [F]: token indices that take a previous step's token ...
+    feed_sources: np.ndarray  # int64 [F]: ... from these rows of that step's sampled tokens
+    version: int = FORWARD_BATCH_VERSION
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
 
     @property
     def num_tokens(self) -> int:
-        return sum(len(c.token_ids) for c in self.chunks)
+        return len(self.input_ids)
+
+    @property
+    def num_logits(self) -> int:
+        return len(self.logits_indices)
+
+    @property
+    def is_uniform_decode(self) -> bool:
+        """Every row has the same number of tokens and wants logits at each of them (a CUDA graph's shape)."""
+        b, t = self.num_seqs, self.num_tokens
+        return b > 0 and t % b == 0 and self.num_logits == t and bool(
+            (self.logits_indices == np.arange(t)).all()) and bool(
+            (np.diff(self.query_start_loc) == t // b).all())
+
+    def to_bytes(self) -> bytes:
+        """The wire form: a header (version, array lengths, table width) then the arrays' bytes."""
+        header = np.array([self.version, self.num_tokens, self.num_seqs, self.block_tables.shape[1],
+                           self.num_logits, len(self.feed_targets)], dtype=np.int64)
+        return header.tobytes() + b"".join(
+            np.ascontiguousarray(getattr(self, name), dtype=dtype).tobytes() for name, dtype in zip(_ARRAYS, _DTYPES))
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ForwardBatch:
+        header = np.frombuffer(data, dtype=np.int64, count=6)
+        version = int(header[0])
+        if version != FORWARD_BATCH_VERSION:
+            raise ForwardBatchVersionError(f"forward batch version {version}, this rank reads {FORWARD_BATCH_VERSION}")
+        t, b, w, s, f = (int(x) for x in header[1:])
+        shapes = ((t,), (t,), (t,), (b + 1,), (b,), (b, w), (s,), (f,), (f,))
+        arrays: dict[str, np.ndarray] = {}
+        offset = header.nbytes
+        for name, dtype, shape in zip(_ARRAYS, _DTYPES, shapes):
+            count = int(np.prod(shape))
+            arrays[name] = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
+            offset += count * np.dtype(dtype).itemsize
+        if offset != len(data):
+            raise ValueError(f"forward batch of {len(data)} bytes, its header describes {offset}")
+        return cls(**arrays, version=version)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    forward: ForwardBatch
+    rows: tuple[SamplingRow, ...]  # rank 0's sampling rows: rows[i] reads logits at forward.logits_indices[i]
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.rows)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.forward.num_tokens
+
+
+def build_step_plan(chunks: list[ScheduledChunk], block_size: int) -> StepPlan:
+    input_ids, positions, slots, qsl, seq_lens, tables = _step_inputs.build_step_inputs(
+        [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], block_size)
+    logits: list[int] = []
+    rows: list[SamplingRow] = []
+    targets: list[int] = []
+    sources: list[int] = []
+    for i, chunk in enumerate(chunks):
+        if chunk.rows:
+            start = int(qsl[i])
+            offsets = chunk.logits_offsets
+            if offsets is None:
+                logits.extend([start + len(chunk.token_ids) - 1] * len(chunk.rows))
+            else:
+                if len(offsets) != len(chunk.rows) or not all(0 <= o < len(chunk.token_ids) for o in offsets):
+                    raise ValueError(f"chunk {i}: logits offsets {offsets} for {len(chunk.rows)} rows "
+                                     f"of {len(chunk.token_ids)} tokens")
+                logits.extend(start + o for o in offsets)
+            rows.extend(chunk.rows)
+        if chunk.previous_row >= 0:
+            targets.append(int(qsl[i]))
+            sources.append(chunk.previous_row)
+    forward = ForwardBatch(input_ids, positions, slots, qsl, seq_lens, tables, np.asarray(logits, dtype=np.int64),
+                           np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64))
+    return StepPlan(forward, tuple(rows))
 
 
 def merge_plans(plans: list[StepPlan]) -> StepPlan:
-    """One forward's plan from the plans queued together; a lone plan is itself (plans are fixed once
-    planned, and rebuilding one walks every chunk on the device thread, per step)."""
+    """One forward's plan from plans queued together (rows, tokens and logits in plan order). At most
+    one of them feeds from a previous step (its sources index that stage's previous rows)."""
     if len(plans) == 1:
         return plans[0]
-    return StepPlan([chunk for plan in plans for chunk in plan.chunks])
+    batches = [p.forward for p in plans]
+    width = max(b.block_tables.shape[1] for b in batches)
+    token_offsets = np.cumsum([0] + [b.num_tokens for b in batches])
+    tables = np.zeros((sum(b.num_seqs for b in batches), width), dtype=np.int32)
+    row = 0
+    for b in batches:
+        tables[row:row + b.num_seqs, :b.block_tables.shape[1]] = b.block_tables
+        row += b.num_seqs
+    qsl = np.concatenate([np.zeros(1, dtype=np.int32)] + [b.query_start_loc[1:] + token_offsets[i]
+                                                           for i, b in enumerate(batches)]).astype(np.int32)
+    forward = ForwardBatch(
+        np.concatenate([b.input_ids for b in batches]), np.concatenate([b.positions for b in batches]),
+        np.concatenate([b.slot_mapping for b in batches]), qsl, np.concatenate([b.seq_lens for b in batches]),
+        tables, np.concatenate([b.logits_indices + token_offsets[i] for i, b in enumerate(batches)]),
+        np.concatenate([b.feed_targets + token_offsets[i] for i, b in enumerate(batches)]),
+        np.concatenate([b.feed_sources for b in batches]))
+    return StepPlan(forward, tuple(row for p in plans for row in p.rows))
 
 
 def slice_output(output: SamplerOutput, start: int, stop: int) -> SamplerOutput:

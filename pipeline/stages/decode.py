@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
 from pipeline.runner.sampler import SamplerOutput
-from pipeline.runner.step_plan import ScheduledChunk, StepPlan
-from pipeline.scheduler import blocks_to_grow, decode_victim
+from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
+from pipeline.scheduler import decode_victim
 from pipeline.sequence import Sequence
 from pipeline.stage import Stage
 from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
@@ -105,39 +105,46 @@ class DecodeStage(DeviceStage):
     async def _make_room(self, in_flight: InFlightStep | None) -> bool:
         """Give every running sequence the blocks its next token needs, preempting if necessary.
 
+        A sequence asks the cache for slots for its pending tokens; one with a row in the step in
+        flight also for a lookahead of 1, the token that step samples on the device and the next
+        step feeds from there (none when that token surely ends it: nothing is launched for it).
         With a step in flight it only allocates when everything fits; otherwise it returns False
         and the caller waits for that step first (its finished sequences may free enough).
         """
-        block_size = self.pool.block_size
-        rows = in_flight.rows if in_flight is not None else {}
-
-        def needed(seq: Sequence) -> int:
-            if seq.seq_id not in rows:
-                return blocks_to_grow(seq, block_size, 0)
-            if _last_token_in_flight(seq):
-                return 0  # nothing to launch for it
-            return blocks_to_grow(seq, block_size, 1)
-
-        if in_flight is not None:  # (the screen: a sequence can only need a block when its next token's is full)
-            wants = [(seq, n) for seq in self.running
-                     if len(seq.token_ids) + 1 > len(seq.block_ids) * block_size and (n := needed(seq))]
-            if sum(n for _, n in wants) > self.pool.num_free:
+        cache = self.cache
+        if in_flight is not None:
+            rows = in_flight.rows
+            block_size = cache.block_size
+            wants: list[tuple[Sequence, int]] = []  # (sequence, lookahead)
+            total = 0
+            for seq in self.running:
+                if len(seq.token_ids) + 1 <= len(seq.block_ids) * block_size:
+                    continue  # the screen: a sequence can only need a block when its next token's is full
+                if seq.seq_id not in rows:
+                    ahead = 0
+                elif _last_token_in_flight(seq):
+                    continue
+                else:
+                    ahead = 1
+                if n := cache.blocks_needed(seq, seq.num_pending, ahead):
+                    wants.append((seq, ahead))
+                    total += n
+            if total > cache.num_free:
                 return False
-            for seq, n in wants:
-                seq.block_ids.extend(self.pool.allocate(n))
+            for seq, ahead in wants:  # they fit: all of them were counted above
+                if not cache.allocate_slots(seq, seq.num_pending, ahead):
+                    raise RuntimeError("the cache refused blocks it had free")
             return True
         preempted: set[int] = set()
         for seq in sorted(self.running, key=lambda s: s.arrival):
             if seq.seq_id in preempted:
                 continue  # preempted below while making room for an earlier arrival
-            while needed(seq) > self.pool.num_free:
+            while not cache.allocate_slots(seq, seq.num_pending):  # all or nothing: preempt until it fits
                 victim = decode_victim(self.running)
                 await self._preempt(victim)
                 preempted.add(victim.seq_id)
                 if victim is seq:
                     break
-            if seq.seq_id not in preempted and needed(seq):
-                seq.block_ids.extend(self.pool.allocate(needed(seq)))
         return True
 
     async def _preempt(self, seq: Sequence) -> None:
@@ -170,7 +177,7 @@ class DecodeStage(DeviceStage):
         if not batch:
             return None
         self.steps_ahead += in_flight is not None
-        step = self.executor.launch(StepPlan(chunks), lane=self.name)
+        step = self.executor.launch(build_step_plan(chunks, self.cache.block_size), lane=self.name)
         return InFlightStep(batch, step, time.monotonic(), {seq.seq_id: i for i, seq in enumerate(batch)})
 
     async def _complete(self, in_flight: InFlightStep, events: StepTokensBuilder) -> SamplerOutput:

@@ -1,10 +1,10 @@
-"""What the prefill and decode stages share: the KV pool, seats, the executor, and how a
+"""What the prefill and decode stages share: the KV cache manager, seats, the executor, and how a
 sequence's sampled token or its end is recorded and reported downstream."""
 from __future__ import annotations
 
 from typing import Any
 
-from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.memory.cache_manager import CacheManager
 from pipeline.messages import StepTokensBuilder
 from pipeline.request import FinishReason
 from pipeline.runner.executor import DeviceExecutor
@@ -23,13 +23,13 @@ class DeviceStage(Stage):
         self,
         inbox_size: int,
         *,
-        pool: KVBlockPool,
+        cache: CacheManager,
         seats: SeatPool,
         executor: DeviceExecutor,
         detokenize: Stage,
     ) -> None:
         super().__init__(inbox_size)
-        self.pool = pool
+        self.cache = cache  # the only way to KV memory: the stages never touch the pool
         self.seats = seats
         self.executor = executor
         self.detokenize = detokenize
@@ -47,11 +47,8 @@ class DeviceStage(Stage):
                            num_output)  # prompt/output ids stay empty: penalties read seq.token_counts
 
     def release(self, seq: Sequence) -> None:
-        """Return a sequence's blocks to the pool (it keeps its seat)."""
-        if seq.block_ids:
-            blocks, seq.block_ids = seq.block_ids, []
-            self.pool.free(blocks)
-        seq.num_computed = 0
+        """Return a sequence's blocks to the cache (it keeps its seat)."""
+        self.cache.free(seq)
 
     def finish(self, seq: Sequence, reason: FinishReason, events: StepTokensBuilder) -> None:
         """End a sequence: free its blocks and seat, and tell the detokenizer why."""

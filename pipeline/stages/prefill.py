@@ -12,7 +12,7 @@ import time
 
 from pipeline.messages import StepTokensBuilder
 from pipeline.request import Request
-from pipeline.runner.step_plan import ScheduledChunk, StepPlan
+from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
 from pipeline.scheduler import PrefillChoice, WaitingGauge, plan_prefill, prefill_victims
 from pipeline.sequence import Sequence, mix_seed, new_grammar_state
 from pipeline.stage import Stage
@@ -31,7 +31,7 @@ class PrefillStage(DeviceStage):
         self.waiting: list[Sequence] = []  # arrival order
         self.started: set[int] = set()  # seq_ids holding seats
         self._memory_freed = asyncio.Event()
-        self.pool.add_free_listener(self._memory_freed.set)
+        self.cache.add_free_listener(self._memory_freed.set)
 
     async def run(self) -> None:
         while True:
@@ -80,17 +80,16 @@ class PrefillStage(DeviceStage):
     def _plan(self) -> list[PrefillChoice]:
         decoding = self.seats.held - sum(s.num_samples for s in self.waiting if s.seq_id in self.started)
         budget = max(1, self.token_budget - decoding)
-        watermark = max(1, self.pool.capacity // 100)
+        watermark = max(1, self.cache.capacity // 100)
         plan = lambda: plan_prefill(  # noqa: E731
-            self.waiting, started=self.started, token_budget=budget, free_blocks=self.pool.num_free,
-            block_size=self.pool.block_size, seats_available=self.seats.available,
+            self.waiting, started=self.started, token_budget=budget, free_blocks=self.cache.num_free,
+            block_size=self.cache.block_size, seats_available=self.seats.available,
             watermark_blocks=watermark)
         choices = plan()
         if not choices:  # the head lacks memory: take it back from later arrivals still in prefill
             head = self.waiting[0]
             reserve = 0 if head.seq_id in self.started else watermark
-            deficit = (self.pool.blocks_needed(head.num_computed + 1) - len(head.block_ids)
-                       + reserve - self.pool.num_free)
+            deficit = self.cache.blocks_needed(head, 1) + reserve - self.cache.num_free
             victims = prefill_victims(self.waiting, deficit, head) if deficit > 0 else []
             for victim in victims:
                 self.release(victim)
@@ -123,8 +122,8 @@ class PrefillStage(DeviceStage):
                 self.seats.acquire(seq.num_samples)
                 self.started.add(seq.seq_id)
                 self.waiting_gauge.remove(seq.num_prompt_tokens)
-            if choice.new_blocks:
-                seq.block_ids.extend(self.pool.allocate(choice.new_blocks))
+            if choice.new_blocks and not self.cache.allocate_slots(seq, choice.num_tokens):
+                raise RuntimeError(f"plan_prefill counted {choice.new_blocks} blocks the cache does not have")
             end = seq.num_computed + choice.num_tokens
             completes = end == len(seq.token_ids)
             rows = []
@@ -136,7 +135,7 @@ class PrefillStage(DeviceStage):
                                           grammar=grammars[i]) for i in range(seq.num_samples)]
             chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed,
                                          seq.block_ids, rows))
-        output = await self.executor.submit(StepPlan(chunks), lane=self.name)
+        output = await self.executor.submit(build_step_plan(chunks, self.cache.block_size), lane=self.name)
         tokens = output.token_ids.tolist()
         events = StepTokensBuilder()
         ready: list[Sequence] = []
@@ -159,8 +158,7 @@ class PrefillStage(DeviceStage):
     def _complete(self, seq: Sequence, tokens: list[int], first_row: int, events: StepTokensBuilder,
                   grammars: list) -> list[Sequence]:
         """The prompt is cached: record each sample's first token; siblings fork off the parent."""
-        full_blocks = seq.block_ids[: seq.num_prompt_tokens // self.pool.block_size]
-        samples = [seq] + [seq.fork(i, self.pool.share(full_blocks), self.pool.block_size, grammars[i])
+        samples = [seq] + [seq.fork(i, self.cache.share_prompt(seq), self.cache.block_size, grammars[i])
                            for i in range(1, seq.num_samples)]
         seq.num_samples = 1
         return [sample for i, sample in enumerate(samples)

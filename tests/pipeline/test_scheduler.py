@@ -1,6 +1,6 @@
 """Scheduling policy on plain sequences: FCFS, token budget, memory fit, seats, victims."""
 from pipeline.request import Request, SamplingParams
-from pipeline.scheduler import SeatPool, WaitingGauge, blocks_to_grow, decode_victim, plan_prefill, prefill_victims
+from pipeline.scheduler import SeatPool, WaitingGauge, decode_victim, plan_prefill, prefill_victims
 from pipeline.sequence import Sequence
 
 
@@ -56,12 +56,10 @@ def test_prefill_victims_are_later_arrivals_latest_first():
     assert prefill_victims([head, mid, late], 4, head) == []  # cannot free enough: preempt nobody
 
 
-def test_decode_victim_and_growth():
+def test_decode_victim_is_the_latest_arrival():
     a, b = make_seq(1, 4), make_seq(2, 4)
     assert decode_victim([a, b]) is b
-    a.block_ids = [1]
-    a.token_ids.append(9)  # 5 tokens need 2 blocks of 4
-    assert blocks_to_grow(a, 4) == 1
+    assert decode_victim([b, a]) is b
 
 
 def test_seats_and_waiting_gauge():

@@ -125,7 +125,7 @@ def test_bfloat16_runs_and_tracks_fp32(tiny_llama):
     ref = run_paged(model, [ids], 0).prompt_logits[0]
     run = run_paged(model_bf16, [ids], 4)
     out = run.prompt_logits[0]
-    assert out.dtype == torch.float32 and run.kv_caches[0].dtype == torch.bfloat16
+    assert out.dtype == torch.float32 and run.caches[0].dtype == torch.bfloat16
     cos = torch.nn.functional.cosine_similarity(out, ref, dim=-1)
     assert cos.min() > 0.99
     assert (out.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.8

@@ -36,3 +36,34 @@ def test_graphed_decode_equals_eager_on_cuda(tiny_model_dir):
     eager = run_async(main(False))
     assert run_async(main(True)) == eager
     assert run_async(main(True, graph_max_batch=2)) == eager  # batches past the largest graph run eager
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [1, 3])
+def test_graphed_multi_token_rows_equal_eager_on_cuda(batch):
+    """Rows of q = K+1 tokens with logits at each (a verify step) replay from graphs as they run eagerly."""
+    import torch
+
+    from pipeline.runner.model_runner import ModelRunner
+    from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
+    from tests.model_utils import SMOLLM2_VOCAB, conveyor_from_hf, make_tiny_hf_model
+
+    device = torch.device("cuda")
+    model = conveyor_from_hf(make_tiny_hf_model("qwen3", seed=2), dtype=torch.bfloat16, device=device)
+    runner = ModelRunner(model, vocab_size=SMOLLM2_VOCAB, block_size=16, dtype=torch.bfloat16, device=device)
+    runner.allocate_caches(64)
+    prompt = [[200 + 13 * b + i for i in range(20 + 7 * b)] for b in range(batch)]
+    tables = [list(range(1 + 4 * b, 5 + 4 * b)) for b in range(batch)]
+    runner.execute(build_step_plan([ScheduledChunk(p, 0, t, []) for p, t in zip(prompt, tables)], 16))
+    runner.capture_decode_graphs(max_batch=4, max_model_len=64, max_query_len=4)
+    for q in (1, 2, 4):
+        chunks = [ScheduledChunk([7 + b + i for i in range(q)], len(p), t, [None] * q, logits_offsets=list(range(q)))
+                  for b, (p, t) in enumerate(zip(prompt, tables))]
+        forward = build_step_plan(chunks, 16).forward
+        assert runner.prepare(forward).graph
+        graphed = runner.compute_logits(forward).clone()
+        graphs, runner.graphs = runner.graphs, None
+        eager = runner.compute_logits(forward)
+        runner.graphs = graphs
+        torch.testing.assert_close(graphed, eager, atol=2e-2, rtol=2e-2)
+        assert torch.equal(graphed.argmax(-1), eager.argmax(-1))

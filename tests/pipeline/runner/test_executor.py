@@ -1,6 +1,7 @@
 """The device executor merges launches that wait together into one forward, routes rows back,
 never merges a stage's step with its own next step, and hands a stage its previous step's tokens."""
 import asyncio
+import itertools
 import threading
 
 import numpy as np
@@ -9,7 +10,7 @@ import torch
 
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.runner.sampler import SamplerOutput
-from pipeline.runner.step_plan import ScheduledChunk, StepPlan
+from pipeline.runner.step_plan import ScheduledChunk, StepPlan, build_step_plan
 from tests.conftest import run_async
 
 
@@ -26,7 +27,12 @@ class FakeSample:
 
 def plan_with(tag: int, rows: int, previous_row: int = -1) -> StepPlan:
     # rows stand in for SamplingRows; the fake device "samples" each row's tag
-    return StepPlan([ScheduledChunk([tag], 0, [1], [tag] * rows, previous_row=previous_row)])
+    return build_step_plan([ScheduledChunk([tag], 0, [1], [tag] * rows, previous_row=previous_row)], block_size=4)
+
+
+def tags(plan: StepPlan) -> list[int]:
+    """The chunks' first input tokens (one chunk per plan here, so one per merged plan)."""
+    return plan.forward.input_ids[plan.forward.query_start_loc[:-1]].tolist()
 
 
 def test_plans_waiting_together_run_as_one_step_and_get_their_own_rows():
@@ -35,8 +41,8 @@ def test_plans_waiting_together_run_as_one_step_and_get_their_own_rows():
 
     def launch(plan: StepPlan, previous, previous_host=None):
         gate.wait()
-        seen.append([c.token_ids[0] for c in plan.chunks])
-        return FakeSample([row for c in plan.chunks for row in c.rows])
+        seen.append(tags(plan))
+        return FakeSample(list(plan.rows))
 
     async def main():
         executor = DeviceExecutor(launch)
@@ -64,8 +70,8 @@ def test_a_stage_next_step_is_never_merged_and_feeds_on_the_previous_tokens():
 
     def launch(plan: StepPlan, previous, previous_host=None):
         gate.wait()
-        launches.append(([c.token_ids[0] for c in plan.chunks], None if previous is None else previous.tolist()))
-        return FakeSample([10 * c.token_ids[0] + i for c in plan.chunks for i, _ in enumerate(c.rows)])
+        launches.append((tags(plan), None if previous is None else previous.tolist()))
+        return FakeSample([10 * tag + i for tag, group in itertools.groupby(plan.rows) for i, _ in enumerate(group)])
 
     async def main():
         executor = DeviceExecutor(launch)
@@ -103,11 +109,12 @@ def test_a_failing_launch_fails_every_fetch_of_it():
 def test_feeding_without_a_previous_step_is_an_error():
     from pipeline.runner.token_feed import TokenFeed
 
-    chunks = plan_with(1, 1, previous_row=0).chunks
+    fed = plan_with(1, 1, previous_row=0).forward
     with pytest.raises(ValueError, match="no previous step"):
-        TokenFeed.for_chunks(chunks, np.asarray([0, 1]), None)
+        TokenFeed.of(fed.feed_targets, fed.feed_sources, None)
+    fed = plan_with(1, 1, previous_row=3).forward
     with pytest.raises(ValueError, match="row 3"):
-        TokenFeed.for_chunks(plan_with(1, 1, previous_row=3).chunks, np.asarray([0, 1]), torch.zeros(2))
+        TokenFeed.of(fed.feed_targets, fed.feed_sources, torch.zeros(2))
 
 
 @pytest.mark.parametrize("targets,sources", [([0, 1], [0, 1]), ([0, 2], [1, 0])])
@@ -115,7 +122,7 @@ def test_token_feed_writes_the_previous_tokens_into_the_inputs(targets, sources)
     from pipeline.runner.token_feed import TokenFeed
 
     ids = torch.tensor([7, 8, 9])
-    TokenFeed(targets, sources, torch.tensor([40, 41])).apply(ids)
+    TokenFeed(np.asarray(targets), np.asarray(sources), torch.tensor([40, 41])).apply(ids)
     expected = [7, 8, 9]
     for t, s in zip(targets, sources):
         expected[t] = 40 + s

@@ -1,0 +1,59 @@
+"""What every layer of one forward reads besides its input: the step's layout and the caches.
+
+A layer takes `(x, residual, ctx)` and finds what it needs here: attention layers their paged KV
+cache by `cache_index` and the step's attention metadata; recurrent layers (later) their state
+slots. Adding a kind of layer adds a field, not an argument to every layer's signature.
+
+The model declares the caches it needs (`cache_specs()`: one spec per cache, in cache-index order);
+the model runner allocates them and hands them in through the context, so the runner does not know
+a model's layer kinds.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from pipeline.models.attention import AttentionMetadata
+
+
+@dataclass(frozen=True, slots=True)
+class PagedKVSpec:
+    """A paged K/V cache of one attention layer: [2, num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+    def shape(self, num_blocks: int, block_size: int) -> tuple[int, ...]:
+        return (2, num_blocks, block_size, self.num_kv_heads, self.head_dim)
+
+    def bytes_per_block(self, block_size: int) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * block_size * self.num_kv_heads * self.head_dim * element
+
+
+CacheSpec = PagedKVSpec  # later: the recurrent state slot spec of hybrid models
+
+
+def allocate_caches(specs: list[CacheSpec], num_blocks: int, block_size: int,
+                    device: torch.device | str | None = None) -> list[torch.Tensor]:
+    return [torch.zeros(spec.shape(num_blocks, block_size), dtype=spec.dtype, device=device) for spec in specs]
+
+
+def bytes_per_block(specs: list[CacheSpec], block_size: int) -> int:
+    """Device bytes one KV block costs across every cache (what the pool's size is divided by)."""
+    return sum(spec.bytes_per_block(block_size) for spec in specs)
+
+
+@dataclass(slots=True)
+class ForwardContext:
+    """One forward's shared inputs. The model fills `rope` and `attention_plan` once per forward."""
+
+    attention: AttentionMetadata
+    caches: list[torch.Tensor]  # by cache index, as the model's cache_specs() declared them
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of the step's positions
+    attention_plan: object | None = None  # launch choices or reference gather indices, shared by all layers
+
+    def kv_cache(self, cache_index: int) -> torch.Tensor:
+        return self.caches[cache_index]

@@ -1,0 +1,174 @@
+"""The cache manager answers the stages' memory questions in tokens and sequences: slots for new and
+lookahead tokens (all or nothing), freeing, prompt sharing between siblings, free notifications."""
+import pytest
+
+from pipeline.memory.cache_manager import CacheManager
+from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.request import Request, SamplingParams
+from pipeline.sequence import Sequence
+
+BLOCK = 4
+
+
+def make_cache(num_blocks: int = 9) -> tuple[CacheManager, KVBlockPool]:
+    pool = KVBlockPool(num_blocks=num_blocks, block_size=BLOCK)
+    return CacheManager(pool), pool
+
+
+def make_seq(prompt_len: int, n: int = 1, arrival: int = 1) -> Sequence:
+    request = Request(f"r{arrival}", list(range(prompt_len)), SamplingParams(n=n, seed=1), frozenset({2}),
+                      max_total_tokens=1000, arrival_seq=arrival)
+    return Sequence.from_request(request)
+
+
+def test_reports_the_pool_it_owns():
+    cache, pool = make_cache(num_blocks=9)
+    assert (cache.block_size, cache.capacity, cache.num_free, cache.num_used) == (BLOCK, 8, 8, 0)
+    seq = make_seq(5)
+    assert cache.allocate_slots(seq, seq.num_pending)
+    assert (cache.num_free, cache.num_used) == (6, 2) == (pool.num_free, pool.num_used)
+
+
+def test_slots_cover_computed_plus_new_tokens():
+    cache, _ = make_cache()
+    seq = make_seq(10)
+    assert cache.blocks_needed(seq, 10) == 3
+    assert cache.allocate_slots(seq, 10)
+    assert len(seq.block_ids) == 3 and len(set(seq.block_ids)) == 3
+    assert cache.blocks_needed(seq, 10) == 0 and cache.allocate_slots(seq, 10)  # covered: nothing added
+    assert len(seq.block_ids) == 3
+    seq.num_computed = 10
+    seq.token_ids += [7, 8]  # 12 tokens: still 3 blocks
+    assert cache.blocks_needed(seq, seq.num_pending) == 0
+    seq.token_ids.append(9)  # 13 tokens: a 4th block
+    assert cache.blocks_needed(seq, seq.num_pending) == 1
+    assert cache.allocate_slots(seq, seq.num_pending) and len(seq.block_ids) == 4
+
+
+def test_chunks_add_blocks_from_what_is_computed():
+    cache, _ = make_cache()
+    seq = make_seq(10)
+    assert cache.allocate_slots(seq, 3)  # a first chunk of 3 tokens
+    assert len(seq.block_ids) == 1
+    seq.num_computed = 3
+    assert cache.blocks_needed(seq, 6) == 2  # 9 tokens: 3 blocks
+    assert cache.allocate_slots(seq, 6) and len(seq.block_ids) == 3
+
+
+def test_lookahead_covers_the_token_still_on_the_device():
+    cache, _ = make_cache()
+    seq = make_seq(7)
+    assert cache.allocate_slots(seq, 7)  # 2 blocks: 8 slots
+    seq.num_computed = 7
+    seq.token_ids.append(5)  # 8 tokens, the 8th pending; the step in flight samples a 9th
+    assert cache.blocks_needed(seq, seq.num_pending) == 0
+    assert cache.blocks_needed(seq, seq.num_pending, 1) == 1
+    assert cache.allocate_slots(seq, seq.num_pending, 1) and len(seq.block_ids) == 3
+    assert cache.blocks_needed(seq, seq.num_pending, 4) == 0  # 12 slots
+    assert cache.blocks_needed(seq, seq.num_pending, 5) == 1
+
+
+@pytest.mark.parametrize("held", [0, 1, 2, 3])
+@pytest.mark.parametrize("length", [1, 4, 5, 8, 9, 12])
+@pytest.mark.parametrize("ahead", [0, 1])
+def test_pending_plus_lookahead_is_what_decode_grows_by(held, length, ahead):
+    """Decode asks blocks_needed(seq, seq.num_pending, ahead): the blocks for len(token_ids) + ahead
+    tokens, whatever part of them is computed."""
+    cache, _ = make_cache()
+    seq = make_seq(length)
+    seq.block_ids = list(range(1, held + 1))
+    for computed in range(0, length + 1):
+        seq.num_computed = computed
+        expected = max(0, -(-(length + ahead) // BLOCK) - held)
+        assert cache.blocks_needed(seq, seq.num_pending, ahead) == expected
+
+
+def test_allocation_is_all_or_nothing():
+    cache, pool = make_cache(num_blocks=5)  # 4 usable blocks
+    big = make_seq(17)
+    assert cache.blocks_needed(big, 17) == 5
+    assert not cache.allocate_slots(big, 17)
+    assert big.block_ids == [] and cache.num_free == 4
+    other = make_seq(8, arrival=2)
+    assert cache.allocate_slots(other, 8)  # 2 left
+    seq = make_seq(4, arrival=3)
+    assert cache.allocate_slots(seq, 4)
+    before = list(seq.block_ids)
+    seq.num_computed = 4
+    assert not cache.allocate_slots(seq, 4, 1)  # needs 2, has 1
+    assert seq.block_ids == before and cache.num_free == 1
+    assert cache.allocate_slots(seq, 4)  # exactly what is free
+    assert cache.num_free == 0 and len(seq.block_ids) == 2
+    assert pool.num_used == 4
+
+
+def test_free_returns_everything_and_resets_the_sequence():
+    cache, _ = make_cache()
+    seq = make_seq(10)
+    assert cache.allocate_slots(seq, 10)
+    seq.num_computed = 10
+    seq.token_ids.append(3)
+    cache.free(seq)
+    assert seq.block_ids == [] and seq.num_computed == 0
+    assert cache.num_used == 0 and cache.num_free == cache.capacity
+    assert len(seq.token_ids) == 11  # the tokens stay: it is recomputed from them
+    cache.free(seq)  # nothing held: a no-op
+    assert cache.num_used == 0
+
+
+def test_siblings_share_full_prompt_blocks_until_both_are_freed():
+    cache, pool = make_cache()
+    parent = make_seq(10, n=2)
+    assert cache.allocate_slots(parent, 10)
+    parent.num_computed = 10
+    shared = cache.share_prompt(parent)
+    assert shared == parent.block_ids[:2]  # 8 of 10 prompt tokens are in full blocks; the tail is not shared
+    assert [pool.refcount(b) for b in parent.block_ids] == [2, 2, 1]
+    child = parent.fork(1, list(shared), cache.block_size)
+    assert child.num_computed == 8 and child.num_pending == 2
+    assert cache.allocate_slots(child, child.num_pending)  # its own tail block
+    assert cache.num_used == 4
+    cache.free(parent)
+    assert cache.num_used == 3  # the parent's tail only
+    assert [pool.refcount(b) for b in shared] == [1, 1]
+    cache.free(child)
+    assert cache.num_used == 0
+
+
+def test_a_child_freed_first_leaves_the_parent_its_blocks():
+    cache, _ = make_cache()
+    parent = make_seq(8, n=2)
+    assert cache.allocate_slots(parent, 8)
+    parent.num_computed = 8
+    child = parent.fork(1, cache.share_prompt(parent), cache.block_size)
+    assert child.num_computed == 8 and cache.num_used == 2
+    cache.free(child)
+    assert cache.num_used == 2 and len(parent.block_ids) == 2
+    cache.free(parent)
+    assert cache.num_used == 0
+
+
+def test_no_prompt_is_cached_yet():
+    cache, _ = make_cache()
+    seq = make_seq(12)
+    assert cache.cached_tokens(seq) == 0
+    assert cache.allocate_slots(seq, 12)
+    seq.num_computed = 12
+    assert cache.cached_tokens(make_seq(12, arrival=2)) == 0
+
+
+def test_free_listeners_fire_when_a_sequence_gives_blocks_back():
+    cache, _ = make_cache()
+    calls: list[int] = []
+    cache.add_free_listener(lambda: calls.append(1))
+    parent = make_seq(8, n=2)
+    assert cache.allocate_slots(parent, 8)
+    parent.num_computed = 8
+    child = parent.fork(1, cache.share_prompt(parent), cache.block_size)
+    assert calls == []  # allocating and sharing free nothing
+    cache.free(child)  # still referenced by the parent, but a sequence ended: waiters re-check
+    assert calls == [1]
+    cache.free(parent)
+    assert calls == [1, 1]
+    cache.free(parent)  # held nothing: no wake-up
+    assert calls == [1, 1]
