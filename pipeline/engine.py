@@ -4,7 +4,8 @@
                                  ▲        │  (preempted sequences go back to prefill)
                                  └────────┘
 Prefill and decode share one device through the DeviceExecutor thread and one KV cache manager
-(which owns the KV block pool: the stages ask it, they never touch the pool).
+(which owns the KV block pool: the stages ask it, they never touch the pool). What each device step
+holds is decided in one place, the StepPlanner, from both stages' offers.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from pipeline.stages.detokenize import DetokenizeStage
 from pipeline.stages.intake import IntakeStage
 from pipeline.stages.prefill import PrefillStage
 from pipeline.stages.stream import StreamStage
+from pipeline.step_planner import StepPlanner
 
 if TYPE_CHECKING:
     from pipeline.grammar.compiler import GrammarCompiler
@@ -54,10 +56,13 @@ class Engine:
         self.stream = StreamStage(config.stage_queue_size)
         self.detokenize = DetokenizeStage(config.stage_queue_size, tokenizer=self.tokenizer, stream=self.stream)
         shared = dict(cache=self.cache, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
-        self.decode = DecodeStage(seat_bound, run_ahead=config.run_ahead, **shared)
-        self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, token_budget=config.max_num_batched_tokens,
+        self.planner = StepPlanner(cache=self.cache, seats=self.seats, executor=self.executor,
+                                   token_budget=config.max_num_batched_tokens)
+        self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead, **shared)
+        self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, planner=self.planner,
                                     decode=self.decode, **shared)
         self.decode.prefill = self.prefill
+        self.planner.bind(decode=self.decode, prefill=self.prefill)
         self.renderer = PromptRenderer(self.tokenizer, loaded.limits.chat_template, loaded.limits.vocab_size)
         self.intake = IntakeStage(config.stage_queue_size, renderer=self.renderer, limits=loaded.limits,
                                   waiting_gauge=self.waiting, prefill=self.prefill, seed=config.seed,

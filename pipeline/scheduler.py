@@ -1,19 +1,17 @@
 """Scheduling policy: who runs next, under which token budget, and who is preempted.
 
-Pure policy over plain Python state (no torch, no asyncio), so it can be reasoned about and
-tested on its own. The prefill and decode stages own their sequences and call into this module;
-the limits they share (seats, waiting admission) are small counters defined here.
+Pure policy over plain values (no torch, no asyncio), so it can be reasoned about and tested on
+its own. `plan_step` composes every device step from the stages' offers (pipeline/step_planner.py
+applies it); the limits the stages share (seats, waiting admission) are small counters defined here.
 
-Progress guarantee with a tiny pool: prefill serves sequences strictly in arrival order and only
-ever preempts its own sequences that arrived later than the head; decode preempts its latest
-arrival first. So the oldest unfinished sequence always gets memory, provided one sequence fits the
-pool on its own (the engine caps max_model_len by the pool's capacity).
+Progress guarantee with a tiny pool: memory always goes to the earlier arrival. A row or the head
+prompt that lacks blocks takes them from the latest arrivals holding blocks that came after it, and
+prompts start strictly in arrival order. So the oldest unfinished sequence always gets memory,
+provided one sequence fits the pool on its own (the engine caps max_model_len by the pool's capacity).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-from pipeline.sequence import Sequence
 
 
 @dataclass(slots=True)
@@ -64,67 +62,136 @@ class WaitingGauge:
         self.tokens -= prompt_tokens
 
 
-@dataclass(slots=True)
-class PrefillChoice:
-    seq: Sequence
+@dataclass(frozen=True, slots=True)
+class RunningRow:
+    """A decoding sequence's part of the next step, as the planner sees it."""
+
+    seq_id: int
+    arrival: tuple[int, int]
+    num_tokens: int  # tokens it feeds (1; later 1 + its drafts)
+    blocks_needed: int  # blocks to add for them and its lookahead
+    blocks_held: int  # what preempting it gives back
+
+
+@dataclass(frozen=True, slots=True)
+class WaitingPrompt:
+    """A sequence whose prompt (or, after preemption, prompt and output) is still to be computed."""
+
+    seq_id: int
+    arrival: tuple[int, int]
+    num_computed: int
+    num_pending: int
+    blocks_held: int
+    num_samples: int  # seats it takes when it starts (n for a fresh parent)
+    seated: bool  # started before: holds its seats (a preempted sequence keeps them)
+
+
+@dataclass(frozen=True, slots=True)
+class StepLimits:
+    token_budget: int
+    free_blocks: int
+    block_size: int
+    free_seats: int
+    watermark_blocks: int  # kept free when a new sequence starts, for running ones to grow into
+    rows_in_flight: bool  # a launched step still writes the running rows' blocks: do not preempt them
+
+
+@dataclass(frozen=True, slots=True)
+class PromptChunk:
+    seq_id: int
     num_tokens: int
     new_blocks: int
-    starts: bool  # first chunk of a sequence that holds no seat yet
+    starts: bool  # its first chunk: it takes its seats now
 
 
-def plan_prefill(
-    waiting: list[Sequence],
-    *,
-    started: set[int],
-    token_budget: int,
-    free_blocks: int,
-    block_size: int,
-    seats_available: int,
-    watermark_blocks: int,
-) -> list[PrefillChoice]:
-    """Pick prompt chunks for the next step, strictly first come first served.
+@dataclass(frozen=True, slots=True)
+class StepDecision:
+    rows: tuple[int, ...]  # running rows in the step, in arrival order
+    chunks: tuple[PromptChunk, ...]  # prompt chunks in the step, in arrival order
+    preempt: tuple[int, ...]  # sequences that give their blocks back first (recomputed later)
+    wait_for_step: bool = False  # the running rows fit only if some of them are preempted, and a step in flight still writes them
 
-    `waiting` is in arrival order; `started` holds seq_ids that already hold a seat. A sequence
-    that cannot get a seat or a single block stops the scan (no overtaking, so no starvation).
-    New sequences keep `watermark_blocks` free for running decodes to grow into.
-    """
-    choices: list[PrefillChoice] = []
-    for seq in waiting:
-        if token_budget <= 0:
+
+def plan_step(running: list[RunningRow], waiting: list[WaitingPrompt], limits: StepLimits) -> StepDecision:
+    """Compose one device step: every running row, then prompt chunks in arrival order under what is
+    left of the token budget. When memory is short, the sequence being served takes blocks from the
+    latest arrivals holding blocks (running or waiting) that arrived after it, never from earlier
+    ones; a prompt that cannot start stops the scan (no overtaking). Pure: the same inputs give the
+    same step."""
+    free = limits.free_blocks
+    holders: dict[int, tuple[tuple[int, int], int, bool]] = {  # seq_id -> (arrival, blocks held, running)
+        w.seq_id: (w.arrival, w.blocks_held, False) for w in waiting if w.blocks_held}
+    holders.update((r.seq_id, (r.arrival, r.blocks_held, True)) for r in running if r.blocks_held)
+    preempted: list[int] = []
+
+    def take_back(arrival: tuple[int, int], deficit: int, allow_running: bool) -> list[int] | None:
+        """Latest later arrivals freeing at least `deficit` blocks; None when they cannot."""
+        victims, freed = [], 0
+        for seq_id, (when, held, is_running) in sorted(holders.items(), key=lambda h: h[1][0], reverse=True):
+            if freed >= deficit or when <= arrival:
+                break
+            if is_running and not allow_running:
+                return None
+            victims.append(seq_id)
+            freed += held
+        return victims if freed >= deficit else None
+
+    def preempt(victims: list[int]) -> int:
+        freed = 0
+        for seq_id in victims:
+            freed += holders.pop(seq_id)[1]
+            preempted.append(seq_id)
+        return freed
+
+    rows: list[RunningRow] = []
+    for row in sorted(running, key=lambda r: r.arrival):
+        if row.seq_id in preempted:
+            continue
+        if row.blocks_needed > free:
+            victims = take_back(row.arrival, row.blocks_needed - free, not limits.rows_in_flight)
+            if victims is None:  # only running rows could make room: while a step runs, read it first
+                if limits.rows_in_flight:
+                    return StepDecision((), (), (), wait_for_step=True)
+                victims = [row.seq_id]  # nobody later holds enough: this row itself goes back
+            free += preempt(victims)
+            if row.seq_id in preempted:
+                continue
+        rows.append(row)
+        free -= row.blocks_needed
+    rows = [r for r in rows if r.seq_id not in preempted]
+
+    budget = max(1, limits.token_budget - sum(r.num_tokens for r in rows))
+    seats = limits.free_seats
+    chunks: list[PromptChunk] = []
+    for prompt in sorted(waiting, key=lambda w: w.arrival):
+        if budget <= 0 or prompt.seq_id in preempted:
             break
-        starts = seq.seq_id not in started
-        if starts and seq.num_samples > seats_available:
+        starts = not prompt.seated
+        if starts and prompt.num_samples > seats:
             break
-        reserve = watermark_blocks if starts else 0
-        usable_blocks = max(0, free_blocks - reserve)
-        fit_tokens = (len(seq.block_ids) + usable_blocks) * block_size - seq.num_computed
-        num_tokens = min(seq.num_pending, token_budget, fit_tokens)
+        reserve = limits.watermark_blocks if starts else 0
+        held = prompt.blocks_held if prompt.seq_id in holders else 0
+
+        def fit() -> int:
+            return (held + max(0, free - reserve)) * limits.block_size - prompt.num_computed
+
+        if fit() <= 0 and not chunks:  # the head lacks memory: later arrivals give theirs back
+            deficit = -(-(prompt.num_computed + 1) // limits.block_size) - held + reserve - free
+            victims = take_back(prompt.arrival, deficit, not limits.rows_in_flight)
+            if victims:
+                free += preempt(victims)
+                dropped = set(victims)
+                free += sum(r.blocks_needed for r in rows if r.seq_id in dropped)  # reserved, never allocated
+                rows = [r for r in rows if r.seq_id not in dropped]
+        num_tokens = min(prompt.num_pending, budget, fit())
         if num_tokens <= 0:
             break
-        needed = -(-(seq.num_computed + num_tokens) // block_size) - len(seq.block_ids)
-        choices.append(PrefillChoice(seq, num_tokens, max(0, needed), starts))
-        free_blocks -= max(0, needed)
-        token_budget -= num_tokens
+        needed = max(0, -(-(prompt.num_computed + num_tokens) // limits.block_size) - held)
+        chunks.append(PromptChunk(prompt.seq_id, num_tokens, needed, starts))
+        free -= needed
+        budget -= num_tokens
         if starts:
-            seats_available -= seq.num_samples
-        if num_tokens < seq.num_pending:
+            seats -= prompt.num_samples
+        if num_tokens < prompt.num_pending:
             break  # the head is still incomplete: later prompts wait for it
-    return choices
-
-
-def prefill_victims(waiting: list[Sequence], blocks_needed: int, head: Sequence) -> list[Sequence]:
-    """Later arrivals holding blocks, latest first, freeing at least `blocks_needed` for the head."""
-    victims: list[Sequence] = []
-    freed = 0
-    for seq in sorted(waiting, key=lambda s: s.arrival, reverse=True):
-        if freed >= blocks_needed or seq.arrival <= head.arrival:
-            break
-        if seq.block_ids:
-            victims.append(seq)
-            freed += len(seq.block_ids)
-    return victims if freed >= blocks_needed else []
-
-
-def decode_victim(running: list[Sequence]) -> Sequence:
-    """The running sequence to preempt when decode runs out of blocks: the latest arrival."""
-    return max(running, key=lambda s: s.arrival)
+    return StepDecision(tuple(r.seq_id for r in rows), tuple(chunks), tuple(preempted))

@@ -67,6 +67,11 @@ class Stage(Generic[M]):
         await self._inbox.put((time.monotonic(), message))
         self.metrics.items_in += 1
 
+    def put_nowait(self, message: M) -> None:
+        """For an inbox sized so it can never be full (raises asyncio.QueueFull if it is)."""
+        self._inbox.put_nowait((time.monotonic(), message))
+        self.metrics.items_in += 1
+
     async def receive(self) -> M:
         entered, message = await self._inbox.get()
         self.metrics.queue_wait.observe(time.monotonic() - entered)

@@ -8,10 +8,11 @@ token depends on the values of earlier ones on the host (penalties, min_tokens s
 make the stage wait for step N before launching N+1.
 
 Before each launch it applies cancellations (the sequence ends and frees its blocks at once;
-stopping is never just hiding output) and makes room for every sequence's next token, preempting
-the latest arrival back to prefill when blocks run out (after waiting for the step in flight).
-Freeing blocks a launched step still writes is safe: every later use of a block is a later step on
-the same device stream.
+stopping is never just hiding output), then asks the step planner (pipeline/step_planner.py) for
+the step: its rows, each with the cache's slots for its next token, beside any prompt chunks that
+fit. When blocks run out the latest arrival goes back to prefill, but never a row of the step in
+flight: then the stage reads that step first and asks again. Freeing blocks a launched step still
+writes is safe: every later use of a block is a later step on the same device stream.
 """
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ from dataclasses import dataclass
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
 from pipeline.runner.sampler import SamplerOutput
-from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
-from pipeline.scheduler import decode_victim
+from pipeline.runner.step_plan import ScheduledChunk
+from pipeline.scheduler import RunningRow
 from pipeline.sequence import Sequence
 from pipeline.stage import Stage
 from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
+from pipeline.step_planner import WAIT_FOR_STEP, ComposedStep, StepPlanner
 
 
 @dataclass(slots=True)
@@ -46,8 +48,9 @@ def _last_token_in_flight(seq: Sequence) -> bool:
 class DecodeStage(DeviceStage):
     name = "decode"
 
-    def __init__(self, inbox_size: int, *, run_ahead: bool = True, **resources) -> None:
+    def __init__(self, inbox_size: int, *, planner: StepPlanner, run_ahead: bool = True, **resources) -> None:
         super().__init__(inbox_size, **resources)
+        self.planner = planner
         self.running: list[Sequence] = []
         self.prefill: Stage | None = None  # where preempted sequences go; wired by the engine
         self.run_ahead = run_ahead
@@ -59,7 +62,9 @@ class DecodeStage(DeviceStage):
         while True:
             in_flight = self.in_flight
             if not self.running and in_flight is None:
+                self.planner.set_decode_drives(False)
                 self.running.append(await self.receive())
+            self.planner.set_decode_drives(True)
             self.running.extend(self.receive_ready())
             events = StepTokensBuilder()
             output: SamplerOutput | None = None
@@ -67,14 +72,19 @@ class DecodeStage(DeviceStage):
             if in_flight is not None and not can_run_ahead:
                 output = await self._complete(in_flight, events)
                 in_flight = None
+            self.in_flight = in_flight  # what offer_rows/build_rows read
             launched: InFlightStep | None = None
             if self.running:
-                if not await self._make_room(in_flight):  # waiting for the step in flight freed nothing
+                composed = self.planner.compose(rows_in_flight=in_flight is not None)
+                if composed is WAIT_FOR_STEP:  # the rows fit only once the step in flight is read
                     assert in_flight is not None
                     output = await self._complete(in_flight, events)
-                    in_flight = None
-                    await self._make_room(None)
-                launched = self._launch(in_flight)
+                    in_flight = self.in_flight = None
+                    composed = self.planner.compose(rows_in_flight=False)
+                if isinstance(composed, ComposedStep) and composed.batch:
+                    self.steps_ahead += in_flight is not None
+                    launched = InFlightStep(composed.batch, composed.step, time.monotonic(),
+                                            {seq.seq_id: i for i, seq in enumerate(composed.batch)})
             if in_flight is not None:
                 output = await self._complete(in_flight, events)
             self.in_flight = launched
@@ -102,71 +112,53 @@ class DecodeStage(DeviceStage):
         self.running = keep
         return reads_own_tokens
 
-    async def _make_room(self, in_flight: InFlightStep | None) -> bool:
-        """Give every running sequence the blocks its next token needs, preempting if necessary.
+    # --- what the planner asks -------------------------------------------------------------------
+    def _ahead(self, seq: Sequence) -> int:
+        """Tokens of `seq` sampled in the step in flight, not yet read: -1 when that token surely ends
+        it (nothing to launch for it)."""
+        in_flight = self.in_flight
+        if in_flight is None or seq.seq_id not in in_flight.rows:
+            return 0
+        return -1 if _last_token_in_flight(seq) else 1
 
-        A sequence asks the cache for slots for its pending tokens; one with a row in the step in
-        flight also for a lookahead of 1, the token that step samples on the device and the next
-        step feeds from there (none when that token surely ends it: nothing is launched for it).
-        With a step in flight it only allocates when everything fits; otherwise it returns False
-        and the caller waits for that step first (its finished sequences may free enough).
-        """
+    def offer_rows(self) -> list[RunningRow]:
+        """Every running sequence's next row: its pending tokens, plus the one in flight (a lookahead:
+        the step samples it on the device and the next step feeds it from there)."""
         cache = self.cache
-        if in_flight is not None:
-            rows = in_flight.rows
-            block_size = cache.block_size
-            wants: list[tuple[Sequence, int]] = []  # (sequence, lookahead)
-            total = 0
-            for seq in self.running:
-                if len(seq.token_ids) + 1 <= len(seq.block_ids) * block_size:
-                    continue  # the screen: a sequence can only need a block when its next token's is full
-                if seq.seq_id not in rows:
-                    ahead = 0
-                elif _last_token_in_flight(seq):
-                    continue
-                else:
-                    ahead = 1
-                if n := cache.blocks_needed(seq, seq.num_pending, ahead):
-                    wants.append((seq, ahead))
-                    total += n
-            if total > cache.num_free:
-                return False
-            for seq, ahead in wants:  # they fit: all of them were counted above
-                if not cache.allocate_slots(seq, seq.num_pending, ahead):
-                    raise RuntimeError("the cache refused blocks it had free")
-            return True
-        preempted: set[int] = set()
-        for seq in sorted(self.running, key=lambda s: s.arrival):
-            if seq.seq_id in preempted:
-                continue  # preempted below while making room for an earlier arrival
-            while not cache.allocate_slots(seq, seq.num_pending):  # all or nothing: preempt until it fits
-                victim = decode_victim(self.running)
-                await self._preempt(victim)
-                preempted.add(victim.seq_id)
-                if victim is seq:
-                    break
-        return True
+        rows: list[RunningRow] = []
+        for seq in self.running:
+            ahead = self._ahead(seq)
+            if ahead < 0:
+                continue
+            rows.append(RunningRow(seq.seq_id, seq.arrival, 1, cache.blocks_needed(seq, seq.num_pending, ahead),
+                                   len(seq.block_ids)))
+        return rows
 
-    async def _preempt(self, seq: Sequence) -> None:
+    def preempt_now(self, seq_id: int) -> None:
         """Recompute later: drop the KV, keep the tokens and the seat, go back to prefill."""
+        seq = next(s for s in self.running if s.seq_id == seq_id)
         self.running.remove(seq)
         self.release(seq)
         seq.num_samples = 1
         seq.preemptions += 1
         self.preemptions += 1
         assert self.prefill is not None
-        await self.prefill.put(seq)
+        self.prefill.put_nowait(seq)  # its inbox holds every seat: never full
 
-    def _launch(self, in_flight: InFlightStep | None) -> InFlightStep | None:
+    def build_rows(self, seq_ids: tuple[int, ...]) -> tuple[list[Sequence], list[ScheduledChunk]]:
+        """Slots and chunks for the chosen rows (arrival order from the planner; run in running order)."""
+        chosen = set(seq_ids)
+        rows = self.in_flight.rows if self.in_flight is not None else {}
         batch: list[Sequence] = []
         chunks: list[ScheduledChunk] = []
-        rows = in_flight.rows if in_flight is not None else {}
         for seq in self.running:
+            if seq.seq_id not in chosen:
+                continue
             row = rows.get(seq.seq_id, -1)
+            if not self.cache.allocate_slots(seq, seq.num_pending, 1 if row >= 0 else 0):
+                raise RuntimeError("the planner counted blocks the cache does not have")
             num_tokens = len(seq.token_ids)
             if row >= 0:  # its token is still on the device: feed it from there
-                if _last_token_in_flight(seq):
-                    continue
                 # positional arguments: this runs per sequence per step, and keywords cost more
                 chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row)
             else:
@@ -174,11 +166,7 @@ class DecodeStage(DeviceStage):
                                        [self.sampling_row(seq)])
             batch.append(seq)
             chunks.append(chunk)
-        if not batch:
-            return None
-        self.steps_ahead += in_flight is not None
-        step = self.executor.launch(build_step_plan(chunks, self.cache.block_size), lane=self.name)
-        return InFlightStep(batch, step, time.monotonic(), {seq.seq_id: i for i, seq in enumerate(batch)})
+        return batch, chunks
 
     async def _complete(self, in_flight: InFlightStep, events: StepTokensBuilder) -> SamplerOutput:
         """Read a step's tokens and record them; rows of sequences that ended meanwhile are dropped."""

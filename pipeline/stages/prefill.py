@@ -2,36 +2,55 @@
 sequence's first token, then hands the sequence to decode.
 
 It owns sequences from admission until their prompt is in the KV cache: new requests from intake
-and sequences that decode preempted for recompute. It serves them strictly in arrival order.
-A request with n > 1 samples is prefilled once; its siblings share the prompt's full blocks.
+and sequences that decode preempted for recompute. The step planner (pipeline/step_planner.py)
+decides which of its prompts get a chunk in each step, strictly in arrival order; this stage offers
+them, builds the chosen chunks, and records what comes back. While decode runs, its steps carry
+the chunks; with nothing decoding, this stage asks for a step itself. One chunk step of its own is in
+flight at a time. A request with n > 1 samples is prefilled once; its siblings share the prompt's
+full blocks.
 """
 from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import dataclass
 
 from pipeline.messages import StepTokensBuilder
 from pipeline.request import Request
-from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
-from pipeline.scheduler import PrefillChoice, WaitingGauge, plan_prefill, prefill_victims
+from pipeline.runner.executor import LaunchedStep
+from pipeline.runner.step_plan import ScheduledChunk
+from pipeline.scheduler import PromptChunk, WaitingGauge, WaitingPrompt
 from pipeline.sequence import Sequence, mix_seed, new_grammar_state
 from pipeline.stage import Stage
 from pipeline.stages.device_stage import DeviceStage
+from pipeline.step_planner import StepPlanner
+
+
+@dataclass(slots=True)
+class _Grant:
+    """This stage's chunks in a launched step, and where their rows start."""
+
+    chunks: list[tuple[Sequence, int, list]]  # (sequence, tokens computed, grammar state of each sample)
+    launched_at: float
+    step: LaunchedStep | None = None
+    first_row: int = 0
 
 
 class PrefillStage(DeviceStage):
     name = "prefill"
 
-    def __init__(self, inbox_size: int, *, waiting_gauge: WaitingGauge, token_budget: int,
+    def __init__(self, inbox_size: int, *, waiting_gauge: WaitingGauge, planner: StepPlanner,
                  decode: Stage, **resources) -> None:
         super().__init__(inbox_size, **resources)
         self.waiting_gauge = waiting_gauge
-        self.token_budget = token_budget
+        self.planner = planner
         self.decode = decode
         self.waiting: list[Sequence] = []  # arrival order
         self.started: set[int] = set()  # seq_ids holding seats
-        self._memory_freed = asyncio.Event()
-        self.cache.add_free_listener(self._memory_freed.set)
+        self.grant: _Grant | None = None  # chunks of ours in a launched step, results unread
+        self._wake = asyncio.Event()  # memory freed, a grant, or decode stopped driving
+        self.cache.add_free_listener(self._wake.set)
+        planner.on_change(self._wake.set)
 
     async def run(self) -> None:
         while True:
@@ -40,14 +59,61 @@ class PrefillStage(DeviceStage):
             events = StepTokensBuilder()
             self._reap_cancelled(events)
             await self.emit(events)
+            if self.grant is not None and self.grant.step is not None:
+                await self._complete(self.grant)
+                continue
             if not self.waiting:
                 self._accept(await self.receive())
                 continue
-            choices = self._plan()
-            if choices:
-                await self._step(choices)
-            else:
-                await self._wait_for_memory_or_messages()
+            self._wake.clear()
+            if not self.planner.decode_drives:
+                self.planner.compose(rows_in_flight=False)  # nothing decodes: a step of prompts alone
+                if self.grant is not None:
+                    continue
+            await self._wait_for_wake_or_messages()
+
+    # --- what the planner asks -------------------------------------------------------------------
+    def offer_prompts(self) -> list[WaitingPrompt]:
+        if self.grant is not None:
+            return []  # its chunks are in flight: the next ones are planned once they are read
+        started = self.started
+        return [WaitingPrompt(seq.seq_id, seq.arrival, seq.num_computed, seq.num_pending, len(seq.block_ids),
+                              seq.num_samples, seq.seq_id in started) for seq in self.waiting]
+
+    def preempt_now(self, seq_id: int) -> None:
+        """Give a later arrival's blocks back (it stays waiting, to be recomputed)."""
+        self.release(next(seq for seq in self.waiting if seq.seq_id == seq_id))
+
+    def build_chunks(self, chosen: tuple[PromptChunk, ...]) -> list[ScheduledChunk]:
+        if not chosen:
+            return []
+        by_id = {seq.seq_id: seq for seq in self.waiting}
+        grant = _Grant([], time.monotonic())
+        chunks: list[ScheduledChunk] = []
+        for choice in chosen:
+            seq = by_id[choice.seq_id]
+            if choice.starts:
+                self.seats.acquire(seq.num_samples)
+                self.started.add(seq.seq_id)
+                self.waiting_gauge.remove(seq.num_prompt_tokens)
+            if not self.cache.allocate_slots(seq, choice.num_tokens):
+                raise RuntimeError(f"the planner counted {choice.new_blocks} blocks the cache does not have")
+            end = seq.num_computed + choice.num_tokens
+            rows, grammars = [], []
+            if end == len(seq.token_ids):  # the prompt completes: pick each sample's first token
+                request_seed = seq.request.params.seed or 0
+                grammars = [seq.grammar] + [new_grammar_state(seq.request) for _ in range(1, seq.num_samples)]
+                rows = [self.sampling_row(seq, seed=mix_seed(request_seed, i) if i else seq.seed,
+                                          grammar=grammars[i]) for i in range(seq.num_samples)]
+            chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed, seq.block_ids, rows))
+            grant.chunks.append((seq, choice.num_tokens, grammars))
+        self.grant = grant
+        return chunks
+
+    def granted(self, step: LaunchedStep, first_row: int) -> None:
+        assert self.grant is not None
+        self.grant.step, self.grant.first_row = step, first_row
+        self._wake.set()
 
     def _accept(self, message: Request | Sequence) -> None:
         if isinstance(message, Request):
@@ -77,32 +143,11 @@ class PrefillStage(DeviceStage):
                 events.add(seq.request, index, -1, reason, 0)
         self.waiting = keep
 
-    def _plan(self) -> list[PrefillChoice]:
-        decoding = self.seats.held - sum(s.num_samples for s in self.waiting if s.seq_id in self.started)
-        budget = max(1, self.token_budget - decoding)
-        watermark = max(1, self.cache.capacity // 100)
-        plan = lambda: plan_prefill(  # noqa: E731
-            self.waiting, started=self.started, token_budget=budget, free_blocks=self.cache.num_free,
-            block_size=self.cache.block_size, seats_available=self.seats.available,
-            watermark_blocks=watermark)
-        choices = plan()
-        if not choices:  # the head lacks memory: take it back from later arrivals still in prefill
-            head = self.waiting[0]
-            reserve = 0 if head.seq_id in self.started else watermark
-            deficit = self.cache.blocks_needed(head, 1) + reserve - self.cache.num_free
-            victims = prefill_victims(self.waiting, deficit, head) if deficit > 0 else []
-            for victim in victims:
-                self.release(victim)
-            if victims:
-                choices = plan()
-        return choices
-
-    async def _wait_for_memory_or_messages(self) -> None:
-        self._memory_freed.clear()
+    async def _wait_for_wake_or_messages(self) -> None:
         receive = asyncio.ensure_future(self.receive())
-        freed = asyncio.ensure_future(self._memory_freed.wait())
-        done, _ = await asyncio.wait({receive, freed}, return_when=asyncio.FIRST_COMPLETED)
-        freed.cancel()
+        woken = asyncio.ensure_future(self._wake.wait())
+        done, _ = await asyncio.wait({receive, woken}, return_when=asyncio.FIRST_COMPLETED)
+        woken.cancel()
         if receive in done:
             self._accept(receive.result())
         else:
@@ -112,50 +157,32 @@ class PrefillStage(DeviceStage):
             except asyncio.CancelledError:
                 pass
 
-    async def _step(self, choices: list[PrefillChoice]) -> None:
-        started = time.monotonic()
-        chunks: list[ScheduledChunk] = []
-        sibling_grammars: dict[int, list] = {}  # seq_id -> grammar state of each sample (n > 1)
-        for choice in choices:
-            seq = choice.seq
-            if choice.starts:
-                self.seats.acquire(seq.num_samples)
-                self.started.add(seq.seq_id)
-                self.waiting_gauge.remove(seq.num_prompt_tokens)
-            if choice.new_blocks and not self.cache.allocate_slots(seq, choice.num_tokens):
-                raise RuntimeError(f"plan_prefill counted {choice.new_blocks} blocks the cache does not have")
-            end = seq.num_computed + choice.num_tokens
-            completes = end == len(seq.token_ids)
-            rows = []
-            if completes:
-                request_seed = seq.request.params.seed or 0
-                grammars = [seq.grammar] + [new_grammar_state(seq.request) for _ in range(1, seq.num_samples)]
-                sibling_grammars[seq.seq_id] = grammars
-                rows = [self.sampling_row(seq, seed=mix_seed(request_seed, i) if i else seq.seed,
-                                          grammar=grammars[i]) for i in range(seq.num_samples)]
-            chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed,
-                                         seq.block_ids, rows))
-        output = await self.executor.submit(build_step_plan(chunks, self.cache.block_size), lane=self.name)
+    async def _complete(self, grant: _Grant) -> None:
+        """Read our rows of the step; completed prompts record their first tokens and go to decode."""
+        assert grant.step is not None
+        output = await self.executor.fetch(grant.step)
+        self.grant = None
         tokens = output.token_ids.tolist()
         events = StepTokensBuilder()
         ready: list[Sequence] = []
-        row = 0
-        for choice in choices:
-            seq = choice.seq
-            seq.num_computed += choice.num_tokens
+        row = grant.first_row
+        for seq, num_tokens, grammars in grant.chunks:
+            if seq.finish_reason is not None or seq not in self.waiting:
+                row += len(grammars)
+                continue  # cancelled while the step ran
+            seq.num_computed += num_tokens
             if seq.num_pending:
                 continue
             self.waiting.remove(seq)
             self.started.discard(seq.seq_id)
-            ready.extend(self._complete(seq, tokens[row:row + seq.num_samples], row, events,
-                                        sibling_grammars[seq.seq_id]))
-            row += seq.num_samples
-        self.record(started, len(choices), len(ready))
+            ready.extend(self._complete_prompt(seq, tokens[row:row + seq.num_samples], row, events, grammars))
+            row += len(grammars)
+        self.record(grant.launched_at, len(grant.chunks), len(ready))
         await self.emit(events, output)
         for seq in ready:  # after the first tokens went downstream, so decode's come later
             await self.decode.put(seq)
 
-    def _complete(self, seq: Sequence, tokens: list[int], first_row: int, events: StepTokensBuilder,
+    def _complete_prompt(self, seq: Sequence, tokens: list[int], first_row: int, events: StepTokensBuilder,
                   grammars: list) -> list[Sequence]:
         """The prompt is cached: record each sample's first token; siblings fork off the parent."""
         samples = [seq] + [seq.fork(i, self.cache.share_prompt(seq), self.cache.block_size, grammars[i])

@@ -26,11 +26,21 @@ async def generate_all(model_dir, run_ahead: bool, requests: list[tuple[list[int
         results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=sp) for p, sp in requests])
         await settle(engine)
         assert_no_leaks(engine)
-        summary = [[(s.token_ids, s.finish_reason, [(lp.token_id, round(lp.logprob, 5)) for lp in s.logprobs])
+        summary = [[(s.token_ids, s.finish_reason, [(lp.token_id, lp.logprob) for lp in s.logprobs])
                     for s in samples] for samples in results]
         return summary, engine.stats()
     finally:
         await engine.shutdown()
+
+
+def assert_same(first: list, second: list) -> None:
+    """Identical tokens and finishes; logprobs equal up to float noise (a step's batch composition,
+    which differs between the two ways of running, changes the last bits of its math)."""
+    assert [[(tokens, finish, [t for t, _ in lps]) for tokens, finish, lps in samples] for samples in first] == \
+        [[(tokens, finish, [t for t, _ in lps]) for tokens, finish, lps in samples] for samples in second]
+    for samples_a, samples_b in zip(first, second):
+        for (_, _, lps_a), (_, _, lps_b) in zip(samples_a, samples_b):
+            assert [lp for _, lp in lps_a] == pytest.approx([lp for _, lp in lps_b], abs=1e-4)
 
 
 def mixed_requests(first_tokens: list[list[int]] | None) -> list[tuple[list[int], SamplingParams]]:
@@ -58,7 +68,7 @@ def test_run_ahead_equals_step_by_step(tiny_model_dir):
     requests = mixed_requests([samples[0][0] for samples in probe])
     ahead, ahead_stats = run_async(generate_all(tiny_model_dir, True, requests))
     stepwise, stepwise_stats = run_async(generate_all(tiny_model_dir, False, requests))
-    assert ahead == stepwise
+    assert_same(ahead, stepwise)
     assert len(ahead[7][0][0]) == 6 and len(ahead[8][0][0]) == 3  # the stop tokens ended them early
     assert ahead_stats["decode_steps_ahead"] > 0
     assert stepwise_stats["decode_steps_ahead"] == 0
@@ -69,7 +79,7 @@ def test_run_ahead_under_preemption_equals_step_by_step(tiny_model_dir):
     tight = dict(num_kv_blocks=25, max_num_batched_tokens=16)
     ahead, stats = run_async(generate_all(tiny_model_dir, True, requests, **tight))
     stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests))
-    assert ahead == stepwise
+    assert_same(ahead, stepwise)
     assert stats["preemptions"] > 0 and stats["decode_steps_ahead"] > 0
 
 
@@ -80,7 +90,7 @@ def test_requests_that_read_their_outputs_wait_for_each_token(tiny_model_dir):
     for requests in (penalized, min_tokens):
         ahead, stats = run_async(generate_all(tiny_model_dir, True, requests))
         stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests))
-        assert ahead == stepwise
+        assert_same(ahead, stepwise)
         assert stats["decode_steps_ahead"] == 0
 
 
@@ -90,7 +100,7 @@ def test_run_ahead_equals_step_by_step_on_cuda_with_graphs(tiny_model_dir):
     cuda = dict(device="cuda", cuda_graphs=True)
     ahead, stats = run_async(generate_all(tiny_model_dir, True, requests, **cuda))
     stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests, **cuda))
-    assert ahead == stepwise
+    assert_same(ahead, stepwise)
     assert stats["decode_steps_ahead"] > 0
 
 
@@ -104,5 +114,5 @@ def test_grammar_rows_run_ahead_and_give_the_same_outputs(tiny_model_dir):
                 for i, (p, g) in enumerate(zip(prompts(5, seed=13), grammars))]
     ahead, stats = run_async(generate_all(tiny_model_dir, True, requests))
     stepwise, _ = run_async(generate_all(tiny_model_dir, False, requests))
-    assert ahead == stepwise
+    assert_same(ahead, stepwise)
     assert stats["decode_steps_ahead"] > 0
