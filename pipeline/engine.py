@@ -61,7 +61,6 @@ class Engine:
         self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead, **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, planner=self.planner,
                                     decode=self.decode, **shared)
-        self.decode.prefill = self.prefill
         self.planner.bind(decode=self.decode, prefill=self.prefill)
         self.renderer = PromptRenderer(self.tokenizer, loaded.limits.chat_template, loaded.limits.vocab_size)
         self.intake = IntakeStage(config.stage_queue_size, renderer=self.renderer, limits=loaded.limits,
@@ -229,7 +228,7 @@ class Engine:
             "prefilling": len(self.prefill.waiting),
             "preemptions": self.decode.preemptions,
             "device_steps": self.executor.steps,
-            "mixed_steps": self.executor.merged_steps,
+            "mixed_steps": self.planner.mixed_steps,
         }
 
     async def shutdown(self) -> None:

@@ -30,7 +30,7 @@ class RowLane(Protocol):
 
     def offer_rows(self) -> list[RunningRow]: ...
 
-    def preempt_now(self, seq_id: int) -> None: ...
+    def preempt_now(self, seq_id: int) -> Sequence: ...
 
     def build_rows(self, seq_ids: tuple[int, ...]) -> tuple[list[Sequence], list[ScheduledChunk]]: ...
 
@@ -41,6 +41,8 @@ class PromptLane(Protocol):
     def offer_prompts(self) -> list[WaitingPrompt]: ...
 
     def preempt_now(self, seq_id: int) -> None: ...
+
+    def requeue(self, seq: Sequence) -> None: ...
 
     def build_chunks(self, chunks: tuple[PromptChunk, ...]) -> list[ScheduledChunk]: ...
 
@@ -65,6 +67,7 @@ class StepPlanner:
         self.decode: RowLane | None = None
         self.prefill: PromptLane | None = None
         self.decode_drives = False  # decode has sequences: it launches every step
+        self.mixed_steps = 0  # steps holding decode rows and prompt chunks
         self._listeners: list[Callable[[], None]] = []
 
     def bind(self, *, decode: RowLane, prefill: PromptLane) -> None:
@@ -97,11 +100,15 @@ class StepPlanner:
             return WAIT_FOR_STEP
         running = {r.seq_id for r in rows}
         for seq_id in decision.preempt:
-            (self.decode if seq_id in running else self.prefill).preempt_now(seq_id)
+            if seq_id in running:  # back to prefill, to be recomputed: the sequence moves, not a copy
+                self.prefill.requeue(self.decode.preempt_now(seq_id))
+            else:
+                self.prefill.preempt_now(seq_id)
         batch, chunks = self.decode.build_rows(decision.rows)
         prompt_chunks = self.prefill.build_chunks(decision.chunks)
         if not chunks and not prompt_chunks:
             return None
+        self.mixed_steps += bool(chunks) and bool(prompt_chunks)
         first_prompt_row = sum(len(c.rows) for c in chunks)
         plan = build_step_plan(chunks + prompt_chunks, self.cache.block_size)
         # Decode's lane: the next step's fed tokens are this step's rows, decode's first.

@@ -3,8 +3,8 @@
 The thread owns everything device-side from the start: the engine loads the model through
 `call()`, so weights, KV cache and the thread's math library state live where the steps run
 (loading in another thread measured ~25% slower CPU steps here). The event loop never blocks on
-compute. When several stages have a plan waiting (decode's batch and prefill's chunk), the thread
-merges them into one forward: that is the mixed step.
+compute. Each launch is one forward: what a step holds (decode rows, prompt chunks: a mixed step)
+was decided before, by the step planner.
 
 Launching and fetching are apart, so a stage can queue step N+1 before it waits for step N's
 tokens: a second thread waits for step N's device->host copy while this one launches step N+1.
@@ -24,7 +24,7 @@ import numpy as np
 from torch import Tensor
 
 from pipeline.runner.sampler import SamplerOutput
-from pipeline.runner.step_plan import StepPlan, merge_plans, slice_output
+from pipeline.runner.step_plan import StepPlan
 
 T = TypeVar("T")
 
@@ -50,7 +50,7 @@ class LaunchedStep:
 
     plan: StepPlan
     lane: str  # the launching stage: `previous_row` refers to that stage's previous step
-    launched: asyncio.Future[tuple[LaunchedSample, int]]  # (the merged step's sample, first row of ours)
+    launched: asyncio.Future[LaunchedSample]
     loop: asyncio.AbstractEventLoop
 
 
@@ -71,10 +71,9 @@ class DeviceExecutor:
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         # Waits for device->host copies, so the device thread can launch the next step meanwhile.
         self._copy_waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"{name}-copies")
-        # each lane's last launch: (merged sample, first row, rows); its tokens feed the lane's next step
-        self._lane_samples: dict[str, tuple[LaunchedSample, int, int]] = {}
+        # each lane's last launch; its tokens feed the lane's next step
+        self._lane_samples: dict[str, LaunchedSample] = {}
         self.steps = 0
-        self.merged_steps = 0
         self._launching_since: float | None = None
         self._copy_waiting_since: float | None = None
         self._thread.start()
@@ -97,7 +96,7 @@ class DeviceExecutor:
         return await future
 
     def launch(self, plan: StepPlan, lane: str) -> LaunchedStep:
-        """Queue a step; returns at once. Plans queued together run as one forward."""
+        """Queue a step; returns at once."""
         loop = asyncio.get_running_loop()
         step = LaunchedStep(plan, lane, loop.create_future(), loop)
         self._jobs.put(step)
@@ -105,12 +104,10 @@ class DeviceExecutor:
 
     async def fetch(self, step: LaunchedStep) -> SamplerOutput:
         """The launched step's host results; waits for the device to finish that step only."""
-        sample, first_row = await step.launched
+        sample = await step.launched
         if sample.is_ready():
-            host = sample.to_host()
-        else:
-            host = await step.loop.run_in_executor(self._copy_waiter, self._wait_for_copy, sample)
-        return slice_output(host, first_row, first_row + step.plan.num_rows)
+            return sample.to_host()
+        return await step.loop.run_in_executor(self._copy_waiter, self._wait_for_copy, sample)
 
     async def submit(self, plan: StepPlan, lane: str = "default") -> SamplerOutput:
         """Launch and wait: a step with nothing to overlap."""
@@ -129,59 +126,34 @@ class DeviceExecutor:
             self._copy_waiting_since = None
 
     def _loop(self) -> None:
-        pending: list[object] = []
         while True:
-            job = pending.pop(0) if pending else self._jobs.get()
+            job = self._jobs.get()
             if job is _STOP:
                 return
             self._launching_since = time.monotonic()
             if isinstance(job, _Call):
                 _settle(job.loop, job.future, job.function)
             else:
-                steps = [job]
-                while True:  # take every launch already waiting: they run as one forward
-                    try:
-                        more = self._jobs.get_nowait()
-                    except queue.Empty:
-                        break
-                    if isinstance(more, LaunchedStep) and all(s.lane != more.lane for s in steps):
-                        steps.append(more)  # (a stage's next step may feed on this one: never merged)
-                    else:
-                        pending.append(more)
-                        break
-                self._launch_merged(steps)  # type: ignore[arg-type]
+                self._launch_step(job)  # type: ignore[arg-type]
             self._launching_since = None
 
-    def _launch_merged(self, steps: list[LaunchedStep]) -> None:
+    def _launch_step(self, step: LaunchedStep) -> None:
         try:
             if self._launch is None:
                 raise RuntimeError("the device executor has no model bound")
-            fed = [s.lane for s in steps if len(s.plan.forward.feed_targets)]
-            if len(fed) > 1:
-                raise RuntimeError(f"several stages feed from their previous steps in one forward: {fed}")
-            last = self._lane_samples.get(fed[0]) if fed else None
-            previous, previous_host = _lane_tokens(last) if last is not None else (None, None)
-            sample = self._launch(merge_plans([s.plan for s in steps]), previous, previous_host)
-        except BaseException as exc:  # delivered to every fetch of these steps, never lost in the thread
-            for step in steps:
-                self._lane_samples.pop(step.lane, None)
-                step.loop.call_soon_threadsafe(_set_exception, step.launched, exc)
+            previous, previous_host = None, None
+            if len(step.plan.forward.feed_targets):
+                last = self._lane_samples.get(step.lane)
+                if last is not None:
+                    previous, previous_host = last.token_ids, lambda: last.to_host().token_ids
+            sample = self._launch(step.plan, previous, previous_host)
+        except BaseException as exc:  # delivered to the step's fetch, never lost in the thread
+            self._lane_samples.pop(step.lane, None)
+            step.loop.call_soon_threadsafe(_set_exception, step.launched, exc)
             return
         self.steps += 1
-        self.merged_steps += len(steps) > 1
-        first_row = 0
-        for step in steps:
-            rows = step.plan.num_rows
-            self._lane_samples[step.lane] = (sample, first_row, rows)
-            step.loop.call_soon_threadsafe(_set_result, step.launched, (sample, first_row))
-            first_row += rows
-
-
-
-def _lane_tokens(last: tuple[LaunchedSample, int, int]) -> tuple[Tensor, Callable[[], np.ndarray]]:
-    """A lane's previous tokens on the device, and a getter of the same on the host (it waits)."""
-    sample, first_row, rows = last
-    return sample.token_ids[first_row : first_row + rows], lambda: sample.to_host().token_ids[first_row:first_row + rows]
+        self._lane_samples[step.lane] = sample
+        step.loop.call_soon_threadsafe(_set_result, step.launched, sample)
 
 
 def _settle(loop: asyncio.AbstractEventLoop, future: asyncio.Future[Any], function: Callable[[], Any]) -> None:

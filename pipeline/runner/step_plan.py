@@ -21,7 +21,6 @@ from dataclasses import dataclass
 import numpy as np
 
 import ext
-from pipeline.runner.sampler import SamplerOutput
 from pipeline.runner.sampling_batch import SamplingRow
 
 _step_inputs = ext.load("step_inputs")
@@ -150,40 +149,3 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int) -> StepPlan:
     forward = ForwardBatch(input_ids, positions, slots, qsl, seq_lens, tables, np.asarray(logits, dtype=np.int64),
                            np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64))
     return StepPlan(forward, tuple(rows))
-
-
-def merge_plans(plans: list[StepPlan]) -> StepPlan:
-    """One forward's plan from plans queued together (rows, tokens and logits in plan order). At most
-    one of them feeds from a previous step (its sources index that stage's previous rows)."""
-    if len(plans) == 1:
-        return plans[0]
-    batches = [p.forward for p in plans]
-    width = max(b.block_tables.shape[1] for b in batches)
-    token_offsets = np.cumsum([0] + [b.num_tokens for b in batches])
-    tables = np.zeros((sum(b.num_seqs for b in batches), width), dtype=np.int32)
-    row = 0
-    for b in batches:
-        tables[row:row + b.num_seqs, :b.block_tables.shape[1]] = b.block_tables
-        row += b.num_seqs
-    qsl = np.concatenate([np.zeros(1, dtype=np.int32)] + [b.query_start_loc[1:] + token_offsets[i]
-                                                           for i, b in enumerate(batches)]).astype(np.int32)
-    forward = ForwardBatch(
-        np.concatenate([b.input_ids for b in batches]), np.concatenate([b.positions for b in batches]),
-        np.concatenate([b.slot_mapping for b in batches]), qsl, np.concatenate([b.seq_lens for b in batches]),
-        tables, np.concatenate([b.logits_indices + token_offsets[i] for i, b in enumerate(batches)]),
-        np.concatenate([b.feed_targets + token_offsets[i] for i, b in enumerate(batches)]),
-        np.concatenate([b.feed_sources for b in batches]))
-    return StepPlan(forward, tuple(row for p in plans for row in p.rows))
-
-
-def slice_output(output: SamplerOutput, start: int, stop: int) -> SamplerOutput:
-    def cut(array: np.ndarray | None) -> np.ndarray | None:
-        return None if array is None else array[start:stop]
-
-    return SamplerOutput(
-        token_ids=output.token_ids[start:stop],
-        logprobs=cut(output.logprobs),
-        top_ids=cut(output.top_ids),
-        top_logprobs=cut(output.top_logprobs),
-        num_logprobs=cut(output.num_logprobs),
-    )

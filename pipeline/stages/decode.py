@@ -25,7 +25,6 @@ from pipeline.runner.sampler import SamplerOutput
 from pipeline.runner.step_plan import ScheduledChunk
 from pipeline.scheduler import RunningRow
 from pipeline.sequence import Sequence
-from pipeline.stage import Stage
 from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
 from pipeline.step_planner import WAIT_FOR_STEP, ComposedStep, StepPlanner
 
@@ -52,7 +51,6 @@ class DecodeStage(DeviceStage):
         super().__init__(inbox_size, **resources)
         self.planner = planner
         self.running: list[Sequence] = []
-        self.prefill: Stage | None = None  # where preempted sequences go; wired by the engine
         self.run_ahead = run_ahead
         self.preemptions = 0
         self.steps_ahead = 0  # steps launched while the previous one was still in flight
@@ -134,16 +132,15 @@ class DecodeStage(DeviceStage):
                                    len(seq.block_ids)))
         return rows
 
-    def preempt_now(self, seq_id: int) -> None:
-        """Recompute later: drop the KV, keep the tokens and the seat, go back to prefill."""
+    def preempt_now(self, seq_id: int) -> Sequence:
+        """Recompute later: drop the KV, keep the tokens and the seat; the planner hands it to prefill."""
         seq = next(s for s in self.running if s.seq_id == seq_id)
         self.running.remove(seq)
         self.release(seq)
         seq.num_samples = 1
         seq.preemptions += 1
         self.preemptions += 1
-        assert self.prefill is not None
-        self.prefill.put_nowait(seq)  # its inbox holds every seat: never full
+        return seq
 
     def build_rows(self, seq_ids: tuple[int, ...]) -> tuple[list[Sequence], list[ScheduledChunk]]:
         """Slots and chunks for the chosen rows (arrival order from the planner; run in running order)."""

@@ -62,10 +62,10 @@ class PrefillStage(DeviceStage):
             if self.grant is not None and self.grant.step is not None:
                 await self._complete(self.grant)
                 continue
-            if not self.waiting:
-                self._accept(await self.receive())
-                continue
             self._wake.clear()
+            if not self.waiting:  # a request, or a sequence decode gave back, will wake it
+                await self._wait_for_wake_or_messages()
+                continue
             if not self.planner.decode_drives:
                 self.planner.compose(rows_in_flight=False)  # nothing decodes: a step of prompts alone
                 if self.grant is not None:
@@ -83,6 +83,11 @@ class PrefillStage(DeviceStage):
     def preempt_now(self, seq_id: int) -> None:
         """Give a later arrival's blocks back (it stays waiting, to be recomputed)."""
         self.release(next(seq for seq in self.waiting if seq.seq_id == seq_id))
+
+    def requeue(self, seq: Sequence) -> None:
+        """A sequence decode gave back (preempted): it keeps its seat and waits by its arrival."""
+        self._accept(seq)
+        self._wake.set()
 
     def build_chunks(self, chosen: tuple[PromptChunk, ...]) -> list[ScheduledChunk]:
         if not chosen:
@@ -118,7 +123,7 @@ class PrefillStage(DeviceStage):
     def _accept(self, message: Request | Sequence) -> None:
         if isinstance(message, Request):
             seq = Sequence.from_request(message)
-        else:  # preempted by decode: it kept its seat
+        else:  # preempted out of decode: it kept its seat
             seq = message
             self.started.add(seq.seq_id)
         self.waiting.append(seq)
@@ -155,7 +160,10 @@ class PrefillStage(DeviceStage):
             try:
                 self._accept(await receive)  # it may have completed while being cancelled
             except asyncio.CancelledError:
-                pass
+                task = asyncio.current_task()
+                if task is not None and task.cancelling():
+                    raise  # the stage itself is being stopped, not just the receive
+
 
     async def _complete(self, grant: _Grant) -> None:
         """Read our rows of the step; completed prompts record their first tokens and go to decode."""

@@ -326,3 +326,29 @@ def test_a_reader_that_stops_reading_is_aborted_alone(tiny_model_dir):
     assert all(len(o[0].token_ids) == 12 for o in others)
     assert tail[-1].finish_reason is FinishReason.ERROR and "output buffer" in tail[-1].error
     assert sum(len(d.token_ids) for d in tail) < 299  # it was stopped, not run to max_tokens
+
+
+def test_a_prompt_arriving_while_others_decode_joins_their_steps_and_changes_no_tokens(tiny_model_dir):
+    """The step planner puts a new prompt's chunks into decode's next step (a mixed step); the tokens
+    of every request equal those it gets alone."""
+
+    async def main():
+        engine = await Engine.create(config_for(tiny_model_dir))
+        try:
+            first, second = prompts(2, seed=77)
+            expected = [(await collect(engine, prompt_token_ids=p, params=greedy(30)))[0].token_ids
+                        for p in (first, second)]
+            steps_before = engine.stats()["mixed_steps"]
+            stream = engine.generate(prompt_token_ids=first, params=greedy(30))
+            tokens = [(await stream.__anext__()).token_ids]
+            joined = asyncio.ensure_future(collect(engine, prompt_token_ids=second, params=greedy(30)))
+            tokens += [delta.token_ids async for delta in stream]
+            got = [[t for ids in tokens for t in ids], (await joined)[0].token_ids]
+            assert got == expected
+            assert engine.stats()["mixed_steps"] > steps_before
+            await settle(engine)
+            assert_no_leaks(engine)
+        finally:
+            await engine.shutdown()
+
+    run_async(main())

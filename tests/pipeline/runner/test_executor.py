@@ -1,5 +1,5 @@
-"""The device executor merges launches that wait together into one forward, routes rows back,
-never merges a stage's step with its own next step, and hands a stage its previous step's tokens."""
+"""The device executor runs each launch as one forward in launch order, gives each fetch its step's
+results, and hands a lane's step the device tokens of that lane's previous step."""
 import asyncio
 import itertools
 import threading
@@ -31,11 +31,11 @@ def plan_with(tag: int, rows: int, previous_row: int = -1) -> StepPlan:
 
 
 def tags(plan: StepPlan) -> list[int]:
-    """The chunks' first input tokens (one chunk per plan here, so one per merged plan)."""
+    """The chunks' first input tokens."""
     return plan.forward.input_ids[plan.forward.query_start_loc[:-1]].tolist()
 
 
-def test_plans_waiting_together_run_as_one_step_and_get_their_own_rows():
+def test_launches_run_in_order_one_forward_each_and_fetch_their_own_rows():
     gate = threading.Event()
     seen: list[list[int]] = []
 
@@ -47,24 +47,20 @@ def test_plans_waiting_together_run_as_one_step_and_get_their_own_rows():
     async def main():
         executor = DeviceExecutor(launch)
         try:
-            first = executor.launch(plan_with(1, 1), lane="a")
-            await asyncio.sleep(0)
-            second = executor.launch(plan_with(2, 2), lane="b")
-            third = executor.launch(plan_with(3, 0), lane="c")
+            steps = [executor.launch(plan_with(1, 1), lane="a"), executor.launch(plan_with(2, 2), lane="b"),
+                     executor.launch(plan_with(3, 0), lane="c")]
             gate.set()
-            outputs = await asyncio.gather(*(executor.fetch(s) for s in (first, second, third)))
+            outputs = await asyncio.gather(*(executor.fetch(s) for s in steps))
             return [o.token_ids.tolist() for o in outputs], executor
         finally:
             await asyncio.to_thread(executor.shutdown)
 
     outputs, executor = run_async(main())
     assert outputs == [[1], [2, 2], []]
-    assert seen[0] == [1] or seen == [[1, 2, 3]]
-    assert sum(len(s) for s in seen) == 3 and len(seen) <= 2
-    assert executor.steps == len(seen)
+    assert seen == [[1], [2], [3]] and executor.steps == 3
 
 
-def test_a_stage_next_step_is_never_merged_and_feeds_on_the_previous_tokens():
+def test_a_lane_step_feeds_on_that_lanes_previous_tokens():
     gate = threading.Event()
     launches: list[tuple[list[int], list[int] | None]] = []
 
@@ -86,10 +82,10 @@ def test_a_stage_next_step_is_never_merged_and_feeds_on_the_previous_tokens():
 
     outputs = run_async(main())
     assert outputs == [[10, 11], [50], [20]]
-    assert launches == [([1, 5], None), ([2], [10, 11])]  # decode's tokens, not the merged step's
+    assert launches == [([1], None), ([5], None), ([2], [10, 11])]  # decode's tokens, not prefill's
 
 
-def test_a_failing_launch_fails_every_fetch_of_it():
+def test_a_failing_launch_fails_its_fetch():
     def launch(plan: StepPlan, previous, previous_host=None):
         raise RuntimeError("device fell over")
 

@@ -11,7 +11,6 @@ from pipeline.runner.step_plan import (
     ForwardBatchVersionError,
     ScheduledChunk,
     build_step_plan,
-    merge_plans,
 )
 
 
@@ -54,16 +53,6 @@ def test_logits_offsets_must_match_the_rows() -> None:
         build_step_plan([ScheduledChunk([1, 2], 0, [1], ["a"], logits_offsets=[2])], block_size=4)
     with pytest.raises(ValueError, match="cannot hold"):
         build_step_plan([ScheduledChunk([1, 2], 3, [1], ["a"])], block_size=4)
-
-
-def test_merged_plans_keep_each_plans_rows_tokens_and_logits() -> None:
-    chunks = sample_chunks()
-    first, second = build_step_plan(chunks[:2], 4), build_step_plan(chunks[2:], 4)
-    merged, whole = merge_plans([first, second]).forward, build_step_plan(chunks, 4).forward
-    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices", "feed_targets", "feed_sources"):
-        assert np.array_equal(getattr(merged, name), getattr(whole, name)), name
-    assert merge_plans([first, second]).rows == build_step_plan(chunks, 4).rows
 
 
 def test_a_forward_batch_serialises_to_the_same_arrays() -> None:

@@ -49,7 +49,6 @@ def stages(num_blocks: int, token_budget: int = 64) -> tuple[DecodeStage, Prefil
     decode = DecodeStage(16, planner=planner, cache=cache, seats=seats, executor=executor, detokenize=None)
     prefill = PrefillStage(16, waiting_gauge=WaitingGauge(100, 10_000), planner=planner, decode=decode, cache=cache,
                            seats=seats, executor=executor, detokenize=None)
-    decode.prefill = prefill
     planner.bind(decode=decode, prefill=prefill)
     return decode, prefill, planner, cache
 
@@ -93,7 +92,7 @@ def test_decode_preempts_the_latest_arrival_for_earlier_ones():
     assert covered(a) == 12 and covered(b) == 12
     assert c.block_ids == [] and c.num_computed == 0 and d.block_ids == []
     assert stage.running == [b, a] and stage.preemptions == 2
-    assert prefill.receive_ready() == [d, c]  # d made room for b; then c had none and was the latest itself
+    assert prefill.waiting == [c, d]  # d made room for b; then c had none and was the latest itself
     assert cache.num_free == 1  # c's block
 
 
@@ -103,7 +102,7 @@ def test_decode_preempts_the_sequence_itself_when_it_is_the_latest():
     stage.running = [a, b]
     assert cache.num_free == 0
     assert isinstance(compose(stage, planner), ComposedStep)
-    assert prefill.receive_ready() == [b] and stage.running == [a]
+    assert prefill.waiting == [b] and stage.running == [a]
     assert covered(a) == 8 and cache.num_free == 1
 
 
@@ -132,7 +131,7 @@ def test_with_a_step_in_flight_it_allocates_all_or_nothing():
     before = (list(a.block_ids), list(b.block_ids))
     assert compose(stage, planner, in_flight(a, b)) is WAIT_FOR_STEP  # the caller reads the step first
     assert (a.block_ids, b.block_ids) == before and cache.num_free == 1
-    assert stage.preemptions == 0 and prefill.receive_ready() == []
+    assert stage.preemptions == 0 and prefill.waiting == []
 
 
 def test_prefill_plans_with_the_cache_and_takes_memory_back_for_its_head():
