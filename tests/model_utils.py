@@ -24,6 +24,7 @@ _CONFIG_CLASSES = {
     "mistral": "MistralConfig",
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
+    "qwen3_moe": "Qwen3MoeConfig",
 }
 
 
@@ -54,6 +55,8 @@ def tiny_config(model_type: str, **overrides):
     )
     if model_type == "mistral":
         kwargs["sliding_window"] = None
+    if model_type == "qwen3_moe":
+        kwargs.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
     kwargs.update(overrides)
     cfg = cls(**kwargs)
     cfg._attn_implementation = "eager"

@@ -1,4 +1,5 @@
-"""ModelArchConfig: one normalized view of a HF ``config.json`` for the dense model family.
+"""ModelArchConfig: one normalized view of a HF ``config.json`` for the dense model family (plus the
+sparse-MoE fields of Qwen3-MoE / Qwen3-Next).
 
 Reads both the transformers-5 style (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the
 scaling fields) and the legacy style (top-level ``rope_theta`` plus ``rope_scaling`` with ``type`` or
@@ -52,6 +53,14 @@ class ModelArchConfig:
     sliding_window: int | None = None  # recorded; not applied by the dense attention path
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # sparse MoE (Qwen3-MoE, Qwen3-Next); num_experts=0 means dense
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int | None = None
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,7 +107,7 @@ class ModelArchConfig:
         theta, rope_type, scaling, partial = _parse_rope(d)
 
         sliding = None
-        if model_type in ("qwen2", "qwen3"):
+        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
             if d.get("use_sliding_window"):
                 sliding = d.get("sliding_window")
         else:
@@ -118,7 +127,7 @@ class ModelArchConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type == "qwen3",
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rope_theta=theta,
@@ -128,6 +137,15 @@ class ModelArchConfig:
             sliding_window=sliding,
             bos_token_id=d.get("bos_token_id"),
             eos_token_id=d.get("eos_token_id"),
+            # transformers' Qwen3MoeConfig.to_dict() writes num_experts as num_local_experts
+            num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
+            num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
+            moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
+            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
+            mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
+            shared_expert_intermediate_size=int(d["shared_expert_intermediate_size"])
+            if d.get("shared_expert_intermediate_size") else None,
             hf_config=d,
         )
 

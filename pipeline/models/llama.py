@@ -50,7 +50,11 @@ class LlamaDecoderLayer(nn.Module):
             device=device,
         )
         self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, arch.hidden_act, dtype, device)
+        self.mlp = self._make_mlp(arch, layer_index, dtype, device)
+
+    def _make_mlp(self, arch: ModelArchConfig, layer_index: int, dtype=None, device=None) -> nn.Module:
+        """The layer's MLP (a hook: MoE families return a sparse block here)."""
+        return GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, arch.hidden_act, dtype, device)
 
     def forward(
         self,
@@ -69,10 +73,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, arch: ModelArchConfig, dtype=None, device=None) -> None:
+    def __init__(self, arch: ModelArchConfig, dtype=None, device=None, layer_cls: type = LlamaDecoderLayer) -> None:
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
-        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers)])
+        self.layers = nn.ModuleList([layer_cls(arch, i, dtype, device) for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
         self.rotary_emb = RotaryEmbedding.from_arch(arch, dtype=dtype, device=device)
 
@@ -93,6 +97,8 @@ class LlamaForCausalLM(nn.Module):
     ``compute_logits(hidden [S, hidden]) -> [S, vocab] float32``; ``cache_specs(kv_dtype)`` -> the caches
     ``ctx.caches`` must hold (one paged K/V cache per layer)."""
 
+    decoder_layer_cls: type = LlamaDecoderLayer  # a hook for families that only change the layer
+
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
         if arch.sliding_window is not None and arch.sliding_window < arch.max_position_embeddings:
@@ -103,7 +109,7 @@ class LlamaForCausalLM(nn.Module):
                 stacklevel=2,
             )
         self.arch = arch
-        self.model = LlamaModel(arch, dtype, device)
+        self.model = LlamaModel(arch, dtype, device, self.decoder_layer_cls)
         self.lm_head = (
             None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype, device)
         )
@@ -154,13 +160,18 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is None and can_prepack(self.model.embed_tokens.weight):
             self.lm_head_packed = prepack_weight(self.model.embed_tokens.weight)
 
+    def _hf_loaded_params(self) -> dict[str, nn.Parameter]:
+        """The parameters ``load_weights`` fills by (fused) HF name (a hook: subclasses drop those they
+        load themselves)."""
+        return dict(self.named_parameters())
+
     @torch.no_grad()
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Load tensors given under HF names; fuses q/k/v and gate/up. Returns the HF names loaded.
 
         Raises KeyError on an unknown name, ValueError on a shape mismatch and on missing tensors.
         """
-        params = dict(self.named_parameters())
+        params = self._hf_loaded_params()
         # every (parameter, shard) that must be filled, keyed by the HF name that fills it
         expected: dict[str, tuple[str, int | None]] = {}
         for pname in params:

@@ -9,12 +9,14 @@ from torch import nn
 
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.llama import LlamaForCausalLM
+from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
     "mistral": LlamaForCausalLM,
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
+    "qwen3_moe": Qwen3MoeForCausalLM,
 }
 
 

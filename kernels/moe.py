@@ -1,0 +1,121 @@
+"""Fused mixture-of-experts: routing, torch references, slot grouping, and the device-picking entry point.
+
+Weights (per layer): ``w13 [E, 2*I, H]`` (rows ``0..I-1`` the gate projection, ``I..2I-1`` the up projection, as
+HF ``gate_proj``/``up_proj`` stacked), ``w2 [E, H, I]`` (down projection). Hidden states ``x [T, H]``. Routing gives
+``topk_weights [T, k]`` (float32) and ``topk_ids [T, k]`` (int32/int64, global expert ids). The output is
+
+    y[t] = sum_j topk_weights[t, j] * down_e(silu(gate_e(x[t])) * up_e(x[t])),   e = topk_ids[t, j]
+
+in x's dtype, accumulated in fp32. Expert parallelism: the weights may hold only experts
+``[expert_offset, expert_offset + num_local_experts)`` of the global ids; token slots routed elsewhere contribute
+zero, so each rank returns its experts' partial sums and a later combine adds them.
+
+``fused_moe`` runs the Triton kernels (``kernels/triton_moe.py``) where ``dispatch.use_triton`` says so, else
+``fused_moe_ref``. ``group_by_expert`` is the host-sync-free slot sort the Triton path uses.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Softmax over experts in fp32, then top-k (ties as ``torch.topk`` orders them); if ``renormalize``, the k
+    weights are rescaled to sum to 1. Returns ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``."""
+    probs = torch.softmax(router_logits.float(), dim=-1)
+    topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
+    if renormalize:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_weights, topk_ids.to(torch.int64)
+
+
+def _local_experts(w13: torch.Tensor, num_local_experts: int | None) -> int:
+    n = w13.shape[0] if num_local_experts is None else num_local_experts
+    if n != w13.shape[0]:
+        raise ValueError(f"num_local_experts = {n} but w13 holds {w13.shape[0]} experts")
+    return n
+
+
+def fused_moe_ref(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_offset: int = 0, num_local_experts: int | None = None,
+) -> torch.Tensor:
+    """The oracle: per expert that received tokens, gather its tokens, run the gated MLP in fp32, scale by the
+    routing weights and add into an fp32 ``[T, H]`` accumulator; cast to x's dtype once at the end."""
+    t, h = x.shape
+    n_local = _local_experts(w13, num_local_experts)
+    inter = w2.shape[2]
+    k = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1).to(torch.int64) - expert_offset
+    flat_w = topk_weights.reshape(-1).float()
+    tokens = torch.arange(t, device=x.device).repeat_interleave(k)
+    out = torch.zeros(t, h, dtype=torch.float32, device=x.device)
+    for e in flat_ids.unique().tolist():
+        if not 0 <= e < n_local:
+            continue
+        sel = (flat_ids == e).nonzero().squeeze(1)
+        tok = tokens.index_select(0, sel)
+        xs = x.index_select(0, tok).float()
+        gate_up = xs @ w13[e].float().t()
+        act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
+        y = (act @ w2[e].float().t()) * flat_w.index_select(0, sel)[:, None]
+        out.index_add_(0, tok, y)
+    return out.to(x.dtype)
+
+
+def group_by_expert(
+    topk_ids: torch.Tensor, num_experts: int, block_m: int, expert_offset: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the flat ``(token, j)`` slots (slot id ``token * k + j``) by expert, padding each expert's run to a
+    multiple of ``block_m`` with the sentinel slot id ``T * k``.
+
+    ``num_experts`` is the number of local experts, covering global ids ``[expert_offset, expert_offset +
+    num_experts)``; slots routed to other experts are dropped (they appear in no block). Returns
+
+    - ``sorted_slots int32 [P]``, ``P = T*k + num_experts*(block_m - 1)`` (a fixed upper bound): positions
+      ``[0, num_padded)`` hold the padded runs in expert order; the tail is sentinel;
+    - ``block_expert int32 [P // block_m]``: the local expert of each block of ``block_m`` positions, ``-1`` for
+      blocks past ``num_padded`` (kernels skip them). Experts with no tokens own no block;
+    - ``num_padded int32 []``: the padded length.
+
+    Torch ops only, no host synchronisation and output sizes fixed by the inputs' shapes: CUDA-graph capturable.
+    """
+    if num_experts < 1 or block_m < 1:
+        raise ValueError(f"need num_experts >= 1 and block_m >= 1, got {num_experts} and {block_m}")
+    device = topk_ids.device
+    n_slots = topk_ids.numel()
+    p = n_slots + num_experts * (block_m - 1)
+    local = topk_ids.reshape(-1).to(torch.int64) - expert_offset
+    key = torch.where((local >= 0) & (local < num_experts), local, num_experts)  # num_experts: not local
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key, torch.ones_like(key))
+    counts = counts[:num_experts]
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    start = torch.cumsum(counts, 0) - counts  # each expert's first position among the sorted (unpadded) slots
+    sorted_key, order = torch.sort(key, stable=True)
+    e = sorted_key.clamp(max=num_experts - 1)
+    dest = padded_start[e] + torch.arange(n_slots, device=device) - start[e]
+    dest = torch.where(sorted_key < num_experts, dest, p)  # non-local slots go to a dump entry past the end
+    sorted_slots = torch.full((p + 1,), n_slots, dtype=torch.int32, device=device)
+    sorted_slots.scatter_(0, dest, order.to(torch.int32))
+    block_start = torch.arange(p // block_m, dtype=torch.int64, device=device) * block_m
+    block_expert = torch.searchsorted(padded_end, block_start, right=True)  # first expert whose run ends later
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    return sorted_slots[:p], block_expert, padded_end[-1].to(torch.int32)
+
+
+def fused_moe(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_offset: int = 0, num_local_experts: int | None = None,
+) -> torch.Tensor:
+    """The MoE expert compute: Triton kernels where ``dispatch.use_triton(x.device)``, else ``fused_moe_ref``."""
+    from kernels.dispatch import use_triton
+
+    if use_triton(x.device):
+        from kernels.triton_moe import fused_moe_triton
+
+        return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
+    return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)

@@ -1,0 +1,175 @@
+"""Fused mixture-of-experts as two grouped GEMMs over expert-sorted slots: Triton kernels.
+
+Semantics and the torch oracle are in ``kernels/moe.py`` (``fused_moe_ref``). The flat ``(token, j)`` slots are
+sorted by expert and padded per expert to a multiple of BLOCK_M (``moe.group_by_expert``, torch ops, no host sync).
+Then:
+
+1. ``_moe_gate_up_kernel``, grid (slot blocks, I tiles): each program takes BLOCK_M sorted slots of one expert,
+   gathers their token rows of x, runs the gate and the up projection (two ``tl.dot`` accumulators in fp32) and
+   writes ``silu(gate) * up`` into ``h [P, I]`` (x's dtype) at the sorted positions;
+2. ``_moe_down_kernel``, grid (slot blocks, H tiles): ``h @ w2[e]^T`` times the slot's routing weight, stored
+   in fp32 at the slot's row of ``out [T*k, H]`` (zero-initialised, so slots of non-local experts stay zero);
+3. the combine ``out.view(T, k, H).sum(1)`` in torch, cast to x's dtype.
+
+Blocks past the padded length (``block_expert == -1``) do nothing. Grids depend only on T, k, E and the block
+sizes, and nothing reads back to the host, so the call is CUDA-graph capturable. In 16-bit the intermediate ``h``
+is rounded to x's dtype (as vLLM does), so results can differ from the reference by a few ulps.
+Not done yet: a GEMV-like schedule for decode (1-64 tokens), tuned block sizes, a fused combine.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from kernels.moe import group_by_expert
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl, triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
+_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+@_jit
+def _moe_gate_up_kernel(
+    x_ptr, w13_ptr, slots_ptr, block_expert_ptr, h_ptr,
+    N, TOP_K, H, I, x_s0,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """h[pos, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for the BLOCK_M positions of one block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(slots_ptr + offs_m)
+        m_mask = slots < N
+        tok = tl.where(m_mask, slots // TOP_K, 0).to(tl.int64)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_n = tl.minimum(offs_n, I - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + tok[:, None] * x_s0 + offs_k[None, :]
+        g_ptrs = w13_ptr + e.to(tl.int64) * 2 * I * H + rows_n[:, None] * H + offs_k[None, :]
+        u_ptrs = g_ptrs + I * H
+        acc_g = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            k_mask = (k0 + offs_k < H)[None, :]
+            xt = tl.load(x_ptrs, mask=m_mask[:, None] & k_mask, other=0.0)
+            gt = tl.load(g_ptrs, mask=k_mask, other=0.0)
+            ut = tl.load(u_ptrs, mask=k_mask, other=0.0)
+            if DOT_FP32:
+                xt = xt.to(tl.float32)
+                acc_g = tl.dot(xt, tl.trans(gt.to(tl.float32)), acc_g, input_precision="ieee")
+                acc_u = tl.dot(xt, tl.trans(ut.to(tl.float32)), acc_u, input_precision="ieee")
+            else:
+                acc_g = tl.dot(xt, tl.trans(gt), acc_g)
+                acc_u = tl.dot(xt, tl.trans(ut), acc_u)
+            x_ptrs += BLOCK_K
+            g_ptrs += BLOCK_K
+            u_ptrs += BLOCK_K
+        # silu(g) = g * sigmoid(g); sigmoid from exp(-|g|) <= 1 so nothing overflows
+        z = tl.exp(-tl.abs(acc_g))
+        sigmoid = tl.where(acc_g >= 0, 1.0, z) / (1.0 + z)
+        act = acc_g * sigmoid * acc_u
+        h_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_n[None, :]
+        tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
+
+
+@_jit
+def _moe_down_kernel(
+    h_ptr, w2_ptr, slots_ptr, block_expert_ptr, tw_ptr, out_ptr,
+    N, H, I,
+    DOT_FP32: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[slot, n] = topk_weight[slot] * (h[pos] . w2[e, n]) for the BLOCK_M positions of one block."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        slots = tl.load(slots_ptr + offs_m)
+        m_mask = slots < N
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rows_n = tl.minimum(offs_n, H - 1).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = h_ptr + offs_m.to(tl.int64)[:, None] * I + offs_k[None, :]
+        w_ptrs = w2_ptr + e.to(tl.int64) * H * I + rows_n[:, None] * I + offs_k[None, :]
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, I, BLOCK_K):
+            k_mask = (k0 + offs_k < I)[None, :]
+            at = tl.load(a_ptrs, mask=m_mask[:, None] & k_mask, other=0.0)
+            wt = tl.load(w_ptrs, mask=k_mask, other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(at.to(tl.float32), tl.trans(wt.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(at, tl.trans(wt), acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        rw = tl.load(tw_ptr + slots, mask=m_mask, other=0.0)
+        acc = acc * rw[:, None]
+        out_ptrs = out_ptr + slots.to(tl.int64)[:, None] * H + offs_n[None, :]
+        tl.store(out_ptrs, acc, mask=m_mask[:, None] & (offs_n < H)[None, :])
+
+
+def moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
+    """BLOCK_M from the average slots per expert: 16 when small (decode-sized batches), else 64."""
+    return 16 if num_tokens * top_k <= 32 * num_experts else 64
+
+
+def _tile(dim: int, cap: int = 64) -> int:
+    return min(cap, max(16, triton.next_power_of_2(dim)))
+
+
+def fused_moe_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+    expert_offset: int = 0, num_local_experts: int | None = None, *,
+    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
+    num_warps: int = 4, num_stages: int = 3,
+) -> torch.Tensor:
+    """Same contract as ``kernels.moe.fused_moe_ref``; keywords override the launch heuristic (powers of two,
+    >= 16)."""
+    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
+                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
+    t, h = x.shape
+    n_local, two_i, _ = w13.shape
+    inter = w2.shape[2]
+    if w13.shape[2] != h or two_i != 2 * inter or w2.shape[:2] != (n_local, h):
+        raise ValueError(f"inconsistent shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
+    if num_local_experts is not None and num_local_experts != n_local:
+        raise ValueError(f"num_local_experts = {num_local_experts} but w13 holds {n_local} experts")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
+                         f"{tuple(topk_ids.shape)}")
+    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
+        raise ValueError(f"x, w13 and w2 must share a dtype in {_DTYPES}")
+    if not (w13.is_contiguous() and w2.is_contiguous()):
+        raise ValueError("w13 and w2 must be contiguous")
+    top_k = topk_ids.shape[1]
+    if t == 0 or h == 0 or top_k == 0:
+        return torch.zeros(t, h, dtype=x.dtype, device=x.device)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    bm = block_m or moe_block_m(t, top_k, n_local)
+    bn1, bk1 = block_n or _tile(inter), block_k or _tile(h)
+    bn2, bk2 = block_n or _tile(h), block_k or _tile(inter)
+    for b in (bm, bn1, bk1, bn2, bk2):
+        if b < 16 or b & (b - 1):
+            raise ValueError(f"block sizes must be powers of two >= 16, got {b}")
+    sorted_slots, block_expert, _ = group_by_expert(topk_ids, n_local, bm, expert_offset)
+    n_slots = t * top_k
+    n_blocks = block_expert.numel()
+    dot_fp32 = INTERPRET or x.dtype == torch.float32
+    act = torch.empty(sorted_slots.numel(), inter, dtype=x.dtype, device=x.device)
+    out = torch.zeros(n_slots, h, dtype=torch.float32, device=x.device)
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    _moe_gate_up_kernel[(n_blocks, triton.cdiv(inter, bn1))](
+        x, w13, sorted_slots, block_expert, act, n_slots, top_k, h, inter, x.stride(0),
+        DOT_FP32=dot_fp32, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=num_warps, num_stages=num_stages,
+    )
+    _moe_down_kernel[(n_blocks, triton.cdiv(h, bn2))](
+        act, w2, sorted_slots, block_expert, tw, out, n_slots, h, inter,
+        DOT_FP32=dot_fp32, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=num_warps, num_stages=num_stages,
+    )
+    return out.view(t, top_k, h).sum(1).to(x.dtype)

@@ -1,0 +1,192 @@
+"""The sparse mixture-of-experts MLP block, reusable across MoE families (Qwen3-MoE; Qwen3-Next /
+Qwen3.5-MoE with a gated shared expert).
+
+Expert weights are stacked: ``w13 [E_local, 2*I, H]`` (gate rows then up rows) and ``w2 [E_local, H, I]``.
+The block holds the experts ``[expert_offset, expert_offset + num_local_experts)`` (the expert-parallel
+boundary) and its forward runs in three named steps a comm stage can split:
+
+    route(x)                          -> (topk_weights fp32 [T, k], topk_ids [T, k])   (global expert ids)
+    experts(x, topk_weights, topk_ids) -> partial y [T, H]  (only this block's local experts contribute)
+    combine(partial)                   -> y  (identity on one rank; where the all-reduce / all-to-all goes)
+
+plus the optional shared expert: ``y = combine(experts(x, *route(x))) + sigmoid(shared_expert_gate(x)) *
+shared_expert(x)``.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from kernels.moe import fused_moe, route_topk_ref
+from pipeline.models.layers import GatedMLP, Linear
+
+_route_topk = route_topk_ref
+_fused_moe = fused_moe  # the Triton kernels on CUDA, the torch reference elsewhere
+
+
+_EXPERT_RE = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_STACKED_RE = re.compile(r"^experts\.(gate_up_proj|down_proj)(\.weight)?$")
+
+
+class SparseMoeBlock(nn.Module):
+    """Top-k routed experts (+ an optional sigmoid-gated shared expert). Parameters (HF names in brackets):
+    ``gate.weight`` [E, H] (``mlp.gate.weight``), ``w13`` [E_local, 2I, H], ``w2`` [E_local, H, I]
+    (``mlp.experts.{e}.{gate,up,down}_proj.weight`` or the stacked ``mlp.experts.{gate_up,down}_proj``),
+    ``shared_expert`` (``mlp.shared_expert.{gate,up,down}_proj.weight``) and ``shared_expert_gate.weight``
+    [1, H] (``mlp.shared_expert_gate.weight``)."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        moe_intermediate_size: int,
+        num_experts: int,
+        top_k: int,
+        norm_topk_prob: bool,
+        shared_expert_intermediate_size: int | None = None,
+        expert_offset: int = 0,
+        num_local_experts: int | None = None,
+        hidden_act: str = "silu",
+        dtype=None,
+        device=None,
+    ) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise NotImplementedError(f"hidden_act {hidden_act!r} is not supported (only silu)")
+        num_local = num_experts - expert_offset if num_local_experts is None else num_local_experts
+        if not (0 <= expert_offset and num_local > 0 and expert_offset + num_local <= num_experts):
+            raise ValueError(
+                f"local experts [{expert_offset}, {expert_offset + num_local}) not within [0, {num_experts})")
+        if not 0 < top_k <= num_experts:
+            raise ValueError(f"top_k={top_k} not in [1, {num_experts}]")
+        self.hidden_size = hidden_size
+        self.intermediate_size = moe_intermediate_size
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.norm_topk_prob = norm_topk_prob
+        self.expert_offset = expert_offset
+        self.num_local_experts = num_local
+        self.gate = Linear(hidden_size, num_experts, False, dtype, device)  # the router
+        self.w13 = nn.Parameter(
+            torch.empty(num_local, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, moe_intermediate_size, dtype=dtype, device=device))
+        if shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(
+                hidden_size, shared_expert_intermediate_size, False, hidden_act, dtype, device)
+            self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+        self._loaded: set[str] = set()  # HF name suffixes loaded so far (see missing_weights)
+
+    # ---- forward, in steps ----
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids)."""
+        return _route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
+        elsewhere get zeros here), so the full output is the sum of every holder's partial."""
+        return _fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_local_experts)
+
+    def combine(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split
+        across ranks, this is where the all-reduce (or the all-to-all back to token owners) goes."""
+        return partial
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, H] -> [T, H]."""
+        topk_weights, topk_ids = self.route(x)
+        y = self.combine(self.experts(x, topk_weights, topk_ids))
+        if self.shared_expert is not None:
+            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return y
+
+    # ---- loading from HF names (relative to the block: "gate.weight", "experts.3.up_proj.weight", ...) ----
+    def expected_weights(self) -> set[str]:
+        """Every HF name suffix (per-expert form) that must be loaded to fill this block."""
+        names = {"gate.weight"}
+        for e in range(self.expert_offset, self.expert_offset + self.num_local_experts):
+            names |= {f"experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+        if self.shared_expert is not None:
+            names |= {f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+            names.add("shared_expert_gate.weight")
+        return names
+
+    def missing_weights(self) -> list[str]:
+        return sorted(self.expected_weights() - self._loaded)
+
+    @torch.no_grad()
+    def load_expert_weight(self, name: str, tensor: torch.Tensor) -> bool:
+        """Load one HF tensor given by its name relative to the block. Returns False when the tensor is
+        skipped (experts outside this block's local range). Raises KeyError on an unknown name and
+        ValueError on a shape mismatch.
+
+        Accepts the per-expert names (``experts.{e}.gate_proj.weight`` [I, H], ``up_proj`` [I, H],
+        ``down_proj`` [H, I]) and the stacked transformers-5 forms ``experts.gate_up_proj`` ([E, 2I, H], or
+        [E, H, 2I] transposed) and ``experts.down_proj`` ([E, H, I], or [E, I, H] transposed)."""
+        I, H = self.intermediate_size, self.hidden_size
+        lo, hi = self.expert_offset, self.expert_offset + self.num_local_experts
+        m = _EXPERT_RE.match(name)
+        if m:
+            e, part = int(m.group(1)), m.group(2)
+            if not 0 <= e < self.num_experts:
+                raise KeyError(f"{name}: expert {e} out of range [0, {self.num_experts})")
+            if not lo <= e < hi:
+                return False
+            if part == "gate_proj":
+                dst = self.w13.data[e - lo, :I]
+            elif part == "up_proj":
+                dst = self.w13.data[e - lo, I:]
+            else:
+                dst = self.w2.data[e - lo]
+            self._copy(name, dst, tensor)
+            self._loaded.add(name)
+            return True
+        m = _STACKED_RE.match(name)
+        if m:
+            E = self.num_experts
+            if m.group(1) == "gate_up_proj":
+                direct, transposed, dst, parts = (E, 2 * I, H), (E, H, 2 * I), self.w13.data, ("gate_proj", "up_proj")
+            else:
+                direct, transposed, dst, parts = (E, H, I), (E, I, H), self.w2.data, ("down_proj",)
+            shape = tuple(tensor.shape)
+            if shape == direct:  # preferred when both match (2I == H / I == H): the layout this transformers saves
+                src = tensor[lo:hi]
+            elif shape == transposed:
+                src = tensor[lo:hi].transpose(1, 2)
+            else:
+                raise ValueError(f"{name}: checkpoint shape {shape} is neither {direct} nor {transposed}")
+            dst.copy_(src)
+            self._loaded |= {f"experts.{e}.{p}.weight" for e in range(lo, hi) for p in parts}
+            return True
+        if name == "gate.weight":
+            self._copy(name, self.gate.weight.data, tensor)
+        elif self.shared_expert is not None and name == "shared_expert_gate.weight":
+            self._copy(name, self.shared_expert_gate.weight.data, tensor)
+        elif self.shared_expert is not None and name.startswith("shared_expert."):
+            S = self.shared_expert.intermediate_size
+            dsts = {
+                "shared_expert.gate_proj.weight": lambda: self.shared_expert.gate_up_proj.weight.data[:S],
+                "shared_expert.up_proj.weight": lambda: self.shared_expert.gate_up_proj.weight.data[S:],
+                "shared_expert.down_proj.weight": lambda: self.shared_expert.down_proj.weight.data,
+            }
+            if name not in dsts:
+                raise KeyError(f"unknown MoE weight name {name!r}")
+            self._copy(name, dsts[name](), tensor)
+        else:
+            raise KeyError(f"unknown MoE weight name {name!r}")
+        self._loaded.add(name)
+        return True
+
+    @staticmethod
+    def _copy(name: str, dst: torch.Tensor, tensor: torch.Tensor) -> None:
+        if tuple(tensor.shape) != tuple(dst.shape):
+            raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
+        dst.copy_(tensor)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, local=[{self.expert_offset}, "
+                f"{self.expert_offset + self.num_local_experts}), top_k={self.top_k}, "
+                f"intermediate={self.intermediate_size}, norm_topk_prob={self.norm_topk_prob}")

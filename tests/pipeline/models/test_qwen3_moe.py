@@ -1,0 +1,232 @@
+"""Qwen3-MoE on the shared decoder layers: parity with transformers (fp32), the SparseMoeBlock's expert-parallel
+split (local expert subsets sum to the whole), its weight forms (per-expert and stacked HF names), the Qwen3-Next
+shared-expert sparse block against transformers' own module, dummy weights, and batch invariance."""
+
+import dataclasses
+import math
+
+import pytest
+import torch
+
+from pipeline.models.config import ModelArchConfig
+from pipeline.models.moe import SparseMoeBlock
+from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
+from pipeline.models.registry import MODEL_REGISTRY, build_model
+from tests.model_utils import arch_of, conveyor_from_hf, hf_greedy, make_tiny_hf_model, run_paged
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+VOCAB = 49152
+NEW_TOKENS = 32
+
+VARIANTS = {
+    "default": {},
+    "mlp_only_layer0": {"mlp_only_layers": [0]},
+    "sparse_step2": {"decoder_sparse_step": 2, "num_hidden_layers": 3},
+    "no_renorm": {"norm_topk_prob": False},
+}
+
+
+def prompt(n, seed=0):
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def per_expert_state_dict(hf_model) -> dict[str, torch.Tensor]:
+    """The state dict with stacked experts split into per-expert HF names (the on-disk checkpoint form)."""
+    out = {}
+    for name, t in hf_model.state_dict().items():
+        if name.endswith("mlp.experts.gate_up_proj"):
+            prefix, inter = name[: -len("gate_up_proj")], t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"{prefix}{e}.up_proj.weight"] = t[e, inter:]
+        elif name.endswith("mlp.experts.down_proj"):
+            prefix = name[: -len("down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{prefix}{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+@pytest.fixture(scope="module")
+def tiny_moe():
+    hf = make_tiny_hf_model("qwen3_moe", seed=3)
+    return hf, conveyor_from_hf(hf)
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_parity_with_transformers(variant):
+    overrides = VARIANTS[variant]
+    hf = make_tiny_hf_model("qwen3_moe", seed=1, **overrides)
+    model = conveyor_from_hf(hf)
+    assert isinstance(model, Qwen3MoeForCausalLM)
+    arch = model.arch
+    kinds = [type(layer.mlp).__name__ for layer in model.model.layers]
+    hf_kinds = [type(layer.mlp).__name__ for layer in hf.model.layers]
+    assert [k == "SparseMoeBlock" for k in kinds] == ["SparseMoe" in k for k in hf_kinds]
+    assert kinds == ["SparseMoeBlock" if is_sparse_layer(arch, i) else "GatedMLP" for i in range(arch.num_layers)]
+    if variant in ("mlp_only_layer0", "sparse_step2"):
+        assert "GatedMLP" in kinds and "SparseMoeBlock" in kinds
+
+    ids = prompt(21, seed=2)
+    ref_logits, ref_tokens, ref_step_logits = hf_greedy(hf, ids, NEW_TOKENS)
+    run = run_paged(model, [ids], NEW_TOKENS, block_size=4, shuffle_blocks=True)
+    assert run.step_kinds[0] == "prefill" and set(run.step_kinds[1:]) == {"decode"}
+    torch.testing.assert_close(run.prompt_logits[0], ref_logits, atol=1e-4, rtol=1e-5)
+    assert run.generated[0] == ref_tokens
+    torch.testing.assert_close(torch.stack(run.decode_logits[0]), torch.stack(ref_step_logits), atol=1e-4, rtol=1e-5)
+
+
+def test_arch_fields():
+    hf = make_tiny_hf_model("qwen3_moe", mlp_only_layers=[1], decoder_sparse_step=1)
+    arch = arch_of(hf)
+    assert (arch.num_experts, arch.num_experts_per_tok, arch.moe_intermediate_size) == (8, 2, 32)
+    assert arch.norm_topk_prob and arch.qk_norm and arch.mlp_only_layers == (1,)
+    assert arch.shared_expert_intermediate_size is None
+    assert "qwen3_moe" in MODEL_REGISTRY
+    # the real checkpoint's config.json spells the expert count num_experts
+    d = {**hf.config.to_dict(), "num_experts": 128}
+    d.pop("num_local_experts", None)
+    assert ModelArchConfig.from_hf(d).num_experts == 128
+    dense = arch_of(make_tiny_hf_model("qwen3"))
+    assert dense.num_experts == 0 and dense.mlp_only_layers == () and dense.shared_expert_intermediate_size is None
+
+
+def test_loads_per_expert_and_transposed_stacked_names(tiny_moe):
+    hf, model = tiny_moe
+    ids = prompt(9, seed=5)
+    ref = run_paged(model, [ids], 4).prompt_logits[0]
+    # per-expert names (what checkpoints on disk hold)
+    per_expert = per_expert_state_dict(hf)
+    assert any(".mlp.experts.7.down_proj.weight" in n for n in per_expert)
+    m2 = build_model(model.arch, per_expert.items())
+    torch.testing.assert_close(run_paged(m2, [ids], 4).prompt_logits[0], ref, atol=0, rtol=0)
+    # stacked, transposed ([E, H, 2I] and [E, I, H]); I=16 so that 2I != H and I != H (else ambiguous: the
+    # untransposed layout, the one this transformers saves, wins)
+    hf16 = make_tiny_hf_model("qwen3_moe", seed=4, moe_intermediate_size=16)
+    want = run_paged(conveyor_from_hf(hf16), [ids], 4)
+    transposed = {n: (t.transpose(1, 2).contiguous() if ".mlp.experts." in n else t)
+                  for n, t in hf16.state_dict().items()}
+    assert any(t.shape[1:] == (64, 32) for n, t in transposed.items() if n.endswith("experts.gate_up_proj"))
+    got = run_paged(build_model(arch_of(hf16), transposed.items()), [ids], 4)
+    torch.testing.assert_close(got.prompt_logits[0], want.prompt_logits[0], atol=0, rtol=0)
+    assert got.generated == want.generated
+    # missing expert weights are reported
+    partial = {n: t for n, t in per_expert.items() if ".experts.3.up_proj" not in n}
+    with pytest.raises(ValueError, match=r"missing weights: .*experts\.3\.up_proj"):
+        build_model(model.arch, partial.items())
+    with pytest.raises(KeyError, match="unknown"):
+        build_model(model.arch, [*hf.state_dict().items(), ("model.layers.1.mlp.experts.bogus", torch.zeros(1))])
+
+
+def _block(seed=0, **kw):
+    args = dict(hidden_size=64, moe_intermediate_size=32, num_experts=8, top_k=2, norm_topk_prob=True)
+    args.update(kw)
+    block = SparseMoeBlock(**args)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+    return block
+
+
+def test_local_expert_subsets_sum_to_full():
+    full = _block(seed=4)
+    halves = [_block(expert_offset=0, num_local_experts=4), _block(expert_offset=4, num_local_experts=4)]
+    sd = {"gate.weight": full.gate.weight.detach(), "experts.gate_up_proj": full.w13.detach(),
+          "experts.down_proj": full.w2.detach()}
+    for half in halves:
+        for name, t in sd.items():
+            assert half.load_expert_weight(name, t)
+        assert half.missing_weights() == []
+    # per-expert names outside the local range are skipped
+    assert not halves[0].load_expert_weight("experts.5.gate_proj.weight", torch.zeros(32, 64))
+    assert halves[1].load_expert_weight("experts.5.gate_proj.weight", full.w13.detach()[5, :32])
+    torch.testing.assert_close(halves[1].w13[1], full.w13[5], atol=0, rtol=0)
+
+    x = torch.randn(37, 64, generator=torch.Generator().manual_seed(1))
+    w, ids = full.route(x)
+    assert w.dtype == torch.float32 and ids.shape == (37, 2)
+    torch.testing.assert_close(w.sum(-1), torch.ones(37))
+    parts = []
+    for half in halves:
+        hw, hids = half.route(x)
+        assert torch.equal(hids, ids)
+        parts.append(half.experts(x, hw, hids))
+    assert all(p.abs().sum() > 0 for p in parts)
+    torch.testing.assert_close(parts[0] + parts[1], full(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(full.combine(parts[0] + parts[1]), full(x), atol=1e-5, rtol=1e-5)
+
+
+def test_shared_expert_block_matches_qwen3_next():
+    try:
+        from transformers import Qwen3NextConfig
+        from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
+    except ImportError as e:
+        pytest.skip(f"transformers has no Qwen3-Next sparse MoE block: {e}")
+    for norm in (True, False):
+        cfg = Qwen3NextConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+                              num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm, hidden_act="silu")
+        torch.manual_seed(0)
+        ref = Qwen3NextSparseMoeBlock(cfg).float().eval()
+        gen = torch.Generator().manual_seed(7)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
+        block = SparseMoeBlock(64, 32, 8, 2, norm, shared_expert_intermediate_size=48)
+        sd = ref.state_dict()
+        assert {"shared_expert_gate.weight", "shared_expert.gate_proj.weight", "gate.weight"} <= set(sd)
+        # the per-expert names too, for a second copy
+        block2 = SparseMoeBlock(64, 32, 8, 2, norm, shared_expert_intermediate_size=48)
+        for name, t in sd.items():
+            assert block.load_expert_weight(name, t)
+        for name, t in per_expert_state_dict_block(sd).items():
+            assert block2.load_expert_weight(name, t)
+        assert block.missing_weights() == [] and block2.missing_weights() == []
+        x = torch.randn(3, 11, 64, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            want = ref(x).reshape(33, 64)
+        torch.testing.assert_close(block(x.reshape(33, 64)), want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(block2(x.reshape(33, 64)), want, atol=1e-5, rtol=1e-5)
+
+
+def per_expert_state_dict_block(sd):
+    out = {}
+    for name, t in sd.items():
+        if name == "experts.gate_up_proj":
+            inter = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"experts.{e}.gate_proj.weight"] = t[e, :inter]
+                out[f"experts.{e}.up_proj.weight"] = t[e, inter:]
+        elif name == "experts.down_proj":
+            for e in range(t.shape[0]):
+                out[f"experts.{e}.down_proj.weight"] = t[e]
+        else:
+            out[name] = t
+    return out
+
+
+def test_dummy_weights_fill_moe_parameters():
+    # Qwen3-MoE has no shared expert; add one to exercise the block's
+    arch = dataclasses.replace(arch_of(make_tiny_hf_model("qwen3_moe")), shared_expert_intermediate_size=48)
+    model = build_model(arch, None, prepack=False)
+    block = model.model.layers[1].mlp
+    assert isinstance(block, SparseMoeBlock) and block.shared_expert is not None
+    for name in ("w13", "w2", "gate.weight", "shared_expert_gate.weight", "shared_expert.gate_up_proj.weight"):
+        p = block.get_parameter(name)
+        assert torch.isfinite(p).all() and 0.01 < p.std() < 0.03, name
+    out = run_paged(build_model(arch, None), [prompt(7)], 3)
+    assert torch.isfinite(out.prompt_logits[0]).all() and len(out.generated[0]) == 3
+
+
+def test_batch_invariance(tiny_moe):
+    _, model = tiny_moe
+    prompts = [prompt(n, seed=10 + i) for i, n in enumerate([13, 5, 21, 9])]
+    alone = run_paged(model, [prompts[2]], 16)
+    batch = run_paged(model, prompts, 16, chunks=[4, 7])
+    assert "mixed" in batch.step_kinds
+    assert batch.generated[2] == alone.generated[0]
+    torch.testing.assert_close(batch.prompt_logits[2], alone.prompt_logits[0], atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(torch.stack(batch.decode_logits[2]), torch.stack(alone.decode_logits[0]),
+                               atol=1e-4, rtol=1e-5)
