@@ -31,17 +31,25 @@ from pipeline.engine import Engine  # noqa: E402
 from pipeline.request import SamplingParams  # noqa: E402
 
 from gpu_correctness import correctness  # noqa: E402
+from gpu_moe import moe_kernel  # noqa: E402
 from gpu_steps import step_profile, verify_profile  # noqa: E402
-from gpu_util import T0, free_device, log, num_params, pct, time_ms  # noqa: E402
+from gpu_util import T0, active_params, free_device, log, num_params, pct, time_ms  # noqa: E402
 
 QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
                 intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
                 head_dim=128, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
                 rms_norm_eps=1e-6, torch_dtype="bfloat16", eos_token_id=2, bos_token_id=1, hidden_act="silu",
                 attention_bias=False)
-QUICK = dict(QWEN3_8B, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+# Qwen3-30B-A3B: 48 layers of 128 experts, 8 per token (61 GB in bf16: the H200)
+QWEN3_30B_A3B = dict(QWEN3_8B, model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], hidden_size=2048,
+                     intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                     norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
+                     num_attention_heads=32, num_key_value_heads=4, head_dim=128)
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
-SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "steps", "verify", "serve", "kernels", "peer")
+QUICK_MOE = dict(QUICK, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "steps", "verify", "serve", "kernels", "moe", "peer")
 
 
 def ceilings(a: argparse.Namespace) -> dict:
@@ -183,7 +191,7 @@ def off_estimate(limits: dict, nreq: int, plen: int, n: int) -> dict | None:
         return None
     layers, h, kvh, d, nh = (s[k] for k in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "head_dim",
                                              "num_attention_heads"))
-    linear = num_params(s) - 2 * s["vocab_size"] * h  # per-token matmul params, without embedding and lm_head
+    linear = active_params(s) - s["vocab_size"] * h  # per-token matmul params (a MoE layer: its top-k experts)
     attn = 4 * layers * nh * d * plen * (plen + 1) // 2  # causal QK^T + PV per request
     flops = nreq * (2 * linear * plen + attn + 2 * s["vocab_size"] * h)  # + lm_head for the last prompt token
     kv_token = layers * 2 * kvh * d * 2
@@ -278,6 +286,7 @@ def main() -> None:
     ap.add_argument("--off-requests", type=int, default=256)
     ap.add_argument("--serve-requests", type=int, default=0, help="requests per level (0: serve.py's 2 x c, >= 8)")
     ap.add_argument("--serve-args", default="", help="more `conveyor serve` arguments for SERVE")
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="the model shape (random weights)")
     ap.add_argument("--quick", action="store_true", help="tiny shape and workloads (dry run of the control flow)")
     ap.add_argument("--commit", default=None)
     ap.add_argument("--device", default="cuda")
@@ -296,9 +305,13 @@ def main() -> None:
                             "transformers": transformers.__version__, "python": sys.version.split()[0],
                             "gpu_memory_gib": props and props.total_memory / 2**30,
                             "sm_count": props and props.multi_processor_count, "argv": sys.argv[1:]}}
-    shape = QUICK if a.quick else QWEN3_8B
+    shape = SHAPES[a.shape]
+    if a.quick:  # the same family, tiny
+        shape = {**shape, **(QUICK_MOE if shape.get("num_experts") else QUICK)}
     params = num_params(shape)
-    limits: dict = {"shape": shape, "weight_bytes": 2 * params}
+    # B1 reads every weight a token uses once per step: all of a dense model; a MoE model's top-k experts
+    limits: dict = {"shape": shape, "weight_bytes": 2 * params,
+                    "b1_bytes": 2 * (active_params(shape) if shape.get("num_experts") else params)}
     model_dir = write_model_dir(shape, a.tokenizer)
     small_dir = write_model_dir({**shape, "num_hidden_layers": min(4, shape["num_hidden_layers"])}, a.tokenizer)
     report["model"] = {"shape": shape, "params": params, "weight_bytes": 2 * params, "weights": "dummy (random)",
@@ -319,6 +332,7 @@ def main() -> None:
         ("b1_off", lambda: asyncio.run(b1_off(a, model_dir, report, limits))),
         ("serve", lambda: subprocess_json(serve_cmd, serve_out, min(240.0, max(90.0, left() - 200)))),
         ("kernels", lambda: kernels(a, report.get("ceilings"))),
+        ("moe", lambda: moe_kernel(shape, report.get("ceilings")) if shape.get("num_experts") else None),
         ("peer", lambda: subprocess_json([sys.executable, ".peer/hf_peer.py", "--out", peer_out, "--off-requests",
                                           str(16 if a.quick else a.off_requests)], peer_out,
                                          max(60.0, left()))),
@@ -326,7 +340,7 @@ def main() -> None:
     for name, fn in steps:
         if name in a.skip or (name == "b1_off" and {"b1", "off", "steps", "verify"} <= set(a.skip)):
             continue
-        if not cuda and name in ("kernels", "peer"):
+        if not cuda and name in ("kernels", "moe", "peer"):
             report[name] = {"skipped": "needs CUDA"}
             continue
         log(f"== {name}")
@@ -337,7 +351,7 @@ def main() -> None:
                 report[name] = result
             if name == "ceilings":
                 limits["ceilings"] = result
-                limits["b1"] = result["copy_GBps"] * 1e9 / limits["weight_bytes"]
+                limits["b1"] = result["copy_GBps"] * 1e9 / limits["b1_bytes"]
                 report["ceilings"]["b1_limit_tok_s"] = limits["b1"]
         except Exception:  # noqa: BLE001 - one section failing must not lose the others
             report["errors"][name] = traceback.format_exc()

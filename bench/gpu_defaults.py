@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
-    shape = QUICK if a.quick else QWEN3_8B
+    shape = {**QWEN3_8B, **QUICK} if a.quick else QWEN3_8B
     model_dir = write_model_dir(shape, a.tokenizer)
     report: dict = {"benchmark": "gpu_defaults", "date": time.strftime("%Y-%m-%d"), "shape": shape, "serve": [],
                     "off": [], "errors": []}

@@ -25,11 +25,27 @@ def pct(values: list[float], q: float) -> float | None:
     return sorted(values)[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else None
 
 
-def num_params(s: dict) -> int:
-    """Parameters of a dense Qwen3 config (untied: embedding + lm_head)."""
+def _layer_params(s: dict, experts: int | None = None) -> int:
+    """One decoder layer's parameters; for a MoE shape, `experts` of its experts (all by default)."""
     h, kv, nh, d = s["hidden_size"], s["num_key_value_heads"], s["num_attention_heads"], s["head_dim"]
-    layer = h * nh * d * 2 + h * kv * d * 2 + 3 * h * s["intermediate_size"] + 2 * h + 2 * d
-    return s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2) + s["num_hidden_layers"] * layer + h
+    attention = h * nh * d * 2 + h * kv * d * 2 + 2 * h + 2 * d
+    if s.get("num_experts"):
+        count = s["num_experts"] if experts is None else experts
+        return attention + count * 3 * h * s["moe_intermediate_size"] + s["num_experts"] * h  # + the router
+    return attention + 3 * h * s["intermediate_size"]
+
+
+def num_params(s: dict) -> int:
+    """Parameters of a Qwen3 / Qwen3-MoE config (untied: embedding + lm_head)."""
+    h = s["hidden_size"]
+    return s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2) + s["num_hidden_layers"] * _layer_params(s) + h
+
+
+def active_params(s: dict) -> int:
+    """Parameters one token's decode step reads: every layer (a MoE layer: its router and top-k experts),
+    the final norm and lm_head; of the embedding only a row."""
+    h = s["hidden_size"]
+    return s["vocab_size"] * h + s["num_hidden_layers"] * _layer_params(s, s.get("num_experts_per_tok")) + h
 
 
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
