@@ -1,0 +1,137 @@
+"""The grouping-free decode MoE kernels (``kernels/triton_moe_decode.py``) against ``fused_moe_ref``, and
+``fused_moe``'s choice between them and the grouped-GEMM kernels.
+
+On CPU the kernels run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on tiny shapes.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import kernels.moe as moe
+from kernels.moe import fused_moe_ref
+from kernels.triton_compat import triton
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
+H, I, E, K = 32, 48, 8, 2
+
+needs_triton = pytest.mark.skipif(triton is None or DEVICE == "cpu" and not INTERPRET,
+                                  reason="needs triton (GPU or TRITON_INTERPRET=1)")
+
+
+def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=DEVICE)
+
+
+def routing(t: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """k = 2: column 0 is expert 3 for every token (two tokens share an expert once T >= 2); column 1 is drawn from
+    the other experts except 5, so expert 5 never receives a token."""
+    gen = torch.Generator().manual_seed(seed)
+    others = torch.tensor([0, 1, 2, 4, 6, 7])
+    ids = torch.stack([torch.full((t,), 3), others[torch.randint(0, 6, (t,), generator=gen)]], dim=1)
+    weights = torch.rand(t, 2, generator=gen) + 0.1
+    return (weights / weights.sum(1, keepdim=True)).to(DEVICE), ids.to(DEVICE)
+
+
+def weights(n_experts: int = E, dtype: torch.dtype = torch.float32, seed: int = 1):
+    w13 = randn(n_experts, 2 * I, H, dtype=dtype, seed=seed, scale=H**-0.5)
+    w2 = randn(n_experts, H, I, dtype=dtype, seed=seed + 1, scale=I**-0.5)
+    return w13, w2
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 2, 5])
+@pytest.mark.parametrize("blocks", [None, ((16, 16), (16, 16))])  # defaults; blocks smaller than I and H
+def test_decode_matches_ref(t, blocks):
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(t, H, seed=6)
+    w13, w2 = weights()
+    tw, ids = routing(t)
+    kw = {} if blocks is None else {"gate_up_blocks": blocks[0], "down_blocks": blocks[1]}
+    y = fused_moe_decode_triton(x, w13, w2, tw, ids, **kw)
+    assert y.dtype == x.dtype and y.shape == (t, H)
+    torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 2, 5])
+def test_decode_local_subset(t):
+    """Experts [2, 6) on this rank (expert 5 empty, expert 3 chosen by every token, slots to 0, 1, 6, 7 dropped);
+    the two ranks' partials add up to the full result."""
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(t, H, seed=7)
+    w13, w2 = weights()
+    tw, ids = routing(t, seed=t)
+    sub = fused_moe_decode_triton(x, w13[2:6].contiguous(), w2[2:6].contiguous(), tw, ids, 2, 4)
+    torch.testing.assert_close(sub, fused_moe_ref(x, w13[2:6], w2[2:6], tw, ids, 2, 4), atol=1e-5, rtol=1e-5)
+    parts = sum(fused_moe_decode_triton(x, w13[o:o + 4].contiguous(), w2[o:o + 4].contiguous(), tw, ids, o, 4)
+                for o in (0, 4))
+    torch.testing.assert_close(parts, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_decode_no_local_slot_gives_zeros():
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(2, H, seed=8)
+    w13, w2 = weights(4)
+    tw = torch.full((2, K), 0.5, device=DEVICE)
+    ids = torch.tensor([[0, 1], [6, 7]], device=DEVICE)  # local experts are [4, 8): token 0 has none
+    y = fused_moe_decode_triton(x, w13, w2, tw, ids, 4, 4)
+    assert (y[0] == 0).all() and (y[1] != 0).any()
+    torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids, 4, 4), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_decode_bf16_and_int32_ids():
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(5, H, seed=9, dtype=torch.bfloat16)
+    w13, w2 = weights(dtype=torch.bfloat16)
+    tw, ids = routing(5)
+    y = fused_moe_decode_triton(x, w13, w2, tw, ids.int())
+    ref = fused_moe_ref(x, w13, w2, tw, ids)
+    assert y.dtype == torch.bfloat16
+    scale = ref.float().abs().max().item() + 1.0
+    torch.testing.assert_close(y.float(), ref.float(), atol=4 * 2**-7 * scale, rtol=4 * 2**-7)
+
+
+def test_decode_rejects_bad_inputs():
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(2, H)
+    w13, w2 = weights()
+    tw, ids = routing(2)
+    with pytest.raises(ValueError):
+        fused_moe_decode_triton(x, w13, w2, tw, ids, 0, 4)
+    with pytest.raises(ValueError):
+        fused_moe_decode_triton(x, w13, w2, tw, ids, gate_up_blocks=(24, 16))
+    empty = fused_moe_decode_triton(x[:0], w13, w2, tw[:0], ids[:0])
+    assert empty.shape == (0, H)
+
+
+@pytest.mark.parametrize("t,expected", [(1, "decode"), (moe.DECODE_SLOTS // K, "decode"),
+                                        (moe.DECODE_SLOTS // K + 1, "grouped")])
+def test_fused_moe_dispatch_by_slot_count(monkeypatch, t, expected):
+    """On the Triton path, ``T * k <= DECODE_SLOTS`` takes the decode kernels, larger batches the grouped GEMMs."""
+    import kernels.dispatch
+    import kernels.triton_moe
+    import kernels.triton_moe_decode
+
+    calls = []
+    monkeypatch.setattr(kernels.dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(kernels.triton_moe_decode, "fused_moe_decode_triton",
+                        lambda *a: calls.append("decode") or fused_moe_ref(*a))
+    monkeypatch.setattr(kernels.triton_moe, "fused_moe_triton", lambda *a: calls.append("grouped") or fused_moe_ref(*a))
+    x = randn(t, H, seed=10)
+    w13, w2 = weights()
+    tw, ids = routing(t)
+    torch.testing.assert_close(moe.fused_moe(x, w13, w2, tw, ids), fused_moe_ref(x, w13, w2, tw, ids))
+    assert calls == [expected]
