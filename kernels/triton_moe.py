@@ -23,12 +23,11 @@ import os
 
 import torch
 
-from kernels.moe import group_by_expert
+from kernels.moe import check_kernel_inputs, group_by_expert
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 @_jit
@@ -130,24 +129,7 @@ def fused_moe_triton(
 ) -> torch.Tensor:
     """Same contract as ``kernels.moe.fused_moe_ref``; keywords override the launch heuristic (powers of two,
     >= 16)."""
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    t, h = x.shape
-    n_local, two_i, _ = w13.shape
-    inter = w2.shape[2]
-    if w13.shape[2] != h or two_i != 2 * inter or w2.shape[:2] != (n_local, h):
-        raise ValueError(f"inconsistent shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    if num_local_experts is not None and num_local_experts != n_local:
-        raise ValueError(f"num_local_experts = {num_local_experts} but w13 holds {n_local} experts")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
-                         f"{tuple(topk_ids.shape)}")
-    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"x, w13 and w2 must share a dtype in {_DTYPES}")
-    if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("w13 and w2 must be contiguous")
-    top_k = topk_ids.shape[1]
+    t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()

@@ -24,10 +24,10 @@ from __future__ import annotations
 
 import torch
 
+from kernels.moe import check_kernel_inputs
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
-_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 GATE_UP_BLOCKS = (16, 256)  # (BLOCK_N over I, BLOCK_K over H)
 DOWN_BLOCKS = (32, 128)  # (BLOCK_N over H, BLOCK_K over I)
 
@@ -123,24 +123,7 @@ def fused_moe_decode_triton(
     """Same contract as ``kernels.moe.fused_moe_ref``; meant for small ``T * k`` (decode). ``gate_up_blocks``
     ``(BLOCK_N over I, BLOCK_K over H)`` and ``down_blocks`` ``(BLOCK_N over H, BLOCK_K over I)`` override the
     defaults ``GATE_UP_BLOCKS`` / ``DOWN_BLOCKS`` (powers of two)."""
-    if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
-        raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
-                         f"{tuple(w13.shape)}, {tuple(w2.shape)}")
-    t, h = x.shape
-    n_local, two_i, _ = w13.shape
-    inter = w2.shape[2]
-    if w13.shape[2] != h or two_i != 2 * inter or w2.shape[:2] != (n_local, h):
-        raise ValueError(f"inconsistent shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
-    if num_local_experts is not None and num_local_experts != n_local:
-        raise ValueError(f"num_local_experts = {num_local_experts} but w13 holds {n_local} experts")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
-                         f"{tuple(topk_ids.shape)}")
-    if x.dtype not in _DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"x, w13 and w2 must share a dtype in {_DTYPES}")
-    if not (w13.is_contiguous() and w2.is_contiguous()):
-        raise ValueError("w13 and w2 must be contiguous")
-    top_k = topk_ids.shape[1]
+    t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     bn1, bk1 = _check_blocks(gate_up_blocks or GATE_UP_BLOCKS)

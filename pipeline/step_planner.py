@@ -83,19 +83,19 @@ class StepPlanner:
                 listener()
         self.decode_drives = drives
 
-    def decide(self, rows_in_flight: bool) -> tuple[StepDecision, list[RunningRow], list[WaitingPrompt]]:
+    def decide(self, rows_in_flight: bool) -> tuple[StepDecision, list[RunningRow]]:
         assert self.decode is not None and self.prefill is not None
         rows = self.decode.offer_rows()
         prompts = self.prefill.offer_prompts()
         limits = StepLimits(self.token_budget, self.cache.num_free, self.cache.block_size, self.seats.available,
                             max(1, self.cache.capacity // 100), rows_in_flight)
-        return plan_step(rows, prompts, limits), rows, prompts
+        return plan_step(rows, prompts, limits), rows
 
     def compose(self, rows_in_flight: bool) -> ComposedStep | object | None:
         """Plan, apply and launch one step. None: nothing fits (wait for memory); WAIT_FOR_STEP: the
         decode rows fit only after the step in flight is read."""
         assert self.decode is not None and self.prefill is not None
-        decision, rows, _ = self.decide(rows_in_flight)
+        decision, rows = self.decide(rows_in_flight)
         if decision.wait_for_step:
             return WAIT_FOR_STEP
         running = {r.seq_id for r in rows}

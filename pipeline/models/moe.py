@@ -23,9 +23,6 @@ from torch import nn
 from kernels.moe import fused_moe, route_topk_ref
 from pipeline.models.layers import GatedMLP, Linear
 
-_route_topk = route_topk_ref
-_fused_moe = fused_moe  # the Triton kernels on CUDA, the torch reference elsewhere
-
 
 _EXPERT_RE = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_RE = re.compile(r"^experts\.(gate_up_proj|down_proj)(\.weight)?$")
@@ -83,12 +80,12 @@ class SparseMoeBlock(nn.Module):
     # ---- forward, in steps ----
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids)."""
-        return _route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        return route_topk_ref(self.gate(x), self.top_k, self.norm_topk_prob)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
         elsewhere get zeros here), so the full output is the sum of every holder's partial."""
-        return _fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_local_experts)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_local_experts)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split
