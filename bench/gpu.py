@@ -91,7 +91,8 @@ def engine_config(a: argparse.Namespace, model_dir: str, **kw) -> EngineConfig:
 async def run_one(engine: Engine, prompt: list[int], n: int) -> dict:
     """One greedy ignore_eos request: ids and a timestamp per delta."""
     start, stamps, ids = time.perf_counter(), [], []
-    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+    # random weights repeat themselves: the loop guard would end requests early, so it is off here
+    params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, repetition_detection=False)
     async for delta in engine.generate(prompt_token_ids=prompt, params=params):
         stamps.append((time.perf_counter(), len(delta.token_ids)))
         ids.extend(delta.token_ids)
@@ -158,23 +159,19 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
         if "off" not in a.skip:
             nreq, plen, n = (8, 64, 8) if a.quick else (a.off_requests, 512, 128)
             await asyncio.gather(*[run_one(engine, p, 8) for p in prompts(min(nreq, 32), plen, 2)])  # warm-up
-            before, start = engine.stats(), time.perf_counter()
-            res = await asyncio.gather(*[run_one(engine, p, n) for p in prompts(nreq, plen, 3)])
-            wall, after = time.perf_counter() - start, engine.stats()
-            out, ttft = sum(len(r["ids"]) for r in res), [r["stamps"][0][0] - start for r in res]
-            est = off_estimate(limits, nreq, plen, n)
-            report["off"] = {"requests": nreq, "prompt_tokens": plen, "output_tokens": n, "wall_s": wall,
-                             "output_tok_s": out / wall, "total_tok_s": (out + nreq * plen) / wall,
-                             "ttft_s": {"p50": pct(ttft, 50), "max": max(ttft)}, "estimate": est,
-                             "frac_of_estimate": est and out / wall / est["output_tok_s"], "kv_blocks": blocks,
-                             **{k: after[k] - before[k] for k in ("device_steps", "mixed_steps", "preemptions")}}
-            log(f"OFF {out / wall:.0f} output tok/s, {(out + nreq * plen) / wall:.0f} total tok/s in {wall:.1f}s")
+            report["off"] = await off_run(engine, limits, nreq, plen, n, seed=3)
+            log(f"OFF {report['off']['output_tok_s']:.0f} output tok/s in {report['off']['wall_s']:.1f}s")
+            if a.device == "cuda" and not a.quick:  # again, with every kernel variant compiled and the allocator warm
+                report["off_repeat"] = await off_run(engine, limits, nreq, plen, n, seed=4)
+                log(f"OFF repeat {report['off_repeat']['output_tok_s']:.0f} output tok/s")
             write(a, report)
         if "steps" not in a.skip and a.device == "cuda":
             batches = [1, 4] if a.quick else [1, 16, 64, 256]
             report["steps"] = await step_profile(engine, batches, 64 if a.quick else 576)
-            steps = {k: v for k, v in report['steps'].items() if not k.startswith('top_kernels')}
-            log(f"steps: {json.dumps(steps)}")
+            steps = {k: v for k, v in report['steps'].items() if not k.startswith('top_kernels') and k != 'prefill'}
+            prefill = report["steps"]["prefill"]
+            log(f"steps: {json.dumps(steps)}; prefill {prefill['prompts']}x{prefill['prompt_len']}: "
+                f"{prefill['device_ms']:.1f} ms")
         if "verify" not in a.skip and a.device == "cuda":  # last: it recaptures the graphs for q <= 8
             report["verify"] = await verify_profile(engine, [1, 64], 64 if a.quick else 576)
             log(f"verify: {json.dumps(report['verify'])}")
@@ -182,6 +179,65 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
         await engine.shutdown()
         del engine
         free_device()
+
+
+async def off_run(engine: Engine, limits: dict, nreq: int, plen: int, n: int, seed: int) -> dict:
+    """All requests at once: output tok/s against the estimate, TTFT, and the steps by kind."""
+    timeline = StepTimeline(engine.executor)
+    retries = torch.cuda.memory_stats().get("num_alloc_retries", 0) if torch.cuda.is_available() else 0
+    before, start = engine.stats(), time.perf_counter()
+    res = await asyncio.gather(*[run_one(engine, p, n) for p in prompts(nreq, plen, seed)])
+    wall, after = time.perf_counter() - start, engine.stats()
+    timeline.detach()
+    out, ttft = sum(len(r["ids"]) for r in res), [r["stamps"][0][0] - start for r in res]
+    est = off_estimate(limits, nreq, plen, n)
+    return {"requests": nreq, "prompt_tokens": plen, "output_tokens": n, "generated": out, "wall_s": wall,
+            "output_tok_s": out / wall, "total_tok_s": (out + nreq * plen) / wall,
+            "ttft_s": {"p50": pct(ttft, 50), "max": max(ttft)}, "estimate": est,
+            "frac_of_estimate": est and out / wall / est["output_tok_s"], "kv_blocks": engine.cache.capacity,
+            **{k: after[k] - before[k] for k in ("device_steps", "mixed_steps", "preemptions")},
+            "alloc_retries": (torch.cuda.memory_stats().get("num_alloc_retries", 0) - retries
+                              if torch.cuda.is_available() else 0),
+            "steps_by_kind": timeline.summary(start)}
+
+
+class StepTimeline:
+    """Wraps the executor's launch to record, per device step, when its launch began and ended on the device
+    thread (the launch returns once the kernels are queued, so the gaps between launches are the step cadence)
+    and what it held. ``summary`` groups the steps by kind: prefill (prompt tokens only), mixed, decode."""
+
+    def __init__(self, executor) -> None:
+        self.executor, self.inner, self.steps = executor, executor._launch, []
+
+        def launch(plan, previous, previous_host):
+            begin = time.perf_counter()
+            sample = self.inner(plan, previous, previous_host)
+            forward = plan.forward
+            self.steps.append((begin, time.perf_counter(), int(forward.num_tokens), int(len(forward.logits_indices))))
+            return sample
+
+        executor._launch = launch
+
+    def detach(self) -> None:
+        self.executor._launch = self.inner
+
+    def summary(self, start: float) -> dict:
+        kinds: dict = {}
+        for i, (begin, end, tokens, logits) in enumerate(self.steps):
+            kind = "decode" if tokens == logits else "prefill" if logits * 64 < tokens else "mixed"
+            gap = (self.steps[i + 1][0] if i + 1 < len(self.steps) else begin) - begin
+            entry = kinds.setdefault(kind, {"steps": 0, "tokens": 0, "cadence_s": 0.0, "launch_s": 0.0})
+            entry["steps"] += 1
+            entry["tokens"] += tokens
+            entry["cadence_s"] += gap
+            entry["launch_s"] += end - begin
+        kinds["first_launch_s"] = self.steps[0][0] - start if self.steps else None
+        kinds["last_launch_s"] = self.steps[-1][0] - start if self.steps else None
+        # (launch began s, launch took s, tokens, logits rows): the first steps and the slowest launches
+        row = lambda b, e, t, n: (round(b - start, 4), round(e - b, 4), t, n)  # noqa: E731
+        kinds["first_20"] = [row(*s) for s in self.steps[:20]]
+        kinds["slowest_5"] = [row(*s) for s in sorted(self.steps, key=lambda s: s[0] - s[1])[:5]]
+        return kinds
 
 
 def off_estimate(limits: dict, nreq: int, plen: int, n: int) -> dict | None:
@@ -323,6 +379,12 @@ def main() -> None:
                                   f"{a.device} --max-num-seqs {4 if a.quick else 64} {a.serve_args}".strip(),
                  "--max-concurrency", "4" if a.quick else "64", "--prompt-tokens", "32" if a.quick else "512",
                  "--output-tokens", "8" if a.quick else "128", "--requests-per-level", str(a.serve_requests)]
+    # transformers on the same shape: the dense peer from ../shared/tools, the MoE one (same method) from bench/
+    peer_cmd = ([sys.executable, "bench/hf_peer_moe.py", "--off-requests", "8" if a.quick else "32",
+                 *(["--layers", "2", "--skip-static"] if a.quick else [])]
+                if shape.get("num_experts") else
+                [sys.executable, ".peer/hf_peer.py", "--off-requests", str(16 if a.quick else a.off_requests)])
+    peer_cmd += ["--out", peer_out]
     left = lambda: a.budget_s - (time.perf_counter() - T0)  # noqa: E731
     steps: list[tuple[str, Callable[[], object]]] = [
         ("ceilings", lambda: ceilings(a)),
@@ -333,9 +395,7 @@ def main() -> None:
         ("serve", lambda: subprocess_json(serve_cmd, serve_out, min(240.0, max(90.0, left() - 200)))),
         ("kernels", lambda: kernels(a, report.get("ceilings"))),
         ("moe", lambda: moe_kernel(shape, report.get("ceilings")) if shape.get("num_experts") else None),
-        ("peer", lambda: subprocess_json([sys.executable, ".peer/hf_peer.py", "--out", peer_out, "--off-requests",
-                                          str(16 if a.quick else a.off_requests)], peer_out,
-                                         max(60.0, left()))),
+        ("peer", lambda: subprocess_json(peer_cmd, peer_out, max(60.0, left()))),
     ]
     for name, fn in steps:
         if name in a.skip or (name == "b1_off" and {"b1", "off", "steps", "verify"} <= set(a.skip)):

@@ -4,7 +4,8 @@ multi-token (verify) step costs.
 For each batch (every sequence at the same context length) on the engine's own runner, on its
 device thread: the graph replay alone (CUDA events), a launch + wait loop (what step-by-step
 decode costs), a run-ahead loop (launch N+1 fed from N, then wait for N), and the host time of a
-launch. At the largest batch, the top kernels of one step from torch.profiler.
+launch. At the smallest and largest batch, the top kernels of three steps from torch.profiler; then one
+prefill-sized step (16 prompts of 512 tokens, OFF's prompts) with its top kernels.
 
 `verify_cost`: the forward of rows of q = K+1 tokens with logits at every position (what a
 speculative verify step runs), q = 1..8, at batch 1 and 64, through the runner's CUDA graphs
@@ -34,6 +35,36 @@ def decode_plan(batch: int, context: int, block_size: int, fed: bool, query_len:
                                      previous_row=i * query_len + query_len - 1 if fed else -1,
                                      logits_offsets=list(range(query_len))))
     return build_step_plan(chunks, block_size)
+
+
+def prefill_plan(prompts: int, prompt_len: int, block_size: int) -> StepPlan:
+    """One prefill step: `prompts` whole prompts of `prompt_len` tokens, logits at each prompt's last token."""
+    per_seq = -(-prompt_len // block_size)
+    params = SamplingParams(max_tokens=1 << 20, temperature=0.0, ignore_eos=True)
+    chunks = [ScheduledChunk([(7 * i + j) % 30000 + 100 for j in range(prompt_len)], 0,
+                             list(range(1 + i * per_seq, 1 + (i + 1) * per_seq)),
+                             [SamplingRow(params, [], [], frozenset(), seed=i, counter=0)],
+                             previous_row=-1, logits_offsets=[prompt_len - 1]) for i in range(prompts)]
+    return build_step_plan(chunks, block_size)
+
+
+def prefill_step(runner, prompts: int, prompt_len: int, iters: int = 5) -> dict:
+    """A prefill-sized step (eager: no graph holds it): device ms, tokens/s and its top kernels."""
+    forward = prefill_plan(prompts, prompt_len, runner.block_size).forward
+    ms = _device_ms(lambda: runner.compute_logits(forward), iters)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        runner.compute_logits(forward)
+        torch.cuda.synchronize()
+    return {"prompts": prompts, "prompt_len": prompt_len, "device_ms": ms,
+            "tok_s": prompts * prompt_len / ms * 1e3, "top_kernels": top_kernels(prof)}
+
+
+def top_kernels(prof, count: int = 20) -> dict:
+    events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    return {"total_device_ms": sum(e.self_device_time_total for e in events) / 1e3,
+            "kernels": [{"name": e.key[:90], "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3}
+                        for e in events[:count]]}
 
 
 def profile_runner(runner, batches: list[int], context: int, iters: int = 20) -> dict:
@@ -72,13 +103,9 @@ def profile_runner(runner, batches: list[int], context: int, iters: int = 20) ->
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 runner.launch(plan).to_host()
-        events = [e for e in prof.key_averages() if e.self_device_time_total > 0]
-        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
-        results[f"top_kernels_3_steps_batch{batch}"] = {
-            "total_device_ms": sum(e.self_device_time_total for e in events) / 1e3,
-            "kernels": [{"name": e.key[:90], "calls": e.count, "self_device_ms": e.self_device_time_total / 1e3}
-                        for e in events[:20]]}
+        results[f"top_kernels_3_steps_batch{batch}"] = top_kernels(prof)
     results["context"] = context
+    results["prefill"] = prefill_step(runner, 16, 512)
     return results
 
 

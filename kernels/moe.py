@@ -32,6 +32,18 @@ def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return topk_weights, topk_ids.to(torch.int64)
 
 
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``route_topk_ref``'s result (ids as int32 on the Triton path): one Triton kernel where
+    ``dispatch.use_triton`` says so (``kernels/triton_moe_routing.py``), else the torch reference."""
+    from kernels.dispatch import use_triton
+
+    if use_triton(router_logits.device):
+        from kernels.triton_moe_routing import route_topk_triton
+
+        return route_topk_triton(router_logits, top_k, renormalize)
+    return route_topk_ref(router_logits, top_k, renormalize)
+
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 

@@ -8,18 +8,20 @@ Then:
    gathers their token rows of x, runs the gate and the up projection (two ``tl.dot`` accumulators in fp32) and
    writes ``silu(gate) * up`` into ``h [P, I]`` (x's dtype) at the sorted positions;
 2. ``_moe_down_kernel``, grid (slot blocks, H tiles): ``h @ w2[e]^T`` times the slot's routing weight, stored
-   in fp32 at the slot's row of ``out [T*k, H]`` (zero-initialised, so slots of non-local experts stay zero);
-3. the combine ``out.view(T, k, H).sum(1)`` in torch, cast to x's dtype.
+   in fp32 at the slot's row of ``out [T*k, H]``;
+3. ``_combine_kernel``, grid (T, H tiles): the token's k rows of ``out`` summed in slot order (rows of slots
+   routed to other ranks' experts skipped, so ``out`` needs no memset), cast to x's dtype.
 
 Blocks past the padded length (``block_expert == -1``) do nothing. Grids depend only on T, k, E and the block
 sizes, and nothing reads back to the host, so the call is CUDA-graph capturable. In 16-bit the intermediate ``h``
 is rounded to x's dtype (as vLLM does), so results can differ from the reference by a few ulps.
-Not done yet: a GEMV-like schedule for decode (1-64 tokens), tuned block sizes, a fused combine.
+Decode-sized batches take the GEMV-like kernels of ``kernels/triton_moe_decode.py`` instead (``kernels.moe.fused_moe``).
 """
 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +32,7 @@ from kernels.triton_compat import tl, triton
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 
 
-@_jit
+@_jit(do_not_specialize=['N'])
 def _moe_gate_up_kernel(
     x_ptr, w13_ptr, slots_ptr, block_expert_ptr, h_ptr,
     N, TOP_K, H, I, x_s0,
@@ -76,7 +78,7 @@ def _moe_gate_up_kernel(
         tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=(offs_n < I)[None, :])
 
 
-@_jit
+@_jit(do_not_specialize=['N'])
 def _moe_down_kernel(
     h_ptr, w2_ptr, slots_ptr, block_expert_ptr, tw_ptr, out_ptr,
     N, H, I,
@@ -112,46 +114,82 @@ def _moe_down_kernel(
         tl.store(out_ptrs, acc, mask=m_mask[:, None] & (offs_n < H)[None, :])
 
 
-def moe_block_m(num_tokens: int, top_k: int, num_experts: int) -> int:
-    """BLOCK_M from the average slots per expert: 16 when small (decode-sized batches), else 64."""
-    return 16 if num_tokens * top_k <= 32 * num_experts else 64
+@_jit
+def _combine_kernel(out_ptr, ids_ptr, y_ptr, TOP_K, H, y_s0, expert_offset, n_local, BLOCK_H: tl.constexpr):
+    """y[tok] = sum over the token's k slots in order of out[slot], skipping slots of non-local experts (their
+    rows of ``out`` were never written), cast to y's dtype: no memset of ``out`` and one pass over it."""
+    tok = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask = offs < H
+    acc = tl.zeros((BLOCK_H,), dtype=tl.float32)
+    for j in range(0, TOP_K):
+        slot = tok * TOP_K + j
+        e = tl.load(ids_ptr + slot) - expert_offset
+        if (e >= 0) & (e < n_local):
+            acc += tl.load(out_ptr + slot * H + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + tok * y_s0 + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def _tile(dim: int, cap: int = 64) -> int:
-    return min(cap, max(16, triton.next_power_of_2(dim)))
+@dataclass(frozen=True, slots=True)
+class GroupedConfig:
+    """Launch parameters of the grouped path: BLOCK_M (slots per block, the grouping's padding unit) and, per
+    kernel, (BLOCK_N, BLOCK_K, num_warps, num_stages). Block sizes are powers of two >= 16."""
+
+    block_m: int
+    gate_up: tuple[int, int, int, int]
+    down: tuple[int, int, int, int]
+
+
+# By average slots per local expert (T * k / E), the smallest bucket that holds it; from an H200 sweep on the
+# Qwen3-30B-A3B expert shape (H 2048, I 768, 128 experts) in bench/moe_tune.py.
+GROUPED_CONFIGS: tuple[tuple[int, GroupedConfig], ...] = (
+    (1, GroupedConfig(16, (128, 128, 4, 3), (64, 128, 4, 3))),
+    (4, GroupedConfig(16, (64, 128, 4, 3), (64, 128, 4, 3))),
+    (16, GroupedConfig(32, (64, 128, 4, 3), (64, 128, 4, 3))),
+    (64, GroupedConfig(64, (64, 64, 4, 3), (128, 64, 4, 4))),
+    (1 << 62, GroupedConfig(128, (128, 64, 8, 3), (128, 64, 4, 3))),
+)
+
+
+def grouped_config(num_tokens: int, top_k: int, num_experts: int) -> GroupedConfig:
+    per_expert = num_tokens * top_k / max(1, num_experts)
+    return next(config for bound, config in GROUPED_CONFIGS if per_expert <= bound)
 
 
 def fused_moe_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_offset: int = 0, num_local_experts: int | None = None, *,
-    block_m: int | None = None, block_n: int | None = None, block_k: int | None = None,
-    num_warps: int = 4, num_stages: int = 3,
+    expert_offset: int = 0, num_local_experts: int | None = None, *, config: GroupedConfig | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.moe.fused_moe_ref``; keywords override the launch heuristic (powers of two,
-    >= 16)."""
+    """Same contract as ``kernels.moe.fused_moe_ref``; ``config`` overrides the table (``grouped_config``)."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     x = x if x.stride(1) == 1 else x.contiguous()
-    bm = block_m or moe_block_m(t, top_k, n_local)
-    bn1, bk1 = block_n or _tile(inter), block_k or _tile(h)
-    bn2, bk2 = block_n or _tile(h), block_k or _tile(inter)
+    cfg = config or grouped_config(t, top_k, n_local)
+    bm, (bn1, bk1, warps1, stages1), (bn2, bk2, warps2, stages2) = cfg.block_m, cfg.gate_up, cfg.down
+    if x.dtype == torch.float32 and config is None:  # the table is for 16-bit tiles: fp32 halves what fits
+        bk1, bk2 = min(bk1, 32), min(bk2, 32)
     for b in (bm, bn1, bk1, bn2, bk2):
         if b < 16 or b & (b - 1):
-            raise ValueError(f"block sizes must be powers of two >= 16, got {b}")
+            raise ValueError(f"block sizes must be powers of two >= 16, got {cfg}")
     sorted_slots, block_expert, _ = group_by_expert(topk_ids, n_local, bm, expert_offset)
     n_slots = t * top_k
     n_blocks = block_expert.numel()
     dot_fp32 = INTERPRET or x.dtype == torch.float32
     act = torch.empty(sorted_slots.numel(), inter, dtype=x.dtype, device=x.device)
-    out = torch.zeros(n_slots, h, dtype=torch.float32, device=x.device)
+    out = torch.empty(n_slots, h, dtype=torch.float32, device=x.device)  # rows of non-local slots stay unread
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    ids = topk_ids.reshape(-1).contiguous()
     _moe_gate_up_kernel[(n_blocks, triton.cdiv(inter, bn1))](
         x, w13, sorted_slots, block_expert, act, n_slots, top_k, h, inter, x.stride(0),
-        DOT_FP32=dot_fp32, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=num_warps, num_stages=num_stages,
+        DOT_FP32=dot_fp32, BLOCK_M=bm, BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, num_stages=stages1,
     )
     _moe_down_kernel[(n_blocks, triton.cdiv(h, bn2))](
         act, w2, sorted_slots, block_expert, tw, out, n_slots, h, inter,
-        DOT_FP32=dot_fp32, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=num_warps, num_stages=num_stages,
+        DOT_FP32=dot_fp32, BLOCK_M=bm, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, num_stages=stages2,
     )
-    return out.view(t, top_k, h).sum(1).to(x.dtype)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device)
+    block_h = min(1024, triton.next_power_of_2(h))
+    _combine_kernel[(t, triton.cdiv(h, block_h))](
+        out, ids, y, top_k, h, y.stride(0), expert_offset, n_local, BLOCK_H=block_h, num_warps=4)
+    return y

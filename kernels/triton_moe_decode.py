@@ -9,15 +9,14 @@ row:
    range: writes zeros), then streams x[token] and the expert's gate and up rows for its BLOCK_N outputs in
    BLOCK_K chunks along H (the contiguous dim of w13), multiplying elementwise into fp32 ``[BLOCK_N, BLOCK_K]``
    accumulators that are reduced once at the end; writes ``silu(gate) * up`` into ``h [T*k, I]`` (fp32);
-2. ``_decode_down_kernel``, grid (T*k slots, cdiv(H, BLOCK_N)): ``h[slot] . w2[e, n]`` along I (the contiguous
-   dim of w2) times the slot's routing weight, written in fp32 to ``out [T*k, H]`` (zeros for non-local slots, so
-   ``out`` needs no memset);
-3. the combine ``out.view(T, k, H).sum(1)`` in torch, cast to x's dtype.
+2. ``_decode_down_kernel``, grid (T, cdiv(H, BLOCK_N)): the token's k slots side by side, ``h[slot] . w2[e, n]``
+   along I (the contiguous dim of w2) times the slot's routing weight, summed in fp32 and stored once in x's
+   dtype: the combine is fused, so no ``[T*k, H]`` buffer, sum or cast kernel follows.
 
 No ``tl.dot`` (one row per program), so the interpreter runs it in any dtype. Grids depend only on T, k, H, I and
 the block sizes, and nothing reads back to the host: CUDA-graph capturable. The intermediate stays fp32, so in
 16-bit this path can differ from ``fused_moe_triton`` (which rounds ``h`` to x's dtype) by a few ulps.
-Not done: tuned block sizes per shape, split-K for very small grids, a fused combine.
+Block sizes and warps come from an H200 sweep on the Qwen3-30B-A3B expert shape (``bench/moe_tune.py``).
 """
 
 from __future__ import annotations
@@ -28,8 +27,19 @@ from kernels.moe import check_kernel_inputs
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
-GATE_UP_BLOCKS = (16, 256)  # (BLOCK_N over I, BLOCK_K over H)
-DOWN_BLOCKS = (32, 128)  # (BLOCK_N over H, BLOCK_K over I)
+# By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps) of gate/up,
+# (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from an H200 sweep (bench/moe_tune.py) on the
+# Qwen3-30B-A3B expert shape.
+DECODE_CONFIGS: tuple[tuple[int, tuple[int, int, int], tuple[int, int, int]], ...] = (
+    (1, (8, 128, 8), (4, 128, 8)),
+    (2, (8, 128, 8), (16, 128, 4)),
+    (4, (16, 256, 2), (16, 128, 4)),
+    (1 << 62, (32, 128, 2), (16, 128, 4)),
+)
+
+
+def decode_config(num_tokens: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    return next((gate_up, down) for bound, gate_up, down in DECODE_CONFIGS if num_tokens <= bound)
 
 
 @_jit
@@ -76,70 +86,72 @@ def _decode_gate_up_kernel(
 
 @_jit
 def _decode_down_kernel(
-    h_ptr, w2_ptr, ids_ptr, tw_ptr, out_ptr,
-    H, I, expert_offset, n_local,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
+    TOP_K, H, I, y_s0, expert_offset, n_local,
+    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """out[slot, n] = topk_weight[slot] * (h[slot] . w2[e, n]) for this program's BLOCK_N columns."""
-    slot = tl.program_id(0)
+    """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
+    the down projection and the combine in one pass. The token's k experts are loaded side by side as one
+    [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
+    flight; the sum over experts happens once, in a fixed order (deterministic)."""
+    tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
-    e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
+    offs_j = tl.arange(0, K_PAD)
+    slots = tok * TOP_K + offs_j
+    e = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0).to(tl.int64) - expert_offset
+    local = (offs_j < TOP_K) & (e >= 0) & (e < n_local)  # slots routed to another rank's experts add nothing
+    e = tl.where(local, e, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_mask = offs_n < H
-    out_ptrs = out_ptr + slot.to(tl.int64) * H + offs_n
-    if (e >= 0) & (e < n_local):
-        rows = tl.minimum(offs_n, H - 1).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = h_ptr + slot.to(tl.int64) * I + offs_k
-        w_ptrs = w2_ptr + e * H * I + rows[:, None] * I + offs_k[None, :]
-        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k_mask = k0 + offs_k < I
-            at = tl.load(a_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            wt = tl.load(w_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            acc += wt * at[None, :]
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K
-        rw = tl.load(tw_ptr + slot).to(tl.float32)
-        tl.store(out_ptrs, tl.sum(acc, axis=1) * rw, mask=n_mask)
-    else:
-        tl.store(out_ptrs, tl.zeros((BLOCK_N,), dtype=tl.float32), mask=n_mask)
+    rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
+    w_ptrs = w2_ptr + (e * H * I)[:, None, None] + (rows * I)[None, :, None] + offs_k[None, None, :]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k_mask = k0 + offs_k < I
+        at = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        wt = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
+        acc += wt * at[:, None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
+    y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
+    tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
 
 
-def _check_blocks(blocks: tuple[int, int]) -> tuple[int, int]:
-    bn, bk = blocks
-    for b in (bn, bk):
+def _check_config(config: tuple[int, int, int]) -> tuple[int, int, int]:
+    for b in config:
         if b < 1 or b & (b - 1):
-            raise ValueError(f"block sizes must be powers of two, got {blocks}")
-    return bn, bk
+            raise ValueError(f"block sizes and warps must be powers of two, got {config}")
+    return config
 
 
 def fused_moe_decode_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_offset: int = 0, num_local_experts: int | None = None, *,
-    gate_up_blocks: tuple[int, int] | None = None, down_blocks: tuple[int, int] | None = None,
-    num_warps: int = 4,
+    gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``kernels.moe.fused_moe_ref``; meant for small ``T * k`` (decode). ``gate_up_blocks``
-    ``(BLOCK_N over I, BLOCK_K over H)`` and ``down_blocks`` ``(BLOCK_N over H, BLOCK_K over I)`` override the
-    defaults ``GATE_UP_BLOCKS`` / ``DOWN_BLOCKS`` (powers of two)."""
+    """Same contract as ``kernels.moe.fused_moe_ref``; meant for small ``T * k`` (decode). ``gate_up_config``
+    ``(BLOCK_N over I, BLOCK_K over H, num_warps)`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
+    num_warps)`` override the table (``decode_config``; powers of two)."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    bn1, bk1 = _check_blocks(gate_up_blocks or GATE_UP_BLOCKS)
-    bn2, bk2 = _check_blocks(down_blocks or DOWN_BLOCKS)
+    default_gate_up, default_down = decode_config(t)
+    bn1, bk1, warps1 = _check_config(gate_up_config or default_gate_up)
+    bn2, bk2, warps2 = _check_config(down_config or default_down)
     x = x if x.stride(1) == 1 else x.contiguous()
     n_slots = t * top_k
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
-    out = torch.empty(n_slots, h, dtype=torch.float32, device=x.device)  # every element is written
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
         x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=num_warps,
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1,
     )
-    _decode_down_kernel[(n_slots, triton.cdiv(h, bn2))](
-        act, w2, ids, tw, out, h, inter, expert_offset, n_local,
-        BLOCK_N=bn2, BLOCK_K=bk2, num_warps=num_warps,
+    _decode_down_kernel[(t, triton.cdiv(h, bn2))](
+        act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
     )
-    return out.view(t, top_k, h).sum(1).to(x.dtype)
+    return y

@@ -109,7 +109,7 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
-@_jit
+@_jit(do_not_specialize=['num_splits', 'stride_bt'])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
     qk_scale, num_splits,
@@ -161,7 +161,7 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@_jit
+@_jit(do_not_specialize=['num_splits'])
 def _decode_reduce_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
@@ -193,7 +193,7 @@ def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
     return lo - 1
 
 
-@_jit
+@_jit(do_not_specialize=['num_seqs', 'stride_bt'])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs,
     stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,

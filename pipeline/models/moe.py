@@ -20,7 +20,7 @@ import re
 import torch
 from torch import nn
 
-from kernels.moe import fused_moe, route_topk_ref
+from kernels.moe import fused_moe, route_topk
 from pipeline.models.layers import GatedMLP, Linear
 
 
@@ -80,7 +80,7 @@ class SparseMoeBlock(nn.Module):
     # ---- forward, in steps ----
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids)."""
-        return route_topk_ref(self.gate(x), self.top_k, self.norm_topk_prob)
+        return route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed

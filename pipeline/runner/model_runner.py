@@ -84,6 +84,12 @@ class ModelRunner:
         hidden = self.model(ids, positions, ForwardContext(meta, scratch))
         self.model.compute_logits(hidden[-min(profile_rows, profile_tokens):].repeat(
             -(-profile_rows // min(profile_rows, profile_tokens)), 1)[:profile_rows])
+        # smaller steps too: kernels pick launch configs by step size (the MoE's tiles), and a config first met
+        # while serving would stall that step for the compiler
+        for tokens in warmup_token_counts(profile_tokens):
+            small = build_attention_metadata([tokens], [tokens], [list(range(1, blocks))], self.block_size,
+                                             self.device)
+            self.model(ids[:tokens], positions[:tokens], ForwardContext(small, scratch))
         torch.cuda.synchronize(self.device)
         scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
         activations = torch.cuda.max_memory_allocated(self.device) - baseline - scratch_bytes
@@ -190,3 +196,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             return tensor.pin_memory().to(self.device, non_blocking=True)
         return tensor
+
+
+def warmup_token_counts(largest: int) -> list[int]:
+    """Step sizes a profiling pass also runs (powers of 4 from 16 below ``largest``): one per launch-config
+    bucket of the kernels that choose by size."""
+    return [4 ** i for i in range(2, 12) if 4 ** i < largest]

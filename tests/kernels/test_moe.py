@@ -156,12 +156,13 @@ needs_triton = pytest.mark.skipif(triton is None or DEVICE == "cpu" and not INTE
 @pytest.mark.parametrize("t", [1, 3, 17])
 @pytest.mark.parametrize("block_m", [None, 64])
 def test_fused_moe_triton_matches_ref(t, block_m):
-    from kernels.triton_moe import fused_moe_triton
+    from kernels.triton_moe import GroupedConfig, fused_moe_triton
 
     x = randn(t, H, seed=6)
     w13, w2 = weights()
     tw, ids = routing(t)
-    y = fused_moe_triton(x, w13, w2, tw, ids, block_m=block_m)
+    config = None if block_m is None else GroupedConfig(block_m, (16, 32, 4, 2), (32, 16, 2, 3))
+    y = fused_moe_triton(x, w13, w2, tw, ids, config=config)
     ref = fused_moe_ref(x, w13, w2, tw, ids)
     assert y.dtype == x.dtype and y.shape == (t, H)
     torch.testing.assert_close(y, ref, atol=1e-5, rtol=1e-5)

@@ -46,14 +46,14 @@ def weights(n_experts: int = E, dtype: torch.dtype = torch.float32, seed: int = 
 
 @needs_triton
 @pytest.mark.parametrize("t", [1, 2, 5])
-@pytest.mark.parametrize("blocks", [None, ((16, 16), (16, 16))])  # defaults; blocks smaller than I and H
-def test_decode_matches_ref(t, blocks):
+@pytest.mark.parametrize("configs", [None, ((16, 16, 4), (16, 16, 2))])  # defaults; blocks smaller than I and H
+def test_decode_matches_ref(t, configs):
     from kernels.triton_moe_decode import fused_moe_decode_triton
 
     x = randn(t, H, seed=6)
     w13, w2 = weights()
     tw, ids = routing(t)
-    kw = {} if blocks is None else {"gate_up_blocks": blocks[0], "down_blocks": blocks[1]}
+    kw = {} if configs is None else {"gate_up_config": configs[0], "down_config": configs[1]}
     y = fused_moe_decode_triton(x, w13, w2, tw, ids, **kw)
     assert y.dtype == x.dtype and y.shape == (t, H)
     torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)
@@ -112,7 +112,7 @@ def test_decode_rejects_bad_inputs():
     with pytest.raises(ValueError):
         fused_moe_decode_triton(x, w13, w2, tw, ids, 0, 4)
     with pytest.raises(ValueError):
-        fused_moe_decode_triton(x, w13, w2, tw, ids, gate_up_blocks=(24, 16))
+        fused_moe_decode_triton(x, w13, w2, tw, ids, gate_up_config=(24, 16, 4))
     empty = fused_moe_decode_triton(x[:0], w13, w2, tw[:0], ids[:0])
     assert empty.shape == (0, H)
 
