@@ -20,10 +20,14 @@ def rms_norm_ref(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """``norm(x)``, or ``(norm(x + residual), x + residual)``: the oracle, same ops as ``RMSNorm.forward``."""
     shape = (x.shape[-1],)
-    if residual is None:
-        return F.rms_norm(x, shape, weight, eps)
-    residual = x + residual
-    return F.rms_norm(residual, shape, weight, eps), residual
+    if residual is not None:
+        residual = x + residual
+    y = residual if residual is not None else x
+    if weight.dtype != y.dtype:  # an fp32 weight (zero-centred norms hold 1 + w): fp32 math, one rounding
+        out = F.rms_norm(y.float(), shape, weight.float(), eps).to(y.dtype)
+    else:
+        out = F.rms_norm(y, shape, weight, eps)
+    return out if residual is None else (out, residual)
 
 
 @_jit

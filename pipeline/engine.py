@@ -22,6 +22,7 @@ from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_s
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.cache_manager import CacheManager
 from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.memory.state_slots import StateSlotPool
 from pipeline.messages import IntakeItem
 from pipeline.output_channel import OutputChannel
 from pipeline.prompt import PromptRenderer
@@ -47,7 +48,8 @@ class Engine:
         self.config = config
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
-        self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size))
+        states = StateSlotPool(loaded.runner.num_state_slots - 1) if loaded.runner.num_state_slots else None
+        self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states)
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
         self.executor = executor
@@ -221,6 +223,7 @@ class Engine:
             "stages": {stage.name: stage.snapshot() for stage in self.stages},
             "kv_blocks": {"total": self.cache.capacity, "used": self.cache.num_used, "free": self.cache.num_free},
             "seats": {"capacity": self.seats.capacity, "held": self.seats.held},
+            "state_slots_used": self.cache.num_state_slots_used,
             "waiting": {"requests": self.waiting.requests, "tokens": self.waiting.tokens},
             "running": len(self.decode.running),
             "decode_in_flight": int(self.decode.in_flight is not None),

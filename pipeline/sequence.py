@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ext
+from pipeline.memory.state_slots import StateSlot
 from pipeline.request import CANCEL_FINISH_REASON, FinishReason, RepetitionDetection, Request
 from pipeline.runner.sampling_batch import depends_on_output_tokens
 from pipeline.thinking import ThinkingBudget
@@ -68,6 +69,7 @@ class Sequence:
     num_samples: int = 1  # rows to sample when the prompt completes (n for a fresh parent, else 1)
     num_computed: int = 0  # tokens whose K/V sit in this sequence's blocks
     block_ids: list[int] = field(default_factory=list)
+    state_slot: StateSlot | None = None  # hybrid models: this sequence's recurrent state slot (with its epoch)
     seq_id: int = field(default_factory=lambda: next(_seq_ids))
     finish_reason: FinishReason | None = None
     preemptions: int = 0

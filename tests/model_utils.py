@@ -25,7 +25,11 @@ _CONFIG_CLASSES = {
     "qwen2": "Qwen2Config",
     "qwen3": "Qwen3Config",
     "qwen3_moe": "Qwen3MoeConfig",
+    "qwen3_next": "Qwen3NextConfig",
+    "qwen3_5_text": "Qwen3_5TextConfig",
+    "qwen3_5_moe_text": "Qwen3_5MoeTextConfig",
 }
+HYBRID_TYPES = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
 def tiny_config(model_type: str, **overrides):
@@ -33,9 +37,13 @@ def tiny_config(model_type: str, **overrides):
     vocab 49152, eager attention. ``overrides`` are config kwargs (e.g. ``rope_parameters={...}``,
     ``tie_word_embeddings=True``, ``num_hidden_layers=3``)."""
     import transformers
+    import transformers.models.qwen3_5
+    import transformers.models.qwen3_5_moe
 
     try:
-        cls = getattr(transformers, _CONFIG_CLASSES[model_type])
+        name = _CONFIG_CLASSES[model_type]
+        cls = getattr(transformers, name, None) or getattr(transformers.models.qwen3_5, name, None) or getattr(
+            transformers.models.qwen3_5_moe, name)
     except KeyError:
         raise ValueError(f"no tiny config for {model_type!r}; known: {sorted(_CONFIG_CLASSES)}") from None
     kwargs = dict(
@@ -55,8 +63,15 @@ def tiny_config(model_type: str, **overrides):
     )
     if model_type == "mistral":
         kwargs["sliding_window"] = None
-    if model_type == "qwen3_moe":
+    if model_type in ("qwen3_moe", "qwen3_next", "qwen3_5_moe_text"):
         kwargs.update(moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    if model_type in HYBRID_TYPES:  # 3 Gated DeltaNet layers, then gated full attention
+        kwargs.update(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+                      linear_value_head_dim=16, linear_conv_kernel_dim=4)
+    if model_type in ("qwen3_next", "qwen3_5_moe_text"):
+        kwargs.update(shared_expert_intermediate_size=48)
+    if model_type == "qwen3_5_moe_text":
+        kwargs.pop("intermediate_size")
     kwargs.update(overrides)
     cfg = cls(**kwargs)
     cfg._attn_implementation = "eager"
@@ -189,8 +204,10 @@ def run_paged(
         [len(p) + max_new_tokens for p in prompts], block_size, num_blocks, shuffle_blocks, seed
     )
     dtype = kv_dtype or model.model.embed_tokens.weight.dtype
-    caches = allocate_caches(model.cache_specs(dtype), nb, block_size)
     n = len(prompts)
+    caches = allocate_caches(model.cache_specs(dtype), nb, block_size, num_state_slots=n + 2)
+    # recurrent state slots: 1..n+1 shuffled (slot 0 is the null slot), so no sequence sits in slot order
+    state_slot = (torch.randperm(n + 1, generator=torch.Generator().manual_seed(seed + 1)) + 1).tolist()
     plans = [_chunk_sizes(chunks, len(p)) for p in prompts]
     tokens = [list(p) for p in prompts]
     computed = [0] * n
@@ -225,7 +242,8 @@ def run_paged(
                 slens.append(start + q)
             meta = build_attention_metadata(qlens, slens, [tables[b] for b in active], block_size)
             kinds.append("decode" if not any(prefilling) else ("prefill" if all(prefilling) else "mixed"))
-            ctx = ForwardContext(meta, caches)
+            ctx = ForwardContext(meta, caches, state_slots=torch.tensor([state_slot[b] for b in active],
+                                                                        dtype=torch.int32))
             hidden = model(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), ctx)
             qsl = meta.query_start_loc_host
             for i, b in enumerate(active):

@@ -4,6 +4,10 @@ The scheduler's questions are asked in terms of sequences and tokens (how many t
 are cached, can these tokens get slots, give this sequence's memory back); the block arithmetic,
 reference counts and the pool behind them stay here. The stages never touch the pool, so prefix
 caching or another eviction policy can change what the answers are without changing the stages.
+
+Hybrid models also hold one recurrent state slot per sequence (pipeline/memory/state_slots.py): taken
+with the sequence's first blocks, given back with them in `free`, so every path that ends or preempts
+a sequence (which all call `free`) returns its slot too.
 """
 from __future__ import annotations
 
@@ -11,18 +15,26 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.memory.state_slots import StateSlotPool
 
 if TYPE_CHECKING:
+    from pipeline.runner.step_plan import ScheduledChunk
     from pipeline.sequence import Sequence
 
 
 class CacheManager:
-    """Owns the KVBlockPool; every allocation, share and free of a sequence's blocks goes through it."""
+    """Owns the KVBlockPool (and the state slot pool of hybrid models); every allocation, share and free
+    of a sequence's blocks and state slot goes through it."""
 
-    __slots__ = ("_pool",)
+    __slots__ = ("_pool", "_states")
 
-    def __init__(self, pool: KVBlockPool) -> None:
+    def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None) -> None:
         self._pool = pool
+        self._states = state_slots
+
+    @property
+    def num_state_slots_used(self) -> int:
+        return 0 if self._states is None else self._states.num_used
 
     @property
     def block_size(self) -> int:
@@ -65,16 +77,22 @@ class CacheManager:
         pool = self._pool
         total = seq.num_computed + num_new_tokens + num_lookahead
         count = -(-total // pool.block_size) - len(seq.block_ids)
-        if count <= 0:
-            return True
         if count > pool.num_free:
             return False
-        seq.block_ids.extend(pool.allocate(count))
+        if self._states is not None and seq.state_slot is None:
+            seq.state_slot = self._states.allocate()
+            if seq.state_slot is None:
+                return False
+        if count > 0:
+            seq.block_ids.extend(pool.allocate(count))
         return True
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references to its blocks (shared ones stay with their other holders);
         it keeps its tokens, so it can be recomputed from scratch."""
+        if seq.state_slot is not None:
+            slot, seq.state_slot = seq.state_slot, None
+            self._states.free(slot)
         if seq.block_ids:
             blocks, seq.block_ids = seq.block_ids, []
             self._pool.free(blocks)
@@ -83,9 +101,26 @@ class CacheManager:
     def share_prompt(self, parent: Sequence) -> list[int]:
         """A new reference to each full block of the parent's computed prompt, for a sibling sample
         (n > 1). Only full blocks: no block is ever written by two sequences, so no copy-on-write;
-        the sibling recomputes the partial tail. Freed with free(sibling) like its own blocks."""
+        the sibling recomputes the partial tail. Freed with free(sibling) like its own blocks.
+
+        Hybrid models share nothing: a recurrent state cannot start mid-prompt without a snapshot of the
+        parent's state there, so the sibling recomputes its whole prompt into its own slot."""
+        if self._states is not None:
+            return []
         full = parent.num_prompt_tokens // self._pool.block_size
         return self._pool.share(parent.block_ids[:full])
+
+    def state_slot_indices(self, chunks: list[ScheduledChunk]) -> list[int] | None:
+        """Each chunk's state slot index, checked live under the chunk's epoch (StaleStateSlot if not: a
+        continuation planned before its sequence's slot was freed and reused); None without state slots."""
+        if self._states is None:
+            return None
+        indices = []
+        for chunk in chunks:
+            if chunk.state_slot is None:
+                raise ValueError("a chunk of a hybrid model carries no state slot")
+            indices.append(self._states.check(chunk.state_slot))
+        return indices
 
     def add_free_listener(self, listener: Callable[[], None]) -> None:
         """Called after every free of a non-empty block list (a sequence ended or was preempted:

@@ -1,5 +1,6 @@
-"""ModelArchConfig: one normalized view of a HF ``config.json`` for the dense model family (plus the
-sparse-MoE fields of Qwen3-MoE / Qwen3-Next).
+"""ModelArchConfig: one normalized view of a HF ``config.json`` for the dense model family, plus the
+sparse-MoE fields of Qwen3-MoE and the hybrid fields of Qwen3-Next / Qwen3.5 (Gated DeltaNet layers beside gated
+full attention, zero-centred norms).
 
 Reads both the transformers-5 style (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the
 scaling fields) and the legacy style (top-level ``rope_theta`` plus ``rope_scaling`` with ``type`` or
@@ -24,6 +25,11 @@ _ROPE_SCALING_KEYS = (
     "attention_factor",
     "truncate",
 )
+
+
+# The hybrid families (text model types; a multimodal config's text_config carries the *_text type)
+HYBRID_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
+HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text") + HYBRID_MOE_TYPES
 
 
 @dataclass(slots=True)
@@ -61,11 +67,24 @@ class ModelArchConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int | None = None
+    # hybrid Gated DeltaNet (Qwen3-Next, Qwen3.5): "linear_attention" / "full_attention" per layer; () = all full
+    layer_types: tuple[str, ...] = ()
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 4
+    attn_output_gate: bool = False  # q_proj also yields a per-head sigmoid gate on the attention output
+    zero_centered_norm: bool = False  # RMSNorm weights w applied as (1 + w)
     hf_config: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def rotary_dim(self) -> int:
         return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def is_hybrid(self) -> bool:
+        return "linear_attention" in self.layer_types
 
     @property
     def q_size(self) -> int:
@@ -90,7 +109,9 @@ class ModelArchConfig:
             num_heads = int(d["num_attention_heads"])
             num_layers = int(d["num_hidden_layers"])
             vocab = int(d["vocab_size"])
-            inter = int(d["intermediate_size"])
+            # Qwen3.5-MoE has no dense MLP, so its config has no intermediate_size
+            inter = int(d["intermediate_size"]) if model_type not in HYBRID_MOE_TYPES else int(
+                d.get("intermediate_size") or 0)
         except KeyError as e:
             raise ValueError(f"HF config for {model_type!r} lacks required field {e.args[0]!r}") from None
         num_kv_heads = d.get("num_key_value_heads") or num_heads
@@ -113,6 +134,21 @@ class ModelArchConfig:
         else:
             sliding = d.get("sliding_window")
 
+        hybrid = model_type in HYBRID_TYPES
+        layer_types = tuple(d.get("layer_types") or ())
+        if hybrid and not layer_types:
+            interval = int(d.get("full_attention_interval") or 4)
+            layer_types = tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention"
+                                for i in range(num_layers))
+        if layer_types and (len(layer_types) != num_layers or
+                            set(layer_types) - {"linear_attention", "full_attention"}):
+            raise ValueError(f"layer_types {list(layer_types)} do not describe {num_layers} layers of "
+                             "'linear_attention' / 'full_attention'")
+        if hybrid and d.get("partial_rotary_factor") is None and "partial_rotary_factor" not in (
+                d.get("rope_parameters") or {}):
+            partial = 0.25  # transformers' default for these families
+        always_routed = model_type in HYBRID_MOE_TYPES  # every Qwen3.5-MoE layer is sparse, renormalised
+
         return cls(
             model_type=model_type,
             vocab_size=vocab,
@@ -127,7 +163,7 @@ class ModelArchConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rope_theta=theta,
@@ -141,11 +177,19 @@ class ModelArchConfig:
             num_experts=int(d.get("num_experts") or d.get("num_local_experts") or 0),
             num_experts_per_tok=int(d.get("num_experts_per_tok") or 0),
             moe_intermediate_size=int(d.get("moe_intermediate_size") or 0),
-            norm_topk_prob=bool(d.get("norm_topk_prob", False)),
-            decoder_sparse_step=int(d.get("decoder_sparse_step") or 1),
-            mlp_only_layers=tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
+            norm_topk_prob=True if always_routed else bool(d.get("norm_topk_prob", False)),
+            decoder_sparse_step=1 if always_routed else int(d.get("decoder_sparse_step") or 1),
+            mlp_only_layers=() if always_routed else tuple(int(i) for i in (d.get("mlp_only_layers") or ())),
             shared_expert_intermediate_size=int(d["shared_expert_intermediate_size"])
             if d.get("shared_expert_intermediate_size") else None,
+            layer_types=layer_types,
+            linear_num_key_heads=int(d.get("linear_num_key_heads") or 0),
+            linear_num_value_heads=int(d.get("linear_num_value_heads") or 0),
+            linear_key_head_dim=int(d.get("linear_key_head_dim") or 0),
+            linear_value_head_dim=int(d.get("linear_value_head_dim") or 0),
+            linear_conv_kernel_dim=int(d.get("linear_conv_kernel_dim") or 4),
+            attn_output_gate=hybrid,
+            zero_centered_norm=hybrid,
             hf_config=d,
         )
 

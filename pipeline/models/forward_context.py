@@ -1,12 +1,14 @@
 """What every layer of one forward reads besides its input: the step's layout and the caches.
 
 A layer takes `(x, residual, ctx)` and finds what it needs here: attention layers their paged KV
-cache by `cache_index` and the step's attention metadata; recurrent layers (later) their state
-slots. Adding a kind of layer adds a field, not an argument to every layer's signature.
+cache by `cache_index` and the step's attention metadata; recurrent (Gated DeltaNet) layers their
+per-sequence state tensors by cache index and each row's state slot (`state_slots`). Adding a kind
+of layer adds a field, not an argument to every layer's signature.
 
 The model declares the caches it needs (`cache_specs()`: one spec per cache, in cache-index order);
 the model runner allocates them and hands them in through the context, so the runner does not know
-a model's layer kinds.
+a model's layer kinds. Paged specs are sized by the KV block count, state specs by the number of
+state slots (one per sequence that can run at once, plus the null slot 0 that padding rows use).
 """
 from __future__ import annotations
 
@@ -33,17 +35,40 @@ class PagedKVSpec:
         return 2 * block_size * self.num_kv_heads * self.head_dim * element
 
 
-CacheSpec = PagedKVSpec  # later: the recurrent state slot spec of hybrid models
+@dataclass(frozen=True, slots=True)
+class StateSlotSpec:
+    """A per-sequence state of one recurrent layer: [num_slots, *per_slot] (a conv window, a delta-rule state)."""
+
+    per_slot: tuple[int, ...]
+    dtype: torch.dtype
+
+    def bytes_per_slot(self) -> int:
+        element = torch.empty((), dtype=self.dtype).element_size()
+        count = 1
+        for n in self.per_slot:
+            count *= n
+        return count * element
+
+
+CacheSpec = PagedKVSpec | StateSlotSpec
 
 
 def allocate_caches(specs: list[CacheSpec], num_blocks: int, block_size: int,
-                    device: torch.device | str | None = None) -> list[torch.Tensor]:
-    return [torch.zeros(spec.shape(num_blocks, block_size), dtype=spec.dtype, device=device) for spec in specs]
+                    device: torch.device | str | None = None, num_state_slots: int = 0) -> list[torch.Tensor]:
+    """One tensor per spec: paged K/V by block, states by slot (``num_state_slots`` includes the null slot)."""
+    return [torch.zeros(spec.shape(num_blocks, block_size), dtype=spec.dtype, device=device)
+            if isinstance(spec, PagedKVSpec) else
+            torch.zeros((num_state_slots, *spec.per_slot), dtype=spec.dtype, device=device) for spec in specs]
 
 
 def bytes_per_block(specs: list[CacheSpec], block_size: int) -> int:
     """Device bytes one KV block costs across every cache (what the pool's size is divided by)."""
-    return sum(spec.bytes_per_block(block_size) for spec in specs)
+    return sum(spec.bytes_per_block(block_size) for spec in specs if isinstance(spec, PagedKVSpec))
+
+
+def bytes_per_state_slot(specs: list[CacheSpec]) -> int:
+    """Device bytes one sequence's recurrent state costs across every layer (0 for attention-only models)."""
+    return sum(spec.bytes_per_slot() for spec in specs if isinstance(spec, StateSlotSpec))
 
 
 @dataclass(slots=True)
@@ -54,6 +79,8 @@ class ForwardContext:
     caches: list[torch.Tensor]  # by cache index, as the model's cache_specs() declared them
     rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of the step's positions
     attention_plan: object | None = None  # launch choices or reference gather indices, shared by all layers
+    state_slots: torch.Tensor | None = None  # [B] int32: each row's state slot (recurrent layers; 0 = null slot)
+    has_initial_state: torch.Tensor | None = None  # [B] bool: the row continues a state (its chunk starts past 0)
 
     def kv_cache(self, cache_index: int) -> torch.Tensor:
         return self.caches[cache_index]

@@ -10,6 +10,7 @@ from torch import nn
 from kernels import dispatch
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import paged_attention_ref
+from kernels.triton_norm import rms_norm_ref
 from kernels.triton_paged_attention import paged_attention_triton
 from pipeline.models.forward_context import ForwardContext
 from pipeline.models.rope import apply_rotary_emb_
@@ -72,21 +73,31 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 class RMSNorm(nn.Module):
-    """``forward(x)`` -> normed x; ``forward(x, residual)`` -> (norm(x + residual), x + residual)."""
+    """``forward(x)`` -> normed x; ``forward(x, residual)`` -> (norm(x + residual), x + residual).
 
-    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None, device=None) -> None:
+    ``zero_centered`` (Qwen3-Next / Qwen3.5): the checkpoint holds w and the scale is (1 + w), computed in
+    fp32 as transformers does. The weight is then an fp32 parameter that holds 1 + w once ``absorb_offset``
+    ran after loading (random dummy weights start at 1, i.e. w = 0)."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, dtype=None, device=None,
+                 zero_centered: bool = False) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=dtype, device=device))
+        self.zero_centered = zero_centered
+        weight_dtype = torch.float32 if zero_centered else dtype
+        self.weight = nn.Parameter(torch.ones(hidden_size, dtype=weight_dtype, device=device))
         self.eps = eps
         self.normalized_shape = (hidden_size,)
+
+    @torch.no_grad()
+    def absorb_offset(self) -> None:
+        """A loaded zero-centred weight w becomes the scale 1 + w (call once, after loading)."""
+        if self.zero_centered:
+            self.weight.add_(1.0)
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if dispatch.use_triton(x.device):  # one fused kernel (residual add included) on the GPU
             return dispatch.rms_norm(x, self.weight, self.eps, residual)
-        if residual is None:
-            return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
-        residual = x + residual
-        return F.rms_norm(residual, self.normalized_shape, self.weight, self.eps), residual
+        return rms_norm_ref(x, self.weight, self.eps, residual)
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape[0]}, eps={self.eps}"
@@ -177,11 +188,14 @@ class PagedAttention(nn.Module):
         qk_norm: bool = False,
         rms_norm_eps: float = 1e-6,
         is_neox_style: bool = True,
+        output_gate: bool = False,
+        zero_centered_qk_norm: bool = False,
         dtype=None,
         device=None,
     ) -> None:
         super().__init__()
         self.cache_index = cache_index
+        self.output_gate = output_gate
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
@@ -189,11 +203,13 @@ class PagedAttention(nn.Module):
         self.kv_size = num_kv_heads * head_dim
         self.scale = head_dim**-0.5
         self.is_neox_style = is_neox_style
-        self.qkv_proj = MergedLinear(hidden_size, [self.q_size, self.kv_size, self.kv_size], qkv_bias, dtype, device)
+        # with an output gate (Qwen3-Next / Qwen3.5), a fourth shard holds the gate: o_proj(attn * sigmoid(gate))
+        shards = [self.q_size, self.kv_size, self.kv_size] + ([self.q_size] if output_gate else [])
+        self.qkv_proj = MergedLinear(hidden_size, shards, qkv_bias, dtype, device)
         self.o_proj = Linear(self.q_size, hidden_size, o_bias, dtype, device)
         if qk_norm:
-            self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device)
-            self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device)
+            self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device, zero_centered_qk_norm)
+            self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device, zero_centered_qk_norm)
         else:
             self.q_norm = self.k_norm = None
 
@@ -207,16 +223,17 @@ class PagedAttention(nn.Module):
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qkv = self.qkv_proj(x)
         qk_end = self.q_size + self.kv_size
+        v_end = qk_end + self.kv_size
         gpu = dispatch.use_triton(x.device)
         if gpu:  # norms, rope and the KV write in one kernel
             q = qkv[:, : self.q_size].view(T, H, D)
             k = qkv[:, self.q_size : qk_end].view(T, KVH, D)
-            v = qkv[:, qk_end:].view(T, KVH, D)
+            v = qkv[:, qk_end:v_end].view(T, KVH, D)
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             dispatch.qkv_prologue(q, k, v, *norms, cos, sin, self.is_neox_style, kv_cache, meta.slot_mapping)
             out = paged_attention_triton(q, kv_cache, meta, self.scale, plan)
-            return self.o_proj(out.reshape(T, self.q_size))
+            return self.o_proj(self._gated(out.reshape(T, self.q_size), qkv, v_end))
         rotate = _rotate_ref
         if self.q_norm is None:
             # q and k are adjacent: one in-place rotation covers both.
@@ -227,10 +244,16 @@ class PagedAttention(nn.Module):
             q = self.q_norm(qkv[:, : self.q_size].view(T, H, D))
             k = self.k_norm(qkv[:, self.q_size : qk_end].view(T, KVH, D))
             rotate(q, k, cos, sin, self.is_neox_style)
-        v = qkv[:, qk_end:].view(T, KVH, D)
+        v = qkv[:, qk_end:v_end].view(T, KVH, D)
         write_kv_ref(k, v, kv_cache, meta.slot_mapping)
         out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)
-        return self.o_proj(out.reshape(T, self.q_size))
+        return self.o_proj(self._gated(out.reshape(T, self.q_size), qkv, v_end))
+
+    def _gated(self, out: torch.Tensor, qkv: torch.Tensor, v_end: int) -> torch.Tensor:
+        """attn * sigmoid(gate) in the activation dtype (as transformers multiplies), when the layer has a gate."""
+        if not self.output_gate:
+            return out
+        return out * torch.sigmoid(qkv[:, v_end:])
 
 
 def _rotate_ref(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,

@@ -77,7 +77,7 @@ class LlamaModel(nn.Module):
         super().__init__()
         self.embed_tokens = Embedding(arch.vocab_size, arch.hidden_size, dtype, device)
         self.layers = nn.ModuleList([layer_cls(arch, i, dtype, device) for i in range(arch.num_layers)])
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device)
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, arch.zero_centered_norm)
         self.rotary_emb = RotaryEmbedding.from_arch(arch, dtype=dtype, device=device)
 
 
@@ -98,6 +98,7 @@ class LlamaForCausalLM(nn.Module):
     ``ctx.caches`` must hold (one paged K/V cache per layer)."""
 
     decoder_layer_cls: type = LlamaDecoderLayer  # a hook for families that only change the layer
+    fused_names: dict[str, tuple[str, int]] = _FUSED  # HF name pieces loaded as shards of one parameter
 
     def __init__(self, arch: ModelArchConfig, dtype: torch.dtype | None = None, device=None) -> None:
         super().__init__()
@@ -176,7 +177,7 @@ class LlamaForCausalLM(nn.Module):
         expected: dict[str, tuple[str, int | None]] = {}
         for pname in params:
             mod_name, _, leaf = pname.rpartition(".")
-            fused = [(hf, fs, idx) for hf, (fs, idx) in _FUSED.items() if mod_name.endswith("." + fs)]
+            fused = [(hf, fs, idx) for hf, (fs, idx) in self.fused_names.items() if mod_name.endswith("." + fs)]
             for hf_suffix, fs, idx in fused:
                 expected[f"{mod_name[: -len(fs)]}{hf_suffix}.{leaf}"] = (pname, idx)
             if not fused:

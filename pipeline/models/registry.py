@@ -10,6 +10,7 @@ from torch import nn
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.llama import LlamaForCausalLM
 from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM
+from pipeline.models.qwen3_next import Qwen3NextForCausalLM
 
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "llama": LlamaForCausalLM,
@@ -17,6 +18,12 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "qwen2": LlamaForCausalLM,
     "qwen3": LlamaForCausalLM,
     "qwen3_moe": Qwen3MoeForCausalLM,
+    # hybrid Gated DeltaNet + gated attention (multimodal configs resolve to their *_text language model)
+    "qwen3_next": Qwen3NextForCausalLM,
+    "qwen3_5": Qwen3NextForCausalLM,
+    "qwen3_5_text": Qwen3NextForCausalLM,
+    "qwen3_5_moe": Qwen3NextForCausalLM,
+    "qwen3_5_moe_text": Qwen3NextForCausalLM,
 }
 
 

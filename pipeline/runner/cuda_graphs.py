@@ -6,7 +6,7 @@ captured per (padded batch size, q), batch sizes 1, 2, 4, 8, then multiples of 8
 q from 1 to max_query_len, over static device buffers. A step copies its inputs from pinned host
 buffers into them (one non-blocking copy each; tokens still on the device from the previous step
 are copied in on the device), pads the unused rows (slot -1: the KV write skips it; a context of q
-keys over the null block), replays the graph of the smallest size that fits, and reads the logits of
+keys over the null block; the null state slot 0), replays the graph of the smallest size that fits, and reads the logits of
 its real rows. Attention launch choices are fixed per graph (a TritonAttentionPlan with a set number
 of splits, sized for the longest context), so the captured grid is valid for every step.
 """
@@ -51,6 +51,7 @@ class DecodeGraphs:
         self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
+        self.state_slots = torch.zeros(n, dtype=torch.int32, device=device)  # padding rows: the null slot 0
         # row b's tokens start at b * q: one query_start_loc per q
         self.query_start_locs = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                                  for q in range(1, max_query_len + 1)}
@@ -66,7 +67,7 @@ class DecodeGraphs:
 
     def _buffers(self) -> dict[str, torch.Tensor]:
         return {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
-                "seq_lens": self.seq_lens, "block_tables": self.block_tables}
+                "seq_lens": self.seq_lens, "block_tables": self.block_tables, "state_slots": self.state_slots}
 
     def _meta(self, size: int, q: int, plan: TritonAttentionPlan, max_model_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -83,7 +84,8 @@ class DecodeGraphs:
         for q in range(self.max_query_len, 0, -1):
             for size in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool
                 plan = TritonAttentionPlan(num_splits=decode_num_splits(size, num_kv_heads, max_model_len, sms))
-                context = ForwardContext(self._meta(size, q, plan, max_model_len), self.caches)
+                context = ForwardContext(self._meta(size, q, plan, max_model_len), self.caches,
+                                         state_slots=self.state_slots[:size])
                 args = (self.input_ids[:size * q], self.positions[:size * q], context)
                 self.model.compute_logits(self.model(*args))  # compile kernels, settle allocations
                 torch.cuda.synchronize(device)
@@ -110,6 +112,7 @@ class DecodeGraphs:
         host["positions"][:tokens] = torch.from_numpy(batch.positions)
         host["slots"][:tokens] = torch.from_numpy(batch.slot_mapping)
         host["seq_lens"][:rows] = torch.from_numpy(batch.seq_lens)
+        host["state_slots"][:rows] = torch.from_numpy(batch.state_slots)
         # Only the first `width` table columns are copied: a row never reads a column past its length.
         host["block_tables"][:rows, :width] = torch.from_numpy(batch.block_tables)
         if size > rows:  # padded rows: nothing written, q harmless keys of the null block read
@@ -117,11 +120,12 @@ class DecodeGraphs:
             host["positions"][tokens:size * q] = 0
             host["slots"][tokens:size * q] = -1
             host["seq_lens"][rows:size] = q
+            host["state_slots"][rows:size] = 0
             host["block_tables"][rows:size, :width] = 0
         for name, device_buffer in self._buffers().items():
             if name == "block_tables":
                 device_buffer[:size, :width].copy_(host[name][:size, :width], non_blocking=True)
-            elif name == "seq_lens":
+            elif name in ("seq_lens", "state_slots"):
                 device_buffer[:size].copy_(host[name][:size], non_blocking=True)
             else:
                 device_buffer[:size * q].copy_(host[name][:size * q], non_blocking=True)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
-from pipeline.models.forward_context import ForwardContext, allocate_caches, bytes_per_block
+from pipeline.models.forward_context import ForwardContext, allocate_caches, bytes_per_block, bytes_per_state_slot
 from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.runner.host_staging import HostStaging
 from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
@@ -46,13 +46,15 @@ class DeviceBatch:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, max_num_seqs: int = 0) -> None:
+        """``max_num_seqs``: sequences that can hold a recurrent state slot at once (hybrid models)."""
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
         self.cache_specs = model.cache_specs(dtype)
+        self.num_state_slots = max_num_seqs + 1 if bytes_per_state_slot(self.cache_specs) else 0  # + the null slot
         self.caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
         self.sampler = Sampler()
@@ -62,8 +64,13 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         return bytes_per_block(self.cache_specs, self.block_size)
 
+    @property
+    def state_bytes(self) -> int:
+        """Device bytes of every recurrent state slot (allocated beside the KV blocks)."""
+        return self.num_state_slots * bytes_per_state_slot(self.cache_specs)
+
     def allocate_caches(self, num_blocks: int) -> None:
-        self.caches = allocate_caches(self.cache_specs, num_blocks, self.block_size, self.device)
+        self.caches = allocate_caches(self.cache_specs, num_blocks, self.block_size, self.device, self.num_state_slots)
 
     @torch.inference_mode()
     def kv_blocks_for_gpu(self, utilization: float, profile_tokens: int, profile_rows: int,
@@ -76,12 +83,13 @@ class ModelRunner:
         baseline = torch.cuda.memory_allocated(self.device)
         torch.cuda.reset_peak_memory_stats(self.device)
         blocks = -(-profile_tokens // self.block_size) + 1
-        scratch = allocate_caches(self.cache_specs, blocks, self.block_size, self.device)
+        scratch = allocate_caches(self.cache_specs, blocks, self.block_size, self.device, self.num_state_slots)
         meta = build_attention_metadata([profile_tokens], [profile_tokens], [list(range(1, blocks))],
                                         self.block_size, self.device)
         ids = torch.zeros(profile_tokens, dtype=torch.int64, device=self.device)
         positions = torch.arange(profile_tokens, dtype=torch.int64, device=self.device)
-        hidden = self.model(ids, positions, ForwardContext(meta, scratch))
+        null_slot = torch.zeros(1, dtype=torch.int32, device=self.device)
+        hidden = self.model(ids, positions, ForwardContext(meta, scratch, state_slots=null_slot))
         self.model.compute_logits(hidden[-min(profile_rows, profile_tokens):].repeat(
             -(-profile_rows // min(profile_rows, profile_tokens)), 1)[:profile_rows])
         # smaller steps too: kernels pick launch configs by step size (the MoE's tiles), and a config first met
@@ -89,13 +97,14 @@ class ModelRunner:
         for tokens in warmup_token_counts(profile_tokens):
             small = build_attention_metadata([tokens], [tokens], [list(range(1, blocks))], self.block_size,
                                              self.device)
-            self.model(ids[:tokens], positions[:tokens], ForwardContext(small, scratch))
+            self.model(ids[:tokens], positions[:tokens], ForwardContext(small, scratch, state_slots=null_slot))
         torch.cuda.synchronize(self.device)
         scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
         activations = torch.cuda.max_memory_allocated(self.device) - baseline - scratch_bytes
         del scratch, hidden
         torch.cuda.empty_cache()
-        budget = total * utilization - (total - free) - activations - reserve_bytes
+        # the state slots are part of the scratch above and allocated again beside the blocks
+        budget = total * utilization - (total - free) - activations - reserve_bytes - self.state_bytes
         if budget < 2 * self.bytes_per_block:
             raise RuntimeError(f"no room for the KV cache: {total * utilization / 2**30:.1f} GiB allowed, "
                                f"{(total - free) / 2**30:.1f} GiB used by weights, "
@@ -114,7 +123,8 @@ class ModelRunner:
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, max_query_len: int = 1) -> None:
         self.graphs = DecodeGraphs(self.model, self.caches, max_batch=max_batch,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
-                                   max_model_len=max_model_len, num_kv_heads=self.cache_specs[0].num_kv_heads,
+                                   max_model_len=max_model_len,
+                                   num_kv_heads=next(s.num_kv_heads for s in self.cache_specs if hasattr(s, "num_kv_heads")),
                                    device=self.device, max_query_len=max_query_len)
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
@@ -165,8 +175,9 @@ class ModelRunner:
             max_seq_len=max(lens_host),
             is_decode_only=max_query_len == 1,
         )
+        context = ForwardContext(meta, self.caches, state_slots=self._to_device(batch.state_slots))
         return DeviceBatch(batch, False, self._to_device(batch.input_ids), self._to_device(batch.positions),
-                           ForwardContext(meta, self.caches), self._to_device(batch.logits_indices))
+                           context, self._to_device(batch.logits_indices))
 
     def forward(self, prepared: DeviceBatch, previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Logits [S, vocab] float32 at the batch's logits indices, queued on the device."""

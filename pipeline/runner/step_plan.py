@@ -21,11 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 
 import ext
+from pipeline.memory.state_slots import NULL_SLOT, StateSlot
 from pipeline.runner.sampling_batch import SamplingRow
 
 _step_inputs = ext.load("step_inputs")
 
-FORWARD_BATCH_VERSION = 1
+FORWARD_BATCH_VERSION = 2
 
 
 class ForwardBatchVersionError(ValueError):
@@ -42,11 +43,12 @@ class ScheduledChunk:
     # its stage launched (token_ids[0] is a placeholder).
     previous_row: int = -1
     logits_offsets: list[int] | None = None  # offsets within the chunk, one per row; None: all at the last
+    state_slot: StateSlot | None = None  # hybrid models: the sequence's recurrent state slot, checked at build
 
 
 _ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-           "logits_indices", "feed_targets", "feed_sources")
-_DTYPES = (np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.int64, np.int64, np.int64)
+           "logits_indices", "feed_targets", "feed_sources", "state_slots")
+_DTYPES = (np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.int64, np.int64, np.int64, np.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +64,7 @@ class ForwardBatch:
     logits_indices: np.ndarray  # int64 [S]: token indices whose logits are computed, in row order
     feed_targets: np.ndarray  # int64 [F]: token indices that take a previous step's token ...
     feed_sources: np.ndarray  # int64 [F]: ... from these rows of that step's sampled tokens
+    state_slots: np.ndarray  # int32 [B]: each row's recurrent state slot (all NULL_SLOT for attention-only models)
     version: int = FORWARD_BATCH_VERSION
 
     @property
@@ -98,7 +101,7 @@ class ForwardBatch:
         if version != FORWARD_BATCH_VERSION:
             raise ForwardBatchVersionError(f"forward batch version {version}, this rank reads {FORWARD_BATCH_VERSION}")
         t, b, w, s, f = (int(x) for x in header[1:])
-        shapes = ((t,), (t,), (t,), (b + 1,), (b,), (b, w), (s,), (f,), (f,))
+        shapes = ((t,), (t,), (t,), (b + 1,), (b,), (b, w), (s,), (f,), (f,), (b,))
         arrays: dict[str, np.ndarray] = {}
         offset = header.nbytes
         for name, dtype, shape in zip(_ARRAYS, _DTYPES, shapes):
@@ -124,7 +127,8 @@ class StepPlan:
         return self.forward.num_tokens
 
 
-def build_step_plan(chunks: list[ScheduledChunk], block_size: int) -> StepPlan:
+def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: list[int] | None = None) -> StepPlan:
+    """``state_slots``: each chunk's checked state slot index (``CacheManager.state_slot_indices``), or None."""
     input_ids, positions, slots, qsl, seq_lens, tables = _step_inputs.build_step_inputs(
         [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], block_size)
     logits: list[int] = []
@@ -146,6 +150,10 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int) -> StepPlan:
         if chunk.previous_row >= 0:
             targets.append(int(qsl[i]))
             sources.append(chunk.previous_row)
+    if state_slots is not None and len(state_slots) != len(chunks):
+        raise ValueError(f"{len(state_slots)} state slots for {len(chunks)} chunks")
+    states = (np.full(len(chunks), NULL_SLOT, dtype=np.int32) if state_slots is None
+              else np.asarray(state_slots, dtype=np.int32))
     forward = ForwardBatch(input_ids, positions, slots, qsl, seq_lens, tables, np.asarray(logits, dtype=np.int64),
-                           np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64))
+                           np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64), states)
     return StepPlan(forward, tuple(rows))

@@ -157,10 +157,11 @@ class DecodeStage(DeviceStage):
             num_tokens = len(seq.token_ids)
             if row >= 0:  # its token is still on the device: feed it from there
                 # positional arguments: this runs per sequence per step, and keywords cost more
-                chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row)
+                chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row,
+                                       None, seq.state_slot)
             else:
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:], seq.num_computed, seq.block_ids,
-                                       [self.sampling_row(seq)])
+                                       [self.sampling_row(seq)], -1, None, seq.state_slot)
             batch.append(seq)
             chunks.append(chunk)
         return batch, chunks

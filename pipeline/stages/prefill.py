@@ -110,7 +110,8 @@ class PrefillStage(DeviceStage):
                 grammars = [seq.grammar] + [new_grammar_state(seq.request) for _ in range(1, seq.num_samples)]
                 rows = [self.sampling_row(seq, seed=mix_seed(request_seed, i) if i else seq.seed,
                                           grammar=grammars[i]) for i in range(seq.num_samples)]
-            chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed, seq.block_ids, rows))
+            chunks.append(ScheduledChunk(seq.token_ids[seq.num_computed:end], seq.num_computed, seq.block_ids, rows,
+                                         state_slot=seq.state_slot))
             grant.chunks.append((seq, choice.num_tokens, grammars))
         self.grant = grant
         return chunks

@@ -1,0 +1,148 @@
+"""Qwen3-Next and Qwen3.5 (dense and MoE): hybrid decoders of Gated DeltaNet and gated full-attention layers.
+
+The config's ``layer_types`` say which mixer each layer has: ``linear_attention`` (pipeline/models/
+gated_delta_net.py) or ``full_attention`` (the shared PagedAttention with a sigmoid output gate, partial rotary
+and zero-centred q/k norms). The MLP is the shared SparseMoeBlock (routed experts plus the gated shared expert)
+or a dense GatedMLP, by the same rule as Qwen3-MoE. Every RMSNorm but the delta-rule output norm is zero-centred.
+
+Caches: one paged K/V cache per attention layer first (cache indices 0..A-1), then two state tensors per
+GDN layer (conv window, delta-rule state), indexed by each row's state slot.
+
+Weights load from the text model's HF names; a multimodal checkpoint's ``model.language_model.`` prefix is
+dropped and its vision tower and MTP head (``model.visual.``, ``mtp.``) are skipped. The attention ``q_proj``
+holds each head's query and gate side by side; they are split into the fused projection's q and gate shards.
+"""
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import torch
+from torch import nn
+
+from pipeline.models.config import ModelArchConfig
+from pipeline.models.forward_context import CacheSpec, ForwardContext, PagedKVSpec
+from pipeline.models.gated_delta_net import GatedDeltaNet, split_qwen3_next_projections
+from pipeline.models.layers import GatedMLP, PagedAttention, RMSNorm
+from pipeline.models.llama import _FUSED
+from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer, make_sparse_moe_block
+
+_SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+
+
+def cache_layout(arch: ModelArchConfig) -> list[int]:
+    """Each layer's cache index: attention layers number 0..A-1, GDN layers A, A+2, ... (two tensors each)."""
+    num_attention = sum(t == "full_attention" for t in arch.layer_types)
+    indices, attention, linear = [], 0, 0
+    for kind in arch.layer_types:
+        if kind == "full_attention":
+            indices.append(attention)
+            attention += 1
+        else:
+            indices.append(num_attention + 2 * linear)
+            linear += 1
+    return indices
+
+
+class HybridDecoderLayer(nn.Module):
+    """A GDN or gated-attention mixer, then the MLP, each behind a fused residual-add zero-centred RMSNorm."""
+
+    def __init__(self, arch: ModelArchConfig, layer_index: int, dtype=None, device=None) -> None:
+        super().__init__()
+        cache_index = cache_layout(arch)[layer_index]
+        zero = arch.zero_centered_norm
+        self.input_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, zero)
+        self.linear_attn: GatedDeltaNet | None = None
+        self.self_attn: PagedAttention | None = None
+        if arch.layer_types[layer_index] == "linear_attention":
+            self.linear_attn = GatedDeltaNet(
+                cache_index, arch.hidden_size, arch.linear_num_key_heads, arch.linear_num_value_heads,
+                arch.linear_key_head_dim, arch.linear_value_head_dim, arch.linear_conv_kernel_dim, arch.rms_norm_eps,
+                dtype, device)
+        else:
+            self.self_attn = PagedAttention(
+                cache_index, arch.hidden_size, arch.num_heads, arch.num_kv_heads, arch.head_dim,
+                qkv_bias=arch.attention_bias, o_bias=arch.o_proj_bias, qk_norm=True, rms_norm_eps=arch.rms_norm_eps,
+                is_neox_style=not arch.rope_interleaved, output_gate=arch.attn_output_gate,
+                zero_centered_qk_norm=zero, dtype=dtype, device=device)
+        self.post_attention_layernorm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, zero)
+        if is_sparse_layer(arch, layer_index):
+            self.mlp: nn.Module = make_sparse_moe_block(arch, dtype, device)
+        else:
+            self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, arch.hidden_act, dtype, device)
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual = x
+            x = self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.linear_attn(x, ctx) if self.linear_attn is not None else self.self_attn(x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen3-Next / Qwen3.5 / Qwen3.5-MoE text models over paged KV and recurrent state slots."""
+
+    decoder_layer_cls = HybridDecoderLayer
+    fused_names = {
+        **_FUSED,
+        "self_attn.q_gate": ("self_attn.qkv_proj", 3),  # the gate half of the HF q_proj (see _hf_names)
+        "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
+        "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
+        "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
+        "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
+    }
+
+    def __init__(self, arch: ModelArchConfig, dtype: torch.dtype | None = None, device=None) -> None:
+        if not arch.layer_types or "full_attention" not in arch.layer_types:
+            raise ValueError(f"{arch.model_type}: layer_types must name the layers' mixers and include at least "
+                             "one full_attention layer")
+        super().__init__(arch, dtype, device)
+
+    def cache_specs(self, kv_dtype: torch.dtype) -> list[CacheSpec]:
+        specs: list[CacheSpec] = [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)
+                                  for kind in self.arch.layer_types if kind == "full_attention"]
+        for layer in self.model.layers:
+            if layer.linear_attn is not None:
+                specs.extend(layer.linear_attn.state_specs(kv_dtype))
+        return specs
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """The recurrent layers continue a row's state unless its chunk starts at position 0 (a new or
+        recomputed sequence: whatever its slot held before is ignored)."""
+        meta = ctx.attention
+        qsl = meta.query_start_loc
+        ctx.has_initial_state = (meta.seq_lens - (qsl[1:] - qsl[:-1])) > 0
+        return super().forward(input_ids, positions, ctx)
+
+    def _hf_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The checkpoint's names as this model's loader reads them (see the module docstring)."""
+        arch = self.arch
+        for name, tensor in weights:
+            if name.startswith("model.language_model."):
+                name = "model." + name[len("model.language_model."):]
+            elif name.startswith("language_model."):
+                name = name[len("language_model."):]
+            if name.startswith(_SKIPPED_PREFIXES):
+                continue
+            if name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
+                yield from split_qwen3_next_projections(name, tensor, arch.linear_num_key_heads,
+                                                        arch.linear_num_value_heads, arch.linear_key_head_dim,
+                                                        arch.linear_value_head_dim)
+            elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")) and arch.attn_output_gate:
+                heads = tensor.view(arch.num_heads, 2, arch.head_dim, *tensor.shape[1:])
+                yield name, heads[:, 0].reshape(arch.q_size, *tensor.shape[1:])
+                yield name.replace("q_proj", "q_gate"), heads[:, 1].reshape(arch.q_size, *tensor.shape[1:])
+            else:
+                yield name, tensor
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        loaded = super().load_weights(self._hf_names(weights))
+        for module in self.modules():
+            if isinstance(module, RMSNorm):
+                module.absorb_offset()
+        return loaded
