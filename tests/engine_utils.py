@@ -64,5 +64,6 @@ def assert_no_leaks(engine: Engine) -> None:
     stats = engine.stats()
     assert stats["kv_blocks"]["used"] == 0, stats
     assert stats["seats"]["held"] == 0, stats
+    assert stats["state_slots_used"] == 0, stats
     assert stats["waiting"] == {"requests": 0, "tokens": 0}, stats
     assert engine.detokenize.samples == {}, "detokenizer state leaked"
