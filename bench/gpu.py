@@ -33,7 +33,8 @@ from pipeline.request import SamplingParams  # noqa: E402
 from gpu_correctness import correctness  # noqa: E402
 from gpu_moe import moe_kernel  # noqa: E402
 from gpu_steps import step_profile, verify_profile  # noqa: E402
-from gpu_util import T0, active_params, free_device, log, num_params, pct, time_ms  # noqa: E402
+from gpu_util import (T0, active_params, free_device, layer_kinds, log, num_params, pct,  # noqa: E402
+                      state_bytes_per_seq, time_ms)
 
 QWEN3_8B = dict(model_type="qwen3", architectures=["Qwen3ForCausalLM"], vocab_size=151936, hidden_size=4096,
                 intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32, num_key_value_heads=8,
@@ -45,10 +46,23 @@ QWEN3_30B_A3B = dict(QWEN3_8B, model_type="qwen3_moe", architectures=["Qwen3MoeF
                      intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48,
                      num_attention_heads=32, num_key_value_heads=4, head_dim=128)
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B}
+# Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults; 30 Gated DeltaNet + 10 gated attention layers,
+# 256 experts (8 per token) and a shared expert (~70 GB in bf16: the H200)
+QWEN3_5_35B_A3B = dict(QWEN3_8B, model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"],
+                       vocab_size=248320, hidden_size=2048, num_hidden_layers=40, num_attention_heads=16,
+                       num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4, linear_key_head_dim=128,
+                       linear_value_head_dim=128, linear_num_key_heads=16, linear_num_value_heads=32,
+                       moe_intermediate_size=512, shared_expert_intermediate_size=512, num_experts_per_tok=8,
+                       num_experts=256, full_attention_interval=4, max_position_embeddings=65536,
+                       rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
+QWEN3_5_35B_A3B.pop("rope_theta")
+QWEN3_5_35B_A3B.pop("intermediate_size")
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
 QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
 QUICK_MOE = dict(QUICK, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
+QUICK_HYBRID = dict(QUICK_MOE, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
+                    linear_key_head_dim=64, linear_value_head_dim=64, shared_expert_intermediate_size=128)
 SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "steps", "verify", "serve", "kernels", "moe", "peer")
 
 
@@ -156,6 +170,13 @@ async def b1_off(a: argparse.Namespace, model_dir: str, report: dict, limits: di
                             "frac_of_limit": limits.get("b1") and best["tok_s"] / limits["b1"]}
             log(f"B1 {best['tok_s']:.1f} tok/s (runs {[round(r['tok_s'], 1) for r in runs]})")
             write(a, report)
+        if "b1" not in a.skip and a.b1_long_context:  # B1 after a long prompt (recurrent layers do not grow)
+            plen = min(a.b1_long_context, engine.loaded.limits.max_model_len - 300)
+            long = itl_stats(await run_one(engine, prompts(1, plen, 9)[0], 256))
+            report["b1_long"] = {**long, "prompt_tokens": plen, "new_tokens": 256,
+                                 "frac_of_b1": report.get("b1") and long["tok_s"] / report["b1"]["tok_s"]}
+            log(f"B1 after {plen} prompt tokens: {long['tok_s']:.1f} tok/s (TTFT {long['ttft_ms']:.0f} ms)")
+            write(a, report)
         if "off" not in a.skip:
             nreq, plen, n = (8, 64, 8) if a.quick else (a.off_requests, 512, 128)
             await asyncio.gather(*[run_one(engine, p, 8) for p in prompts(min(nreq, 32), plen, 2)])  # warm-up
@@ -245,14 +266,16 @@ def off_estimate(limits: dict, nreq: int, plen: int, n: int) -> dict | None:
     c, s = limits.get("ceilings"), limits["shape"]
     if not c:
         return None
-    layers, h, kvh, d, nh = (s[k] for k in ("num_hidden_layers", "hidden_size", "num_key_value_heads", "head_dim",
-                                             "num_attention_heads"))
+    h, kvh, d, nh = (s[k] for k in ("hidden_size", "num_key_value_heads", "head_dim", "num_attention_heads"))
+    layers = layer_kinds(s).count("full_attention")  # KV and quadratic attention: the attention layers only
     linear = active_params(s) - s["vocab_size"] * h  # per-token matmul params (a MoE layer: its top-k experts)
     attn = 4 * layers * nh * d * plen * (plen + 1) // 2  # causal QK^T + PV per request
     flops = nreq * (2 * linear * plen + attn + 2 * s["vocab_size"] * h)  # + lm_head for the last prompt token
     kv_token = layers * 2 * kvh * d * 2
     # the first output token comes from prefill; decode step i reads the weights and plen + i + 1 tokens of KV
-    decode_bytes = sum(limits["weight_bytes"] + nreq * (plen + i + 1) * kv_token for i in range(n - 1))
+    # (a hybrid model's recurrent states: read and written once per sequence per step)
+    states = 2 * nreq * limits.get("state_bytes_per_seq", 0)
+    decode_bytes = sum(limits["weight_bytes"] + nreq * (plen + i + 1) * kv_token + states for i in range(n - 1))
     t_pre, t_dec = flops / (c["bf16_TFLOPs"] * 1e12), decode_bytes / (c["copy_GBps"] * 1e9)
     return {"prefill_flops": flops, "decode_bytes": decode_bytes, "prefill_s": t_pre, "decode_s": t_dec,
             "output_tok_s": nreq * n / (t_pre + t_dec), "total_tok_s": nreq * (n + plen) / (t_pre + t_dec)}
@@ -340,6 +363,7 @@ def main() -> None:
     ap.add_argument("--tokenizer", default=os.path.join(ROOT, ".peer", "tokenizer"))
     ap.add_argument("--skip", nargs="*", default=[], choices=SECTIONS)
     ap.add_argument("--off-requests", type=int, default=256)
+    ap.add_argument("--b1-long-context", type=int, default=0, help="also B1 after a prompt of this many tokens")
     ap.add_argument("--serve-requests", type=int, default=0, help="requests per level (0: serve.py's 2 x c, >= 8)")
     ap.add_argument("--serve-args", default="", help="more `conveyor serve` arguments for SERVE")
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES), help="the model shape (random weights)")
@@ -363,11 +387,14 @@ def main() -> None:
                             "sm_count": props and props.multi_processor_count, "argv": sys.argv[1:]}}
     shape = SHAPES[a.shape]
     if a.quick:  # the same family, tiny
-        shape = {**shape, **(QUICK_MOE if shape.get("num_experts") else QUICK)}
+        shape = {**shape, **(QUICK_HYBRID if shape.get("linear_num_value_heads") else
+                             QUICK_MOE if shape.get("num_experts") else QUICK)}
     params = num_params(shape)
-    # B1 reads every weight a token uses once per step: all of a dense model; a MoE model's top-k experts
-    limits: dict = {"shape": shape, "weight_bytes": 2 * params,
-                    "b1_bytes": 2 * (active_params(shape) if shape.get("num_experts") else params)}
+    # B1 reads every weight a token uses once per step: all of a dense model; a MoE model's top-k experts; a
+    # hybrid model also reads and writes each GDN layer's recurrent state
+    states = state_bytes_per_seq(shape)
+    limits: dict = {"shape": shape, "weight_bytes": 2 * params, "state_bytes_per_seq": states,
+                    "b1_bytes": 2 * (active_params(shape) if shape.get("num_experts") else params) + 2 * states}
     model_dir = write_model_dir(shape, a.tokenizer)
     small_dir = write_model_dir({**shape, "num_hidden_layers": min(4, shape["num_hidden_layers"])}, a.tokenizer)
     report["model"] = {"shape": shape, "params": params, "weight_bytes": 2 * params, "weights": "dummy (random)",

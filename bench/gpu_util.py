@@ -25,27 +25,64 @@ def pct(values: list[float], q: float) -> float | None:
     return sorted(values)[min(len(values) - 1, int(round(q / 100 * (len(values) - 1))))] if values else None
 
 
-def _layer_params(s: dict, experts: int | None = None) -> int:
+def layer_kinds(s: dict) -> list[str]:
+    """Each layer's mixer: a hybrid shape's layer_types (every full_attention_interval-th attends), else all attention."""
+    if s.get("layer_types"):
+        return list(s["layer_types"])
+    if s.get("linear_num_value_heads"):
+        every = s.get("full_attention_interval", 4)
+        return ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(s["num_hidden_layers"])]
+    return ["full_attention"] * s["num_hidden_layers"]
+
+
+def _gdn_dims(s: dict) -> tuple[int, int, int]:
+    """(key dim, value dim, conv channels) of a Gated DeltaNet layer."""
+    key = s["linear_num_key_heads"] * s["linear_key_head_dim"]
+    value = s["linear_num_value_heads"] * s["linear_value_head_dim"]
+    return key, value, 2 * key + value
+
+
+def _layer_params(s: dict, experts: int | None = None, kind: str = "full_attention") -> int:
     """One decoder layer's parameters; for a MoE shape, `experts` of its experts (all by default)."""
     h, kv, nh, d = s["hidden_size"], s["num_key_value_heads"], s["num_attention_heads"], s["head_dim"]
-    attention = h * nh * d * 2 + h * kv * d * 2 + 2 * h + 2 * d
+    if kind == "linear_attention":
+        _, value, conv = _gdn_dims(s)
+        heads = s["linear_num_value_heads"]
+        mixer = h * (conv + value + 2 * heads) + conv * s.get("linear_conv_kernel_dim", 4) + value * h + 2 * h
+    else:  # q (and its output gate on hybrid shapes), k, v, o
+        gate = 2 if s.get("linear_num_value_heads") else 1
+        mixer = h * nh * d * (1 + gate) + h * kv * d * 2 + 2 * h + 2 * d
     if s.get("num_experts"):
         count = s["num_experts"] if experts is None else experts
-        return attention + count * 3 * h * s["moe_intermediate_size"] + s["num_experts"] * h  # + the router
-    return attention + 3 * h * s["intermediate_size"]
+        shared = 3 * h * s["shared_expert_intermediate_size"] + h if s.get("shared_expert_intermediate_size") else 0
+        return mixer + count * 3 * h * s["moe_intermediate_size"] + s["num_experts"] * h + shared  # + the router
+    return mixer + 3 * h * s["intermediate_size"]
 
 
 def num_params(s: dict) -> int:
-    """Parameters of a Qwen3 / Qwen3-MoE config (untied: embedding + lm_head)."""
+    """Parameters of a Qwen3 / Qwen3-MoE / hybrid config (untied: embedding + lm_head)."""
     h = s["hidden_size"]
-    return s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2) + s["num_hidden_layers"] * _layer_params(s) + h
+    layers = sum(_layer_params(s, None, kind) for kind in layer_kinds(s))
+    return s["vocab_size"] * h * (1 if s["tie_word_embeddings"] else 2) + layers + h
 
 
 def active_params(s: dict) -> int:
-    """Parameters one token's decode step reads: every layer (a MoE layer: its router and top-k experts),
-    the final norm and lm_head; of the embedding only a row."""
+    """Parameters one token's decode step reads: every layer (a MoE layer: its router, top-k experts and shared
+    expert), the final norm and lm_head; of the embedding only a row."""
     h = s["hidden_size"]
-    return s["vocab_size"] * h + s["num_hidden_layers"] * _layer_params(s, s.get("num_experts_per_tok")) + h
+    top_k = s.get("num_experts_per_tok")
+    return s["vocab_size"] * h + sum(_layer_params(s, top_k, kind) for kind in layer_kinds(s)) + h
+
+
+def state_bytes_per_seq(s: dict) -> int:
+    """A sequence's recurrent state (hybrid shapes): per GDN layer the fp32 delta-rule state and the bf16 conv
+    window. Decode reads and writes it once per token."""
+    if not s.get("linear_num_value_heads"):
+        return 0
+    _, _, conv = _gdn_dims(s)
+    ssm = s["linear_num_value_heads"] * s["linear_key_head_dim"] * s["linear_value_head_dim"] * 4
+    per_layer = ssm + conv * (s.get("linear_conv_kernel_dim", 4) - 1) * 2
+    return per_layer * layer_kinds(s).count("linear_attention")
 
 
 def time_ms(fn: Callable[[], object], iters: int, device: str) -> float:
