@@ -5,11 +5,14 @@ import argparse
 import asyncio
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pipeline.config import CPU_DEFAULTS, CUDA_DEFAULTS, CUDA_GRAPH_MAX_BATCH, EngineConfig
 from pipeline.errors import AdmissionRefused, InvalidRequest
 from pipeline.request import RepetitionDetection, SamplingParams
+
+if TYPE_CHECKING:
+    from web.app import ServerSettings
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -136,20 +139,28 @@ async def _chat_loop(engine: Any, params: SamplingParams) -> int:
         history.append({"role": "assistant", "content": reply})
 
 
-async def serve_main(args: argparse.Namespace) -> int:
+def server_settings(args: argparse.Namespace) -> ServerSettings:
+    """The server's settings from `serve` flags, with parsers the flags leave open taken from the model's family
+    (pipeline/model_family.py; only config.json is read, so this is instant)."""
+    from pipeline.model_family import model_family_defaults
     from web.app import ServerSettings
+
+    names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
+    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
+                              request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
+                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
+                              enforce_tool_grammar=not args.no_tool_grammar)
+    return settings.with_model_defaults(model_family_defaults(args.model))
+
+
+async def serve_main(args: argparse.Namespace) -> int:
     from web.serve import run_server
 
     config = engine_config(args)
     config.max_waiting_requests = args.max_waiting_requests
     config.max_waiting_tokens = args.max_waiting_tokens
     config.chat_template = args.chat_template
-    names = args.served_model_name or [args.model or "SmolLM2-135M-Instruct"]
-    settings = ServerSettings(served_model_names=names, api_key=args.api_key,
-                              request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
-                              tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                              enforce_tool_grammar=not args.no_tool_grammar)
-    return await run_server(config, settings, args.host, args.port, args.drain_timeout)
+    return await run_server(config, server_settings(args), args.host, args.port, args.drain_timeout)
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -167,9 +178,10 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--chat-template", default=None, help="a chat template file overriding the model's")
     serve.add_argument("--max-body-bytes", type=int, default=32 << 20)
     serve.add_argument("--tool-call-parser", choices=["hermes", "qwen3_coder"], default=None,
-                       help="tool-call format (default: the one the chat template writes)")
-    serve.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1"], default=None,
-                       help="split <think> blocks into reasoning_content")
+                       help="tool-call format (default: the model family's, else the one the chat template writes)")
+    serve.add_argument("--reasoning-parser", choices=["qwen3", "deepseek_r1", "none"], default=None,
+                       help="split <think> blocks into reasoning_content (default: the model family's, e.g. qwen3 "
+                            "for Qwen3.5 / Qwen3-Next; none: never split)")
     serve.add_argument("--no-tool-grammar", action="store_true",
                        help="do not constrain tool calls with a grammar (parse only)")
     add_engine_args(serve)

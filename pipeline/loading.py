@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.config import EngineConfig
+from pipeline.model_family import family_chat_template
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
 from pipeline.models.registry import build_model
@@ -78,7 +79,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers) "
         f"as {dtype} on {device}")
     model = build_model(arch, None if dummy else iter_weights(path), dtype, device)
-    runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device)
+    runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
+                         max_num_seqs=config.max_num_seqs)
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
@@ -86,7 +88,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         num_blocks = runner.kv_blocks_for_gpu(config.gpu_memory_utilization, config.max_num_batched_tokens,
                                               config.max_num_seqs)
     else:
-        num_blocks = max(2, int(config.kv_cache_memory_gib * (1 << 30)) // runner.bytes_per_block)
+        num_blocks = max(2, (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes) // runner.bytes_per_block)
     runner.allocate_caches(num_blocks)
     pool_tokens = (num_blocks - 1) * config.block_size
     max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
@@ -99,7 +101,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         max_num_seqs=config.max_num_seqs,
         eos_token_ids=eos_token_ids(tokenizer, hf_config, generation_config),
         generation_defaults=generation_defaults(generation_config),
-        chat_template=chat_template_override(config.chat_template) or tokenizer.chat_template,
+        chat_template=model_chat_template(config.chat_template, tokenizer, hf_config),
         repetition_detection=config.repetition_detection,
         thinking_tags=ThinkingTags(tuple(tokenizer.encode("<think>", add_special_tokens=False)),
                                    tuple(tokenizer.encode("</think>", add_special_tokens=False))),
@@ -107,6 +109,12 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device)
 
+
+
+def model_chat_template(override: str | None, tokenizer: Tokenizer, hf_config: dict) -> str | None:
+    """--chat-template, else the tokenizer's own, else the model family's built-in one (Qwen3.5 checkpoints
+    converted without a template still chat)."""
+    return chat_template_override(override) or tokenizer.chat_template or family_chat_template(hf_config)
 
 
 def chat_template_override(value: str | None) -> str | None:

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
 from aiohttp import web
 
 from pipeline.engine import Engine
+from pipeline.model_family import FamilyDefaults
 from web.metrics import ServerMetrics, admission_reason
 from web.protocol import APIError, api_error_from_exception, bad_request, models_list
 
 log = logging.getLogger("conveyor.web")
+
+NO_REASONING_PARSER = "none"  # --reasoning-parser none: keep <think> blocks in the content
 
 
 @dataclass(slots=True)
@@ -27,9 +30,18 @@ class ServerSettings:
     request_timeout_s: float | None = None
     max_body_bytes: int = 32 << 20
     retry_after_s: int = 1
-    tool_call_parser: str | None = None  # None: the format the chat template writes
-    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": split <think> blocks into reasoning_content
+    tool_call_parser: str | None = None  # None: the model family's, else the format the chat template writes
+    reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": split <think> blocks into reasoning_content;
+    # None: the model family's (off for most); "none": off (with_model_defaults turns it into None)
     enforce_tool_grammar: bool = True  # constrain tool calls to the offered tools' schemas
+
+    def with_model_defaults(self, defaults: FamilyDefaults) -> ServerSettings:
+        """The parsers to serve with: an explicit choice wins, an unset one takes the model family's default, and
+        reasoning_parser "none" (the explicit "off", so a family default cannot turn it back on) becomes None.
+        Applied once, where the server starts (pipeline/cli.py `server_settings`): after it, None means off."""
+        reasoning = self.reasoning_parser or defaults.reasoning_parser
+        return replace(self, tool_call_parser=self.tool_call_parser or defaults.tool_call_parser,
+                       reasoning_parser=None if reasoning == NO_REASONING_PARSER else reasoning)
 
 
 @dataclass(slots=True)

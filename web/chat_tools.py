@@ -2,14 +2,16 @@
 the tool-call grammar that keeps its calls well-formed.
 
 Tool calls are parsed when the request offers tools and tool_choice is not "none"; the format is
-the server's --tool-call-parser, or the one the chat template writes (qwen3_coder when it uses
-`<parameter=`, else hermes). Reasoning is split when the server runs a --reasoning-parser.
+the server's --tool-call-parser (or its model family's default), or the one the chat template writes
+(qwen3_coder when it uses `<parameter=`, else hermes). Reasoning is split when the server runs a
+--reasoning-parser (or its model family has one; "none" turns it off).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from web.app import NO_REASONING_PARSER
 from web.chat_output import ChatOutputParser
 from web.protocol_errors import bad_request
 from web.tool_calls import default_tool_call_parser
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 def chat_output_parsers(state: ServerState, request: ChatRequest) -> Callable[[], ChatOutputParser] | None:
     """A factory of per-choice parsers (None: plain content), after setting the tool grammar."""
     settings = state.settings
-    reasoning = settings.reasoning_parser
+    reasoning = settings.reasoning_parser if settings.reasoning_parser != NO_REASONING_PARSER else None
     uses_tools = bool(request.tools) and request.tool_choice != "none"
     tool_parser = None
     if uses_tools:

@@ -22,7 +22,7 @@ from web.metrics import ServerMetrics
 log = logging.getLogger("conveyor.serve")
 
 
-def banner(engine: Engine, url: str) -> str:
+def banner(engine: Engine, url: str, settings: ServerSettings | None = None) -> str:
     loaded, config = engine.loaded, engine.config
     arch = loaded.arch
     lines = [
@@ -35,6 +35,9 @@ def banner(engine: Engine, url: str) -> str:
         + (f", CUDA graphs up to batch {config.cuda_graph_max_batch}" if loaded.runner.graphs is not None else ""),
         f"listening    {url}  (OpenAI API under {url}/v1)",
     ]
+    if settings is not None:
+        lines.insert(-1, f"parsers      tool calls {settings.tool_call_parser or 'as the chat template writes'}, "
+                         f"reasoning {settings.reasoning_parser or 'off'}")
     return "\n".join("[conveyor] " + line for line in lines)
 
 
@@ -62,7 +65,7 @@ async def run_server(config: EngineConfig, settings: ServerSettings, host: str, 
         return 0
     state.engine = engine = load.result()
     say(f"ready in {time.monotonic() - started:.1f}s")
-    print(banner(engine, url), file=sys.stderr, flush=True)
+    print(banner(engine, url, settings), file=sys.stderr, flush=True)
     await stop.wait()
     say(f"draining: {engine.num_requests} request(s) in flight, up to {drain_timeout_s:g}s")
     engine.begin_drain()
