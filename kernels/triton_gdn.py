@@ -1,0 +1,281 @@
+"""Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention) in Triton: same contracts as the torch references in
+``kernels/gdn.py`` (the oracle; its docstring has the varlen layout, the state slots and the math).
+
+Decode (every sequence one token) must be CUDA-graph capturable: the kernels here read the sequence bounds, slots
+and ``has_initial_state`` on the device, never sync, and size their grids from (T, B, C) or (B, HV, Dv) only.
+
+* ``causal_conv1d_varlen_triton``: grid ``(T // BLOCK_T + B, C / BLOCK_C)``; a program is one tile of BLOCK_T
+  tokens of one sequence (device-side search over ``query_start_loc``, as the paged-attention prefill) and a
+  block of channels. BLOCK_T >= K-1, so only a sequence's first tile needs its previous inputs: that program alone
+  reads the slot's old conv state (for its outputs and for the new state, whose older entries survive when the
+  chunk is shorter than K-1), passes a CTA barrier, then writes the new state. No other program touches the slot.
+* ``gated_delta_rule_recurrent_triton``: grid ``(B, HV, Dv / BV)``; each program keeps its ``[Dk, BV]`` fp32 slice
+  of the state in registers (BV = 32: 128-byte rows, coalesced), walks its sequence token by token, and writes the
+  state back once. Decode reads and writes the state once; also a correct (slow) path at any length.
+* ``gated_delta_rule_chunked_triton``: the chunked form on tensor cores (kernels/triton_gdn_chunked.py).
+* ``rms_norm_gated_triton``: row tiles, rounding like the reference (normed in x's dtype, weight product in the
+  promoted dtype, silu(z) product in fp32).
+
+Slots must be distinct within a batch, except the null slot 0: padding rows that share it race on its contents,
+which nobody reads as a state.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl, triton
+from kernels.triton_gdn_chunked import chunked_forward, find_sequence
+
+_TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+def _check_varlen(state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor
+                  ) -> torch.Tensor:
+    """Shapes only (no host sync); returns has_initial_state as bool."""
+    B = state_slots.shape[0]
+    if state_slots.dim() != 1 or query_start_loc.shape != (B + 1,) or has_initial_state.shape != (B,):
+        raise ValueError(f"state_slots {tuple(state_slots.shape)}, query_start_loc {tuple(query_start_loc.shape)} "
+                         f"and has_initial_state {tuple(has_initial_state.shape)} do not describe one batch")
+    return has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.bool()
+
+
+@_jit(do_not_specialize=["num_seqs"])
+def _conv_kernel(
+    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, num_seqs, C,
+    stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
+    K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = find_sequence(qsl_ptr, num_seqs, tile, BLOCK_T)
+    lo = tl.load(qsl_ptr + b)
+    length = tl.load(qsl_ptr + b + 1) - lo
+    t0 = (tile - (lo // BLOCK_T + b)) * BLOCK_T
+    if t0 >= length:  # a spare tile; an empty sequence keeps its state (as the GDN reference does)
+        return
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    rows = t0 + tl.arange(0, BLOCK_T)
+    r_ok = rows < length
+    init = tl.load(init_ptr + b) != 0
+    st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols * stride_sc
+    x_base = x_ptr + lo.to(tl.int64) * stride_xt
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(K):
+        p = rows - (K - 1) + j  # input position in the sequence; p < 0: previous input K-1+p of the state
+        inp = tl.load(x_base + p[:, None] * stride_xt + cols[None, :], mask=((p >= 0) & r_ok)[:, None] & c_ok[None, :],
+                      other=0.0).to(tl.float32)
+        old = tl.load(st[None, :] + (K - 1 + p)[:, None] * stride_sk,
+                      mask=((p < 0) & r_ok & init)[:, None] & c_ok[None, :], other=0.0)
+        inp += old.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference casts the state to x's dtype
+        w = tl.load(w_ptr + cols * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+        acc += inp * w[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y_ptr + (lo + rows).to(tl.int64)[:, None] * stride_yt + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & c_ok[None, :])
+    if K > 1:
+        if t0 == 0:  # the first tile owns the slot: new state = the last K-1 of [old state, the sequence's inputs]
+            jj = tl.arange(0, KM1_PAD)
+            pos = length - (K - 1) + jj  # (scf.if: names of other shapes than before the branch)
+            m = c_ok[:, None] & (jj < K - 1)[None, :]
+            from_x = tl.load(x_base + pos[None, :] * stride_xt + cols[:, None], mask=m & (pos >= 0)[None, :],
+                             other=0.0)
+            kept = tl.load(st[:, None] + (K - 1 + pos)[None, :] * stride_sk, mask=m & (pos < 0)[None, :] & init,
+                           other=0.0)
+            sd = state_ptr.dtype.element_ty
+            new_state = tl.where((pos >= 0)[None, :], from_x.to(sd), kept.to(x_ptr.dtype.element_ty).to(sd))
+            tl.debug_barrier()  # every read of the old state (above and in the outputs) happens before the write
+            tl.store(st[:, None] + jj[None, :] * stride_sk, new_state, mask=m)
+
+
+def causal_conv1d_varlen_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+    state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
+    activation: str | None = "silu",
+) -> torch.Tensor:
+    """Same contract as ``causal_conv1d_varlen_ref``: y [T, C] in x's dtype; ``conv_states [num_slots, C, K-1]``
+    updated in place. x may be a row-strided view (last dim contiguous); y is contiguous. An empty sequence (which
+    the reference cannot take) leaves its slot alone."""
+    if activation not in ("silu", None):
+        raise ValueError(f"activation {activation!r} is not supported")
+    T, C = x.shape
+    K = weight.shape[1]
+    if weight.shape != (C, K) or not 1 <= K <= 9 or conv_states.shape[1:] != (C, K - 1):
+        raise ValueError(f"weight {tuple(weight.shape)} / conv_states {tuple(conv_states.shape)} do not fit x "
+                         f"{tuple(x.shape)}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit {C} channels")
+    init = _check_varlen(state_slots, query_start_loc, has_initial_state)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    B = state_slots.shape[0]
+    if B == 0:
+        return y
+    # tiles of about one sequence's tokens: 4 for decode (K-1 must fit in a tile), up to 32 for prompts
+    block_t = max(_pow2(K - 1), min(32, _pow2(-(-T // B))), 4)
+    block_c = min(_pow2(C, 16), 2048 // block_t)
+    _conv_kernel[(T // block_t + B, triton.cdiv(C, block_c))](
+        x, weight, bias if bias is not None else weight, conv_states, state_slots, query_start_loc, init, y, B, C,
+        x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1),
+        conv_states.stride(2) if K > 1 else 1,
+        K=K, KM1_PAD=_pow2(K - 1), HAS_BIAS=bias is not None, SILU=activation == "silu",
+        BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
+    )
+    return y
+
+
+@_jit
+def _recurrent_kernel(
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, scale,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
+    stride_ss, stride_sh, stride_sk,
+    GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
+    L2NORM: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    lo = tl.load(qsl_ptr + b)
+    length = tl.load(qsl_ptr + b + 1) - lo
+    if length <= 0:  # the reference leaves an empty sequence's state alone
+        return
+    hk = h // GROUP
+    dk = tl.arange(0, DK_PAD)
+    dv = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = dk < DK
+    v_ok = dv < DV
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    init = tl.load(init_ptr + b) != 0
+    state = tl.load(s_ptrs, mask=s_mask & init, other=0.0).to(tl.float32)
+    for i in range(0, length):
+        t = (lo + i).to(tl.int64)
+        q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
+        k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
+        decay = tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
+        beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+        if L2NORM:
+            q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
+            k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
+        q = q * scale
+        state = state * decay
+        u = (v - tl.sum(state * k[:, None], 0)) * beta
+        state = state + k[:, None] * u[None, :]
+        o = tl.sum(state * q[:, None], 0)
+        tl.store(o_ptr + t * stride_ot + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
+    tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
+
+
+def _gdn_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+              has_initial_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Shape checks (no host sync); last dims made contiguous where they are not (q/k/v heads may be views)."""
+    T, HK, dk = q.shape
+    HV, dv = v.shape[1], v.shape[2]
+    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV) or HV % HK:
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
+                         f"beta {tuple(beta.shape)} do not fit together")
+    if ssm_states.shape[1:] != (HV, dk, dv) or ssm_states.stride(3) != 1:
+        raise ValueError(f"ssm_states {tuple(ssm_states.shape)} must be [slots, {HV}, {dk}, {dv}] with a contiguous "
+                         f"last dim (it is updated in place)")
+    init = _check_varlen(state_slots, query_start_loc, has_initial_state)
+    q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
+    g, beta = (t if t.stride(1) == 1 else t.contiguous() for t in (g, beta))
+    return q, k, v, g, beta, init
+
+
+def gated_delta_rule_recurrent_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+    has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
+) -> torch.Tensor:
+    """Same contract as ``gated_delta_rule_varlen_ref``, token by token: o [T, HV, Dv] in v's dtype, the state
+    of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph."""
+    q, k, v, g, beta, init = _gdn_args(q, k, v, g, beta, ssm_states, state_slots, query_start_loc, has_initial_state)
+    T, HK, dk = q.shape
+    HV, dv = v.shape[1], v.shape[2]
+    o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
+    B = state_slots.shape[0]
+    if B == 0 or T == 0:
+        return o
+    bv = min(32, _pow2(dv, 16))
+    _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
+        q, k, v, g, beta, o, ssm_states, state_slots, query_start_loc, init, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
+        GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=_pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
+        num_warps=4,
+    )
+    return o
+
+
+def gated_delta_rule_chunked_triton(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+    ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+    has_initial_state: torch.Tensor, use_qk_l2norm: bool = True, query_start_loc_host: list[int] | None = None,
+) -> torch.Tensor:
+    """Same contract as ``gated_delta_rule_varlen_ref``, in 64-token chunks on tensor cores (any varlen batch).
+    The kernels find their chunks on the device, so the host copy of query_start_loc is optional: given, a batch
+    of single tokens takes the recurrent kernel instead (one launch, no scratch)."""
+    if query_start_loc_host is not None and all(
+            b - a <= 1 for a, b in zip(query_start_loc_host, query_start_loc_host[1:])):
+        return gated_delta_rule_recurrent_triton(q, k, v, g, beta, ssm_states, state_slots, query_start_loc,
+                                                 has_initial_state, use_qk_l2norm)
+    q, k, v, g, beta, init = _gdn_args(q, k, v, g, beta, ssm_states, state_slots, query_start_loc, has_initial_state)
+    T, HV, dv = v.shape
+    o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
+    if state_slots.shape[0] == 0 or T == 0:
+        return o
+    chunked_forward(q, k, v, g, beta, o, ssm_states, state_slots, query_start_loc, init, use_qk_l2norm)
+    return o
+
+
+@_jit(do_not_specialize=["n_rows"])
+def _rms_norm_gated_kernel(
+    x_ptr, z_ptr, w_ptr, y_ptr, n_rows, D, eps, stride_x, stride_z, stride_y,
+    PROD_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    c_ok = cols < D
+    mask = (rows < n_rows)[:, None] & c_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
+    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+    gated = (w[None, :] * normed).to(PROD_DTYPE).to(tl.float32)  # torch: weight * normed in the promoted dtype
+    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+    y = gated * (z / (1.0 + tl.exp(-z)))
+    tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rms_norm_gated_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Same contract as ``rms_norm_gated_ref``: x, z [..., D] (rows may be strided), weight [D] -> y like x."""
+    D = x.shape[-1]
+    if z.shape != x.shape or weight.shape != (D,):
+        raise ValueError(f"x {tuple(x.shape)}, z {tuple(z.shape)}, weight {tuple(weight.shape)} do not fit")
+    x2, z2 = (t.reshape(-1, D) if t.dim() != 2 else t for t in (x, z))
+    x2, z2 = (t if t.stride(1) == 1 else t.contiguous() for t in (x2, z2))
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    n = x2.shape[0]
+    if n == 0:
+        return y.view(x.shape)
+    block_d = _pow2(D, 16)
+    block_r = max(1, min(16, 2048 // block_d))
+    _rms_norm_gated_kernel[(triton.cdiv(n, block_r),)](
+        x2, z2, weight, y, n, D, eps, x2.stride(0), z2.stride(0), y.stride(0),
+        PROD_DTYPE=_TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=block_r, BLOCK_D=block_d,
+        num_warps=4,
+    )
+    return y.view(x.shape)
