@@ -85,7 +85,7 @@ def _conv_kernel(
     if K > 1:
         if t0 == 0:  # the first tile owns the slot: new state = the last K-1 of [old state, the sequence's inputs]
             jj = tl.arange(0, KM1_PAD)
-            pos = length - (K - 1) + jj  # (scf.if: names of other shapes than before the branch)
+            pos = length - (K - 1) + jj  # new names: inside an scf.if a name may not change its shape
             m = c_ok[:, None] & (jj < K - 1)[None, :]
             from_x = tl.load(x_base + pos[None, :] * stride_xt + cols[:, None], mask=m & (pos >= 0)[None, :],
                              other=0.0)
