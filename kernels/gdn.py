@@ -27,6 +27,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import dispatch
+
 CHUNK = 64  # tokens per chunk of the chunked reference (any size gives the same result up to rounding)
 
 
@@ -176,17 +178,11 @@ def rms_norm_gated_ref(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, e
 RECURRENT_MAX_QUERY = 16  # rows up to this many tokens (decode, speculative verify) take the recurrent kernel
 
 
-def _use_triton(t: torch.Tensor) -> bool:
-    from kernels.dispatch import use_triton
-
-    return use_triton(t.device)
-
-
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
                          state_slots: torch.Tensor, query_start_loc: torch.Tensor,
                          has_initial_state: torch.Tensor) -> torch.Tensor:
     """``causal_conv1d_varlen_ref`` with SiLU; one Triton kernel on the GPU."""
-    if _use_triton(x):
+    if dispatch.use_triton(x.device):
         from kernels.triton_gdn import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(x, weight, bias, conv_states, state_slots, query_start_loc,
@@ -201,7 +197,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
     """``gated_delta_rule_varlen_ref`` (q/k l2-normalised). On the GPU, steps whose rows hold at most
     RECURRENT_MAX_QUERY tokens take the token-by-token kernel (CUDA-graph capturable: it reads the row bounds
     on the device); longer prompt chunks take the chunked kernels, which size their grids from the host copy."""
-    if _use_triton(q):
+    if dispatch.use_triton(q.device):
         if max_query_len <= RECURRENT_MAX_QUERY or query_start_loc_host is None:
             from kernels.triton_gdn import gated_delta_rule_recurrent_triton
 
@@ -215,7 +211,7 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
 
 
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    if _use_triton(x):
+    if dispatch.use_triton(x.device):
         from kernels.triton_gdn import rms_norm_gated_triton
 
         return rms_norm_gated_triton(x, z, weight, eps)

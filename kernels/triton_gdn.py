@@ -26,7 +26,8 @@ import torch
 
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_gdn_chunked import chunked_forward, find_sequence
+from kernels.triton_gdn_chunked import chunked_forward, load_state_slice
+from kernels.triton_paged_attention import find_sequence
 
 _TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -149,15 +150,8 @@ def _recurrent_kernel(
     if length <= 0:  # the reference leaves an empty sequence's state alone
         return
     hk = h // GROUP
-    dk = tl.arange(0, DK_PAD)
-    dv = tl.program_id(2) * BV + tl.arange(0, BV)
-    k_ok = dk < DK
-    v_ok = dv < DV
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
-    init = tl.load(init_ptr + b) != 0
-    state = tl.load(s_ptrs, mask=s_mask & init, other=0.0).to(tl.float32)
+    dk, dv, k_ok, v_ok, s_mask, s_ptrs, state = load_state_slice(
+        slots_ptr, init_ptr, state_ptr, b, h, stride_ss, stride_sh, stride_sk, DK, DV, DK_PAD, BV)
     for i in range(0, length):
         t = (lo + i).to(tl.int64)
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)

@@ -30,6 +30,7 @@ import torch
 
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
+from kernels.triton_paged_attention import find_sequence
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BT = 64  # tokens per chunk (the four 16-row blocks of the inverse assume 64)
@@ -44,16 +45,20 @@ def dot_precision(*tensors: torch.Tensor) -> str:
 
 
 @_jit
-def find_sequence(qsl_ptr, num_seqs, tile, BLOCK: tl.constexpr):
-    """Largest b with qsl[b] // BLOCK + b <= tile: binary search over the device query_start_loc."""
-    lo = tile * 0
-    hi = lo + num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        go_right = tl.load(qsl_ptr + mid) // BLOCK + mid <= tile
-        lo = tl.where(go_right, mid + 1, lo)
-        hi = tl.where(go_right, hi, mid)
-    return lo - 1
+def load_state_slice(slots_ptr, init_ptr, state_ptr, b, h, stride_ss, stride_sh, stride_sk,
+                     DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr):
+    """A program's [DK_PAD, BV] fp32 slice of sequence b's value head h state (zeros when it starts fresh), with
+    its indices, masks and pointers for the write back. Shared by the recurrent and the chunk-scan kernels."""
+    dk = tl.arange(0, DK_PAD)
+    dv = tl.program_id(2) * BV + tl.arange(0, BV)
+    k_ok = dk < DK
+    v_ok = dv < DV
+    s_mask = k_ok[:, None] & v_ok[None, :]
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
+    init = tl.load(init_ptr + b) != 0
+    state = tl.load(s_ptrs, mask=s_mask & init, other=0.0).to(tl.float32)
+    return dk, dv, k_ok, v_ok, s_mask, s_ptrs, state
 
 
 @_jit
@@ -141,15 +146,8 @@ def _chunk_scan_kernel(
     if length <= 0:  # the reference leaves an empty sequence's state alone
         return
     hk = h // GROUP
-    dk = tl.arange(0, DK_PAD)
-    dv = tl.program_id(2) * BV + tl.arange(0, BV)
-    k_ok = dk < DK
-    v_ok = dv < DV
-    s_mask = k_ok[:, None] & v_ok[None, :]
-    slot = tl.load(slots_ptr + b).to(tl.int64)
-    s_ptrs = state_ptr + slot * stride_ss + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
-    init = tl.load(init_ptr + b) != 0
-    state = tl.load(s_ptrs, mask=s_mask & init, other=0.0).to(tl.float32)
+    dk, dv, k_ok, v_ok, s_mask, s_ptrs, state = load_state_slice(
+        slots_ptr, init_ptr, state_ptr, b, h, stride_ss, stride_sh, stride_sk, DK, DV, DK_PAD, BV)
     r = tl.arange(0, BT)
     causal = r[None, :] <= r[:, None]
     for c in range(0, tl.cdiv(length, BT)):

@@ -181,8 +181,10 @@ def _decode_reduce_kernel(
 
 
 @_jit
-def _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
-    """Largest b with qsl[b] // BLOCK_Q + b <= tile (binary search over the device query_start_loc)."""
+def find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
+    """Largest b with qsl[b] // BLOCK_Q + b <= tile (binary search over the device query_start_loc): the
+    sequence owning virtual tile `tile` when sequence b owns tiles from qsl[b] // BLOCK_Q + b (also used by the
+    Gated DeltaNet kernels)."""
     lo = tile * 0
     hi = lo + num_seqs
     while lo < hi:
@@ -203,7 +205,7 @@ def _prefill_kernel(
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
-    b = _find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q)
+    b = find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q)
     q_begin = tl.load(qsl_ptr + b)
     q_len = tl.load(qsl_ptr + b + 1) - q_begin
     tok0 = (tile - (q_begin // BLOCK_Q + b)) * BLOCK_Q  # first token of the tile, within the sequence

@@ -17,7 +17,8 @@ import numpy as np
 import torch
 
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
-from pipeline.models.forward_context import ForwardContext, allocate_caches, bytes_per_block, bytes_per_state_slot
+from pipeline.models.forward_context import (ForwardContext, PagedKVSpec, allocate_caches, bytes_per_block,
+                                             bytes_per_state_slot)
 from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.runner.host_staging import HostStaging
 from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
@@ -124,7 +125,7 @@ class ModelRunner:
         self.graphs = DecodeGraphs(self.model, self.caches, max_batch=max_batch,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    max_model_len=max_model_len,
-                                   num_kv_heads=next(s.num_kv_heads for s in self.cache_specs if hasattr(s, "num_kv_heads")),
+                                   num_kv_heads=next(s.num_kv_heads for s in self.cache_specs if isinstance(s, PagedKVSpec)),
                                    device=self.device, max_query_len=max_query_len)
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
