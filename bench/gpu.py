@@ -295,6 +295,8 @@ def peer_ratios(report: dict) -> dict:
     ratio = lambda x, y: x / y if x and y else None  # noqa: E731
     return {"b1_ours_over_peer_static": ratio(b1.get("tok_s"), peer.get("hf_b1_static_tok_s")),
             "off_ours_over_peer": ratio(off.get("output_tok_s"), peer.get("hf_off_out_tok_s")),
+            "b1_ours_over_peer_dynamic": ratio(b1.get("tok_s"), peer.get("hf_b1_dynamic_tok_s")),
+            "off_ours_over_peer_batch": ratio(off.get("output_tok_s"), peer.get("hf_batch_out_tok_s")),
             "b1_ours_over_limit": b1.get("frac_of_limit"), "off_ours_over_estimate": off.get("frac_of_estimate")}
 
 
@@ -305,8 +307,9 @@ def summary(report: dict) -> None:
     print(f"ceilings: copy {fmt(c.get('copy_GBps'), '.0f')} GB/s, bf16 {fmt(c.get('bf16_TFLOPs'), '.0f')} TFLOP/s")
     print(f"{'workload':10s} {'ours':>10s} {'limit':>10s} {'ours/lim':>9s} {'peer':>10s} {'ours/peer':>9s}")
     est = (off.get("estimate") or {}).get("output_tok_s")
-    rows = [("B1 tok/s", b1.get("tok_s"), b1.get("limit_tok_s"), peer.get("hf_b1_static_tok_s")),
-            ("OFF out/s", off.get("output_tok_s"), est, peer.get("hf_off_out_tok_s"))]
+    rows = [("B1 tok/s", b1.get("tok_s"), b1.get("limit_tok_s"),
+             peer.get("hf_b1_static_tok_s") or peer.get("hf_b1_dynamic_tok_s")),
+            ("OFF out/s", off.get("output_tok_s"), est, peer.get("hf_off_out_tok_s") or peer.get("hf_batch_out_tok_s"))]
     for name, ours, lim, p in rows:
         print(f"{name:10s} {fmt(ours):>10s} {fmt(lim):>10s} {fmt(ours and lim and ours / lim, '.2f'):>9s} "
               f"{fmt(p):>10s} {fmt(ours and p and ours / p, '.2f'):>9s}")
@@ -382,7 +385,9 @@ def main() -> None:
                  "--output-tokens", "8" if a.quick else "128", "--requests-per-level", str(a.serve_requests)]
     # transformers on the same shape: the dense peer from ../shared/tools, the MoE one (same method) from bench/
     peer_cmd = ([sys.executable, "bench/hf_peer_moe.py", "--off-requests", "8" if a.quick else "32",
-                 *(["--layers", "2", "--skip-static"] if a.quick else [])]
+                 *(["--shape", a.shape] if a.shape != "qwen3-8b" else []),
+                 *(["--layers", "4" if shape.get("linear_num_value_heads") else "2", "--skip-static"]
+                   if a.quick else [])]
                 if shape.get("num_experts") else
                 [sys.executable, ".peer/hf_peer.py", "--off-requests", str(16 if a.quick else a.off_requests)])
     peer_cmd += ["--out", peer_out]

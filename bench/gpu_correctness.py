@@ -14,6 +14,8 @@ import torch  # noqa: E402
 
 from gpu_util import free_device, num_params  # noqa: E402
 
+TINY_TYPES = ("qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")  # tests/model_utils builds these
+
 
 @torch.no_grad()
 def hf_greedy(hf, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor, list[int], torch.Tensor]:
@@ -32,17 +34,20 @@ def hf_greedy(hf, prompt: list[int], n: int, device: str) -> tuple[torch.Tensor,
 
 @torch.no_grad()
 def paged_greedy(model, prompt: list[int], n: int, device: str, bs: int = 16):
-    """Ours over a paged KV cache on ``device``: prefill then n greedy decode steps (same outputs as hf_greedy)."""
+    """Ours over a paged KV cache on ``device`` (and state slot 1 for a hybrid model's recurrent layers): prefill
+    then n greedy decode steps (same outputs as hf_greedy)."""
     from pipeline.models.attention import build_attention_metadata
     from pipeline.models.forward_context import ForwardContext, allocate_caches
 
     table = list(range(1, -(-(len(prompt) + n) // bs) + 1))
-    caches = allocate_caches(model.cache_specs(model.model.embed_tokens.weight.dtype), len(table) + 1, bs, device)
+    caches = allocate_caches(model.cache_specs(model.model.embed_tokens.weight.dtype), len(table) + 1, bs, device,
+                             num_state_slots=2)
+    slots = torch.ones(1, dtype=torch.int32, device=device)
 
     def step(ids: list[int], start: int) -> torch.Tensor:
         meta = build_attention_metadata([len(ids)], [start + len(ids)], [table], bs, device)
         hidden = model(torch.tensor(ids, device=device), torch.arange(start, start + len(ids), device=device),
-                       ForwardContext(meta, caches))
+                       ForwardContext(meta, caches, state_slots=slots))
         return model.compute_logits(hidden).float()
 
     prompt_logits = step(prompt, 0)
@@ -69,45 +74,54 @@ def compare(ref, ours) -> dict:
             "ref_tokens": rids[:8], "ours_tokens": oids[:8]}
 
 
-def hf_vs_ours(a: argparse.Namespace, shape: dict, dtype: torch.dtype, prompt: list[int], n: int) -> dict:
-    """transformers and ours built on the same random weights of `shape`, in `dtype`, compared."""
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+def hf_model(shape: dict, dtype: torch.dtype, device: str):
+    """transformers' model of the shape's model_type with its own random init, built on ``device`` in ``dtype``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from pipeline.models.config import ModelArchConfig
-    from pipeline.models.registry import build_model
-
-    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-            "num_key_value_heads", "head_dim", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
-            "rms_norm_eps", "bos_token_id", "eos_token_id")
+    config = AutoConfig.for_model(shape["model_type"], **{k: v for k, v in shape.items()
+                                                          if k not in ("model_type", "architectures", "torch_dtype")})
     torch.manual_seed(0)
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(a.device):
-            hf = Qwen3ForCausalLM(Qwen3Config(**{k: shape[k] for k in keys})).eval()
+        with torch.device(device):
+            return AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
+
+
+def hf_vs_ours(a: argparse.Namespace, shape: dict, dtype: torch.dtype, prompt: list[int], n: int) -> dict:
+    """transformers and ours built on the same random weights of `shape`, in `dtype`, compared."""
+    from pipeline.models.config import ModelArchConfig
+    from pipeline.models.registry import build_model
+
+    hf = hf_model(shape, dtype, a.device)
     ours = build_model(ModelArchConfig.from_hf(hf.config.to_dict()), hf.state_dict().items(), dtype=dtype,
                        device=a.device)
     result = {**compare(hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)),
               "params": sum(p.numel() for p in hf.parameters()), "layers": shape["num_hidden_layers"],
-              "dtype": str(dtype), "prompt_tokens": len(prompt), "new_tokens": n}
+              "model_type": shape["model_type"], "dtype": str(dtype), "prompt_tokens": len(prompt),
+              "new_tokens": n}
     del hf, ours
     free_device()
     return result
 
 
 def correctness(a: argparse.Namespace, shape: dict) -> dict:
-    """transformers vs ours on the same random weights (8B shape in bf16; its width at 12 layers in fp32,
-    where rounding cannot hide an error), and the tiny model on CPU vs the device."""
+    """transformers vs ours on the same random weights (the shape in bf16, a hybrid shape at 8 layers; its width at
+    12 layers (hybrid: 4) in fp32, where rounding cannot hide an error), and the tiny model on CPU vs the device."""
     from tests.model_utils import conveyor_from_hf, make_tiny_hf_model
 
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     prompt = random.Random(0).choices(range(100, 150000), k=16 if a.quick else 64)
     n = 8 if a.quick else 32
-    result = {"hf_vs_ours": hf_vs_ours(a, shape, dtype, prompt, n), "params_shape": num_params(shape)}
-    fp32_layers = 2 if a.quick else 12
+    # a hybrid shape's transformers model runs its recurrent layers in torch and both models must fit at once:
+    # 8 of its layers (two attention layers) in bf16, 4 in fp32
+    bf16_layers = shape["num_hidden_layers"] if "linear_num_value_heads" not in shape or a.quick else 8
+    result = {"hf_vs_ours": hf_vs_ours(a, {**shape, "num_hidden_layers": bf16_layers}, dtype, prompt, n),
+              "params_shape": num_params(shape)}
+    fp32_layers = 4 if "linear_num_value_heads" in shape else 2 if a.quick else 12
     result["hf_vs_ours_fp32"] = hf_vs_ours(a, {**shape, "num_hidden_layers": fp32_layers}, torch.float32, prompt, n)
-    tiny = make_tiny_hf_model("qwen3")
+    tiny = make_tiny_hf_model(shape["model_type"] if shape["model_type"] in TINY_TYPES else "qwen3")
     runs = [paged_greedy(conveyor_from_hf(tiny, torch.float32, dev), list(range(100, 130)), 16, dev)
             for dev in ("cpu", a.device)]
     result["tiny_cpu_vs_device_fp32"] = compare([t.cpu() if torch.is_tensor(t) else t for t in runs[0]],

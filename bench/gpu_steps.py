@@ -7,6 +7,11 @@ decode costs), a run-ahead loop (launch N+1 fed from N, then wait for N), and th
 launch. At the smallest and largest batch, the top kernels of three steps from torch.profiler; then one
 prefill-sized step (16 prompts of 512 tokens, OFF's prompts) with its top kernels.
 
+`component_shares`: where a decode step's device time goes by layer kind. Each component (all recurrent
+mixers, all attention mixers, all MLP / MoE blocks, the norms, the lm_head) runs on the step's own inputs,
+captured as one CUDA graph per component and replayed alone (every layer's weights arrive cold, as in the
+step); their sum beside the whole step's replay shows what the split leaves out (embedding, sampling).
+
 `verify_cost`: the forward of rows of q = K+1 tokens with logits at every position (what a
 speculative verify step runs), q = 1..8, at batch 1 and 64, through the runner's CUDA graphs
 (captured for q up to 8) and eagerly: its time against one decode step's.
@@ -105,7 +110,62 @@ def profile_runner(runner, batches: list[int], context: int, iters: int = 20) ->
                 runner.launch(plan).to_host()
         results[f"top_kernels_3_steps_batch{batch}"] = top_kernels(prof)
     results["context"] = context
+    results["components"] = component_shares(runner, batches, context)
     results["prefill"] = prefill_step(runner, 16, 512)
+    return results
+
+
+def _graph_ms(fn, iters: int) -> float:
+    """Device ms of one replay of ``fn`` captured as a CUDA graph (warmed up eagerly first)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return _device_ms(graph.replay, iters)
+
+
+@torch.inference_mode()
+def component_shares(runner, batches: list[int], context: int, iters: int = 20) -> dict:
+    """Per batch: device ms of each layer kind's share of a decode step, and of the whole step (graph replay)."""
+    model = runner.model
+    layers = list(model.model.layers)
+    hidden = model.model.embed_tokens.weight.shape[1]
+    dtype = model.model.embed_tokens.weight.dtype
+    results: dict = {}
+    for batch in batches:
+        forward = decode_plan(batch, context, runner.block_size, fed=False).forward
+        saved, runner.graphs = runner.graphs, None  # the eager context of the same batch
+        try:
+            prepared = runner.prepare(forward)
+        finally:
+            runner.graphs = saved
+        ctx = prepared.context
+        model.prepare_context(prepared.positions, ctx)
+        x = torch.randn(batch, hidden, device=runner.device, dtype=dtype)
+        residual = x.clone()
+        groups = {
+            "recurrent_mixers": [lambda m=l.linear_attn: m(x, ctx) for l in layers
+                                 if getattr(l, "linear_attn", None) is not None],
+            "attention_mixers": [lambda m=l.self_attn: m(x, ctx) for l in layers
+                                 if getattr(l, "self_attn", None) is not None],
+            "mlp_or_moe": [lambda m=l.mlp: m(x) for l in layers],
+            "norms": [lambda m=n: m(x, residual) for l in layers for n in (l.input_layernorm, l.post_attention_layernorm)]
+            + [lambda: model.model.norm(x)],
+            "lm_head": [lambda: model.compute_logits(x)],
+        }
+        row: dict = {}
+        for name, calls in groups.items():
+            if calls:
+                row[name] = _graph_ms(lambda calls=calls: [c() for c in calls], iters)
+        step = (_device_ms(lambda: runner.graphs.run(forward), iters)
+                if runner.graphs is not None and runner.graphs.fits(batch, 1, forward.block_tables.shape[1]) else None)
+        total = sum(row.values())
+        results[str(batch)] = {"ms": row, "sum_ms": total, "step_replay_ms": step,
+                               "share": {k: v / total for k, v in row.items()}}
     return results
 
 

@@ -1,6 +1,8 @@
-"""The transformers peer on the MoE shape: Qwen3MoeForCausalLM, Qwen3-30B-A3B-shaped, random bf16 weights.
+"""The transformers peer on the MoE shapes, random bf16 weights: Qwen3MoeForCausalLM (Qwen3-30B-A3B-shaped) or
+Qwen3_5MoeForCausalLM (Qwen3.5-35B-A3B: transformers' Qwen3_5MoeTextConfig defaults).
 
-    python3 bench/hf_peer_moe.py --out $OUT/hf_peer_moe.json [--off-requests 64] [--skip-static] [--layers 4]
+    python3 bench/hf_peer_moe.py --out $OUT/hf_peer_moe.json [--shape qwen3.5-35b-a3b] [--off-requests 64]
+                                 [--skip-static] [--layers 4]
 
 The method of the dense peer (../shared/tools/hf_peer.py, the Qwen3-8B shape) carried over to the MoE model
 (61 GB in bf16, built directly on the GPU: an H200). In order, each in its own try (a failure lands in "errors",
@@ -11,6 +13,8 @@ the rest still run) and the JSON rewritten after each:
   B1 pinned: the dynamic cache again with each other experts implementation held for prefill and decode alike
              (hf_b1_dynamic_tok_s_<impl>)
   OFF      : generate_batch (continuous batching, paged sdpa), N requests of 512 prompt / 128 new tokens
+  BATCH    : the hybrid shape (its recurrent layers have no paged cache for generate_batch): one generate() call on
+             N prompts of 512 tokens, 128 new tokens each (equal lengths: no padding), output tok/s
 The B1 limit is copy bandwidth / the bytes one decode step reads at batch 1 (active_bytes_per_token: attention,
 router, top-k experts, norms and lm_head of the config, one embedding row).
 
@@ -33,7 +37,7 @@ from collections.abc import Callable, Iterator
 
 import torch
 import transformers
-from transformers import GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
@@ -43,6 +47,13 @@ QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144
 TINY = dict(QWEN3_30B_A3B, vocab_size=512, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
             num_experts=8, num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             head_dim=16, max_position_embeddings=1024)
+QWEN3_5_35B_A3B = dict(model_type="qwen3_5_moe_text")  # the config class's defaults are the 35B-A3B shape
+TINY_HYBRID = dict(QWEN3_5_35B_A3B, vocab_size=512, hidden_size=64, moe_intermediate_size=32,
+                   shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=2, num_hidden_layers=4,
+                   num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+                   linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                   max_position_embeddings=1024)
+SHAPES = {"qwen3-30b-a3b": (QWEN3_30B_A3B, TINY), "qwen3.5-35b-a3b": (QWEN3_5_35B_A3B, TINY_HYBRID)}
 PINNED = ("grouped_mm", "eager")  # measured after the default, fastest expected first
 T0 = time.perf_counter()
 
@@ -93,23 +104,41 @@ def config_params(c: Qwen3MoeConfig) -> int:
     return c.vocab_size * c.hidden_size * (1 if c.tie_word_embeddings else 2) + layers + c.hidden_size
 
 
-def active_bytes_per_token(c: Qwen3MoeConfig, element_size: int = 2) -> int:
-    """Weight bytes one batch-1 decode step reads: per layer attention, norms, the router and the top-k experts;
-    the final norm and lm_head; one row of the embedding."""
-    layers = sum(layer_params(c, i, c.num_experts_per_tok) for i in range(c.num_hidden_layers))
-    return element_size * (layers + c.vocab_size * c.hidden_size + 2 * c.hidden_size)
+def active_bytes_per_token(model: torch.nn.Module, element_size: int = 2) -> int:
+    """Weight bytes one batch-1 decode step reads: every parameter but the experts not chosen (each MoE layer reads
+    top-k of its experts), and of the embedding one row (untied: lm_head is read whole)."""
+    c = model.config
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".experts." in n)
+    unused = experts * (c.num_experts - c.num_experts_per_tok) // c.num_experts
+    embedding = model.get_input_embeddings().weight.numel()
+    return element_size * (total - unused - embedding + c.hidden_size)
 
 
-def build(shape: dict, device: str) -> Qwen3MoeForCausalLM:
-    """Random weights (transformers' own init), created on `device` in bf16: no host copy of 61 GB."""
+def state_bytes_per_token(c) -> int:
+    """A hybrid model's recurrent state, read and written once per decoded token (fp32 delta-rule state and the
+    conv window per linear-attention layer); 0 for attention-only models."""
+    kinds = getattr(c, "layer_types", None) or []
+    if "linear_attention" not in kinds:
+        return 0
+    conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
+    per_layer = 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim \
+        + 2 * conv * (c.linear_conv_kernel_dim - 1)
+    return 2 * per_layer * kinds.count("linear_attention")
+
+
+def build(shape: dict, device: str) -> torch.nn.Module:
+    """Random weights (transformers' own init), created on `device` in bf16: no host copy of 61-70 GB."""
     torch.manual_seed(0)
     torch.set_default_dtype(torch.bfloat16)
     try:
         with torch.device(device):
-            model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).eval()
+            if shape.get("model_type", "qwen3_moe") == "qwen3_moe":
+                return Qwen3MoeForCausalLM(Qwen3MoeConfig(**shape)).eval()
+            config = AutoConfig.for_model(**shape)
+            return AutoModelForCausalLM.from_config(config).eval()
     finally:
         torch.set_default_dtype(torch.float32)
-    return model
 
 
 class ExpertsSeen:
@@ -118,7 +147,7 @@ class ExpertsSeen:
 
     def __init__(self, model: Qwen3MoeForCausalLM) -> None:
         self.seen: dict[str, set[str]] = {"tokens>1": set(), "tokens=1": set()}
-        experts = next(m for m in model.modules() if type(m).__name__ == "Qwen3MoeExperts")
+        experts = next(m for m in model.modules() if type(m).__name__.endswith("MoeExperts"))
         self.handle = experts.register_forward_pre_hook(self.hook)
 
     def hook(self, module: torch.nn.Module, args: tuple) -> None:
@@ -183,9 +212,27 @@ def off(model: Qwen3MoeForCausalLM, requests: list[list[int]], new_tokens: int) 
             "off_new_tokens": new_tokens}
 
 
+def batch_generate(model: torch.nn.Module, requests: list[list[int]], new_tokens: int) -> dict:
+    """One generate() over all requests (equal prompt lengths, so no padding), after a warm-up on 2 of them."""
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False,
+                              eos_token_id=None, pad_token_id=0)
+    ids = torch.tensor(requests, device=model.device)
+    with torch.inference_mode():
+        model.generate(ids[:2], generation_config=config)
+        sync(model)
+        start = time.perf_counter()
+        out = model.generate(ids, generation_config=config)
+        sync(model)
+        wall = time.perf_counter() - start
+    produced = (out.shape[1] - ids.shape[1]) * ids.shape[0]
+    return {"hf_batch_out_tok_s": produced / wall, "batch_wall_s": wall, "batch_requests": len(requests),
+            "batch_prompt_tokens": ids.shape[1], "batch_new_tokens": new_tokens}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     ap.add_argument("--off-requests", type=int, default=64, help="OFF requests (0: skip OFF)")
     ap.add_argument("--new-tokens", type=int, default=256, help="B1 new tokens")
     ap.add_argument("--layers", type=int, default=None, help="override num_hidden_layers (a quick check)")
@@ -194,7 +241,9 @@ def main() -> None:
     a = ap.parse_args()
     tiny = a.tiny or not torch.cuda.is_available()
     device = "cpu" if tiny else "cuda"
-    shape = dict(TINY if tiny else QWEN3_30B_A3B)
+    full, small = SHAPES[a.shape]
+    shape = dict(small if tiny else full)
+    hybrid = a.shape == "qwen3.5-35b-a3b"
     if a.layers:
         shape["num_hidden_layers"] = a.layers
     new_tokens, prompt_len, off_requests = (8, 16, min(a.off_requests, 2)) if tiny else \
@@ -233,10 +282,12 @@ def main() -> None:
         raise
     c = model.config
     res["weight_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
-    res["config_weight_bytes"] = 2 * config_params(c)  # the formula beside the model's own count
-    res["active_bytes_per_token"] = active_bytes_per_token(c)
+    if not hybrid:
+        res["config_weight_bytes"] = 2 * config_params(c)  # the formula beside the model's own count
+    res["active_bytes_per_token"] = active_bytes_per_token(model)
+    res["state_bytes_per_token"] = state_bytes_per_token(c)
     if "copy_GBps" in res:
-        res["b1_limit_tok_s"] = res["copy_GBps"] * 1e9 / res["active_bytes_per_token"]
+        res["b1_limit_tok_s"] = res["copy_GBps"] * 1e9 / (res["active_bytes_per_token"] + res["state_bytes_per_token"])
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
     default_impl = c._experts_implementation
     res["experts"] = {"offered": ["eager", *sorted(ALL_EXPERTS_FUNCTIONS.keys())], "default": default_impl}
@@ -258,11 +309,11 @@ def main() -> None:
         return {"hf_b1_dynamic_tok_s": tok_s}
 
     step("b1_dynamic", b1_default)
-    if not (a.skip_static or tiny):  # the warm-up compiles the decode step; a shorter one would size another cache
+    if not (a.skip_static or tiny or hybrid):  # the warm-up compiles the decode step; a shorter one would size another cache
         step("b1_static", lambda: {"hf_b1_static_tok_s": b1_tok_s(model, prompt, new_tokens, new_tokens,
                                                                    cache_implementation="static")})
     decode_default = (res["experts"].get("b1_default_ran", {}).get("tokens=1") or [default_impl])[-1]
-    for impl in PINNED:
+    for impl in () if hybrid else PINNED:  # the hybrid's B1 is minutes a run: the default only
         if impl == default_impl and impl == decode_default:
             continue  # the default run already ran it throughout
 
@@ -281,7 +332,7 @@ def main() -> None:
             finally:
                 res["experts"]["off_ran"] = seen.remove()
 
-        step("off", off_seen)
+        step("batch" if hybrid else "off", lambda: batch_generate(model, requests, off_new) if hybrid else off_seen())
     res["seconds"]["total"] = round(time.perf_counter() - T0, 1)
     write()
     print(json.dumps({k: v for k, v in res.items() if k != "errors"}, indent=1, default=str))

@@ -125,19 +125,23 @@ class LlamaForCausalLM(nn.Module):
         spec = PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)
         return [spec] * self.arch.num_layers
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """Fills ``ctx.rope`` and ``ctx.attention_plan`` (computed once here, read by every layer), then runs
-        the layers over ``ctx.caches``."""
-        m = self.model
-        x = m.embed_tokens(input_ids)
-        ctx.rope = m.rotary_emb.cos_sin(positions)
+    def prepare_context(self, positions: torch.Tensor, ctx: ForwardContext) -> None:
+        """Fills what every layer reads from ``ctx`` and is computed once a forward: ``ctx.rope`` and
+        ``ctx.attention_plan``."""
+        ctx.rope = self.model.rotary_emb.cos_sin(positions)
         # the Triton path's launch choices, or the torch reference's gather indices / masks
         ctx.attention_plan = (
             ctx.attention.kernel_plan
-            if use_triton(input_ids.device)
+            if use_triton(positions.device)
             else plan_paged_attention(ctx.attention, ctx.kv_cache(0).shape[2])
         )
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``prepare_context``, then the layers over ``ctx.caches``."""
+        m = self.model
+        x = m.embed_tokens(input_ids)
+        self.prepare_context(positions, ctx)
         residual = None
         for layer in m.layers:
             x, residual = layer(x, residual, ctx)

@@ -109,14 +109,13 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
                 specs.extend(layer.linear_attn.state_specs(kv_dtype))
         return specs
 
-    @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """The recurrent layers continue a row's state unless its chunk starts at position 0 (a new or
-        recomputed sequence: whatever its slot held before is ignored)."""
+    def prepare_context(self, positions: torch.Tensor, ctx: ForwardContext) -> None:
+        """Also ``ctx.has_initial_state``: the recurrent layers continue a row's state unless its chunk starts at
+        position 0 (a new or recomputed sequence: whatever its slot held before is ignored)."""
+        super().prepare_context(positions, ctx)
         meta = ctx.attention
         qsl = meta.query_start_loc
         ctx.has_initial_state = (meta.seq_lens - (qsl[1:] - qsl[:-1])) > 0
-        return super().forward(input_ids, positions, ctx)
 
     def _hf_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         """The checkpoint's names as this model's loader reads them (see the module docstring)."""
