@@ -97,10 +97,26 @@ def hf_vs_ours(a: argparse.Namespace, shape: dict, dtype: torch.dtype, prompt: l
     hf = hf_model(shape, dtype, a.device)
     ours = build_model(ModelArchConfig.from_hf(hf.config.to_dict()), hf.state_dict().items(), dtype=dtype,
                        device=a.device)
-    result = {**compare(hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)),
+    ref, mine = hf_greedy(hf, prompt, n, a.device), paged_greedy(ours, prompt, n, a.device)
+    result = {**compare(ref, mine),
               "params": sum(p.numel() for p in hf.parameters()), "layers": shape["num_hidden_layers"],
               "model_type": shape["model_type"], "dtype": str(dtype), "prompt_tokens": len(prompt),
               "new_tokens": n}
+    if dtype != torch.float32 and "linear_num_value_heads" in shape:
+        # random-weight hybrids amplify 16-bit rounding: set both against the fp32 forward of the same weights
+        del ours
+        free_device()
+        weights = {k: v.float() for k, v in hf.state_dict().items()}
+        del hf
+        free_device()
+        hf = hf_model(shape, torch.float32, a.device)
+        hf.load_state_dict(weights)
+        del weights
+        with torch.no_grad():
+            truth = hf(input_ids=torch.tensor([prompt], device=a.device)).logits[0].float()
+        result["prompt_vs_fp32_max_abs_diff"] = {"transformers": float((ref[0] - truth).abs().max()),
+                                                 "ours": float((mine[0] - truth).abs().max())}
+        ours = None
     del hf, ours
     free_device()
     return result

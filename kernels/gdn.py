@@ -180,33 +180,37 @@ RECURRENT_MAX_QUERY = 16  # rows up to this many tokens (decode, speculative ver
 
 def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
                          state_slots: torch.Tensor, query_start_loc: torch.Tensor,
-                         has_initial_state: torch.Tensor) -> torch.Tensor:
-    """``causal_conv1d_varlen_ref`` with SiLU; one Triton kernel on the GPU."""
+                         has_initial_state: torch.Tensor, max_query_len: int | None = None) -> torch.Tensor:
+    """``causal_conv1d_varlen_ref`` with SiLU; one Triton kernel on the GPU (the decode kernel when
+    ``max_query_len`` is 1)."""
     if dispatch.use_triton(x.device):
-        from kernels.triton_gdn import causal_conv1d_varlen_triton
+        from kernels.triton_gdn_conv import causal_conv1d_varlen_triton
 
         return causal_conv1d_varlen_triton(x, weight, bias, conv_states, state_slots, query_start_loc,
-                                           has_initial_state, "silu")
+                                           has_initial_state, "silu", max_query_len=max_query_len)
     return causal_conv1d_varlen_ref(x, weight, bias, conv_states, state_slots, query_start_loc, has_initial_state)
 
 
-def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                     ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
-                     has_initial_state: torch.Tensor, max_query_len: int,
+def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                     A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor,
+                     query_start_loc: torch.Tensor, has_initial_state: torch.Tensor, max_query_len: int,
                      query_start_loc_host: list[int] | None = None) -> torch.Tensor:
-    """``gated_delta_rule_varlen_ref`` (q/k l2-normalised). On the GPU, steps whose rows hold at most
-    RECURRENT_MAX_QUERY tokens take the token-by-token kernel (CUDA-graph capturable: it reads the row bounds
-    on the device); longer prompt chunks take the chunked kernels, which size their grids from the host copy."""
+    """``gated_delta_rule_varlen_ref`` (q/k l2-normalised) on the gates ``gdn_gates(a, b, A_log, dt_bias)``. On the
+    GPU, steps whose rows hold at most RECURRENT_MAX_QUERY tokens take the token-by-token kernel, which computes
+    the gates itself (CUDA-graph capturable: it reads the row bounds on the device); longer prompt chunks take the
+    chunked kernels, which size their grids from the host copy."""
     if dispatch.use_triton(q.device):
         if max_query_len <= RECURRENT_MAX_QUERY or query_start_loc_host is None:
             from kernels.triton_gdn import gated_delta_rule_recurrent_triton
 
-            return gated_delta_rule_recurrent_triton(q, k, v, g, beta, ssm_states, state_slots, query_start_loc,
-                                                     has_initial_state)
+            return gated_delta_rule_recurrent_triton(q, k, v, a, b, ssm_states, state_slots, query_start_loc,
+                                                     has_initial_state, raw_gates=(A_log, dt_bias))
         from kernels.triton_gdn import gated_delta_rule_chunked_triton
 
+        g, beta = gdn_gates(a, b, A_log, dt_bias)
         return gated_delta_rule_chunked_triton(q, k, v, g, beta, ssm_states, state_slots, query_start_loc,
                                                has_initial_state, query_start_loc_host=query_start_loc_host)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     return gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_states, state_slots, query_start_loc, has_initial_state)
 
 

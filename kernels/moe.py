@@ -22,17 +22,28 @@ import torch
 import torch.nn.functional as F
 
 
-def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                   shared_expert_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Softmax over experts in fp32, then top-k (ties as ``torch.topk`` orders them); if ``renormalize``, the k
-    weights are rescaled to sum to 1. Returns ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``."""
-    probs = torch.softmax(router_logits.float(), dim=-1)
+    weights are rescaled to sum to 1. Returns ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``.
+
+    ``shared_expert_id``: the logits' last column is a shared expert's gate logit, not a routed expert: the top-k
+    are picked among the other columns and a (k+1)-th slot is appended, id ``shared_expert_id`` with weight
+    ``sigmoid(logit)`` (Qwen3-Next / Qwen3.5's sigmoid-gated shared expert run as one more expert)."""
+    routed = router_logits if shared_expert_id is None else router_logits[:, :-1]
+    probs = torch.softmax(routed.float(), dim=-1)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
         topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
-    return topk_weights, topk_ids.to(torch.int64)
+    topk_ids = topk_ids.to(torch.int64)
+    if shared_expert_id is not None:
+        topk_weights = torch.cat([topk_weights, torch.sigmoid(router_logits[:, -1:].float())], dim=1)
+        topk_ids = torch.cat([topk_ids, torch.full_like(topk_ids[:, :1], shared_expert_id)], dim=1)
+    return topk_weights, topk_ids
 
 
-def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+               shared_expert_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """``route_topk_ref``'s result (ids as int32 on the Triton path): one Triton kernel where
     ``dispatch.use_triton`` says so (``kernels/triton_moe_routing.py``), else the torch reference."""
     from kernels.dispatch import use_triton
@@ -40,8 +51,8 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tu
     if use_triton(router_logits.device):
         from kernels.triton_moe_routing import route_topk_triton
 
-        return route_topk_triton(router_logits, top_k, renormalize)
-    return route_topk_ref(router_logits, top_k, renormalize)
+        return route_topk_triton(router_logits, top_k, renormalize, shared_expert_id)
+    return route_topk_ref(router_logits, top_k, renormalize, shared_expert_id)
 
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)

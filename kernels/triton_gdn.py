@@ -4,11 +4,7 @@
 Decode (every sequence one token) must be CUDA-graph capturable: the kernels here read the sequence bounds, slots
 and ``has_initial_state`` on the device, never sync, and size their grids from (T, B, C) or (B, HV, Dv) only.
 
-* ``causal_conv1d_varlen_triton``: grid ``(T // BLOCK_T + B, C / BLOCK_C)``; a program is one tile of BLOCK_T
-  tokens of one sequence (device-side search over ``query_start_loc``, as the paged-attention prefill) and a
-  block of channels. BLOCK_T >= K-1, so only a sequence's first tile needs its previous inputs: that program alone
-  reads the slot's old conv state (for its outputs and for the new state, whose older entries survive when the
-  chunk is shorter than K-1), passes a CTA barrier, then writes the new state. No other program touches the slot.
+* the causal conv: kernels/triton_gdn_conv.py.
 * ``gated_delta_rule_recurrent_triton``: grid ``(B, HV, Dv / BV)``; each program keeps its ``[Dk, BV]`` fp32 slice
   of the state in registers (BV = 32: 128-byte rows, coalesced), walks its sequence token by token, and writes the
   state back once. Decode reads and writes the state once; also a correct (slow) path at any length.
@@ -27,7 +23,6 @@ import torch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, load_state_slice
-from kernels.triton_paged_attention import find_sequence
 
 _TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -46,103 +41,15 @@ def _check_varlen(state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_
     return has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.bool()
 
 
-@_jit(do_not_specialize=["num_seqs"])
-def _conv_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, num_seqs, C,
-    stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
-    K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-):
-    tile = tl.program_id(0)
-    b = find_sequence(qsl_ptr, num_seqs, tile, BLOCK_T)
-    lo = tl.load(qsl_ptr + b)
-    length = tl.load(qsl_ptr + b + 1) - lo
-    t0 = (tile - (lo // BLOCK_T + b)) * BLOCK_T
-    if t0 >= length:  # a spare tile; an empty sequence keeps its state (as the GDN reference does)
-        return
-    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = cols < C
-    rows = t0 + tl.arange(0, BLOCK_T)
-    r_ok = rows < length
-    init = tl.load(init_ptr + b) != 0
-    st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols * stride_sc
-    x_base = x_ptr + lo.to(tl.int64) * stride_xt
-    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
-    for j in tl.static_range(K):
-        p = rows - (K - 1) + j  # input position in the sequence; p < 0: previous input K-1+p of the state
-        inp = tl.load(x_base + p[:, None] * stride_xt + cols[None, :], mask=((p >= 0) & r_ok)[:, None] & c_ok[None, :],
-                      other=0.0).to(tl.float32)
-        old = tl.load(st[None, :] + (K - 1 + p)[:, None] * stride_sk,
-                      mask=((p < 0) & r_ok & init)[:, None] & c_ok[None, :], other=0.0)
-        inp += old.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference casts the state to x's dtype
-        w = tl.load(w_ptr + cols * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
-        acc += inp * w[None, :]
-    if SILU:
-        acc = acc / (1.0 + tl.exp(-acc))
-    tl.store(y_ptr + (lo + rows).to(tl.int64)[:, None] * stride_yt + cols[None, :], acc.to(y_ptr.dtype.element_ty),
-             mask=r_ok[:, None] & c_ok[None, :])
-    if K > 1:
-        if t0 == 0:  # the first tile owns the slot: new state = the last K-1 of [old state, the sequence's inputs]
-            jj = tl.arange(0, KM1_PAD)
-            pos = length - (K - 1) + jj  # new names: inside an scf.if a name may not change its shape
-            m = c_ok[:, None] & (jj < K - 1)[None, :]
-            from_x = tl.load(x_base + pos[None, :] * stride_xt + cols[:, None], mask=m & (pos >= 0)[None, :],
-                             other=0.0)
-            kept = tl.load(st[:, None] + (K - 1 + pos)[None, :] * stride_sk, mask=m & (pos < 0)[None, :] & init,
-                           other=0.0)
-            sd = state_ptr.dtype.element_ty
-            new_state = tl.where((pos >= 0)[None, :], from_x.to(sd), kept.to(x_ptr.dtype.element_ty).to(sd))
-            tl.debug_barrier()  # every read of the old state (above and in the outputs) happens before the write
-            tl.store(st[:, None] + jj[None, :] * stride_sk, new_state, mask=m)
-
-
-def causal_conv1d_varlen_triton(
-    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
-    state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
-    activation: str | None = "silu",
-) -> torch.Tensor:
-    """Same contract as ``causal_conv1d_varlen_ref``: y [T, C] in x's dtype; ``conv_states [num_slots, C, K-1]``
-    updated in place. x may be a row-strided view (last dim contiguous); y is contiguous. An empty sequence (which
-    the reference cannot take) leaves its slot alone."""
-    if activation not in ("silu", None):
-        raise ValueError(f"activation {activation!r} is not supported")
-    T, C = x.shape
-    K = weight.shape[1]
-    if weight.shape != (C, K) or not 1 <= K <= 9 or conv_states.shape[1:] != (C, K - 1):
-        raise ValueError(f"weight {tuple(weight.shape)} / conv_states {tuple(conv_states.shape)} do not fit x "
-                         f"{tuple(x.shape)}")
-    if bias is not None and bias.shape != (C,):
-        raise ValueError(f"bias {tuple(bias.shape)} does not fit {C} channels")
-    init = _check_varlen(state_slots, query_start_loc, has_initial_state)
-    if x.stride(1) != 1:
-        x = x.contiguous()
-    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
-    B = state_slots.shape[0]
-    if B == 0:
-        return y
-    # tiles of about one sequence's tokens: 4 for decode (K-1 must fit in a tile), up to 32 for prompts
-    block_t = max(_pow2(K - 1), min(32, _pow2(-(-T // B))), 4)
-    block_c = min(_pow2(C, 16), 2048 // block_t)
-    _conv_kernel[(T // block_t + B, triton.cdiv(C, block_c))](
-        x, weight, bias if bias is not None else weight, conv_states, state_slots, query_start_loc, init, y, B, C,
-        x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0), conv_states.stride(1),
-        conv_states.stride(2) if K > 1 else 1,
-        K=K, KM1_PAD=_pow2(K - 1), HAS_BIAS=bias is not None, SILU=activation == "silu",
-        BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4,
-    )
-    return y
-
-
 @_jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
-    stride_ss, stride_sh, stride_sk,
+    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr,
+    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot,
+    stride_oh, stride_ss, stride_sh, stride_sk,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr,
+    L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
 ):
+    """RAW_GATES: g_ptr / beta_ptr hold the projections a / b, and the gates are computed here (``gdn_gates``)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(qsl_ptr + b)
@@ -157,8 +64,15 @@ def _recurrent_kernel(
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
-        decay = tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
-        beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+        if RAW_GATES:  # g = -exp(A_log) * softplus(a + dt_bias) (torch's threshold 20), beta = sigmoid(b) in b's dtype
+            x = tl.load(g_ptr + t * stride_gt + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
+            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
+            decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
+            b_raw = tl.load(beta_ptr + t * stride_bt + h)
+            beta = (1.0 / (1.0 + tl.exp(-b_raw.to(tl.float32)))).to(b_raw.dtype).to(tl.float32)
+        else:
+            decay = tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
+            beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
         if L2NORM:
             q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
@@ -193,10 +107,16 @@ def gated_delta_rule_recurrent_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
+    raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gated_delta_rule_varlen_ref``, token by token: o [T, HV, Dv] in v's dtype, the state
-    of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph."""
+    of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph. ``raw_gates = (A_log,
+    dt_bias)``: g and beta are the raw projections a and b [T, HV] (row-strided views are fine) and the kernel
+    computes the gates as ``gdn_gates`` does, which saves the decode step a chain of small torch kernels."""
     q, k, v, g, beta, init = _gdn_args(q, k, v, g, beta, ssm_states, state_slots, query_start_loc, has_initial_state)
+    a_log, dt_bias = raw_gates if raw_gates is not None else (g, g)
+    if raw_gates is not None and (a_log.shape != (v.shape[1],) or dt_bias.shape != (v.shape[1],)):
+        raise ValueError(f"A_log {tuple(a_log.shape)} / dt_bias {tuple(dt_bias.shape)} must be [{v.shape[1]}]")
     T, HK, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
@@ -205,11 +125,11 @@ def gated_delta_rule_recurrent_triton(
         return o
     bv = min(32, _pow2(dv, 16))
     _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, o, ssm_states, state_slots, query_start_loc, init, dk**-0.5,
+        q, k, v, g, beta, a_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
         GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=_pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
-        num_warps=4,
+        RAW_GATES=raw_gates is not None, num_warps=4,
     )
     return o
 

@@ -1,7 +1,8 @@
 """Fused mixture-of-experts as two grouped GEMMs over expert-sorted slots: Triton kernels.
 
 Semantics and the torch oracle are in ``kernels/moe.py`` (``fused_moe_ref``). The flat ``(token, j)`` slots are
-sorted by expert and padded per expert to a multiple of BLOCK_M (``moe.group_by_expert``, torch ops, no host sync).
+sorted by expert and padded per expert to a multiple of BLOCK_M (``moe.group_by_expert``, torch ops, no host sync;
+up to MAX_SLOTS slots the one-program ``triton_moe_grouping.group_by_expert_triton``, same outputs).
 Then:
 
 1. ``_moe_gate_up_kernel``, grid (slot blocks, I tiles): each program takes BLOCK_M sorted slots of one expert,
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.moe import check_kernel_inputs, group_by_expert
+from kernels.triton_moe_grouping import MAX_EXPERTS, MAX_SLOTS, group_by_expert_triton
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -172,7 +174,10 @@ def fused_moe_triton(
     for b in (bm, bn1, bk1, bn2, bk2):
         if b < 16 or b & (b - 1):
             raise ValueError(f"block sizes must be powers of two >= 16, got {cfg}")
-    sorted_slots, block_expert, _ = group_by_expert(topk_ids, n_local, bm, expert_offset)
+    if topk_ids.numel() <= MAX_SLOTS and n_local <= MAX_EXPERTS:  # decode-sized: one program, not a dozen kernels
+        sorted_slots, block_expert, _ = group_by_expert_triton(topk_ids, n_local, bm, expert_offset)
+    else:
+        sorted_slots, block_expert, _ = group_by_expert(topk_ids, n_local, bm, expert_offset)
     n_slots = t * top_k
     n_blocks = block_expert.numel()
     dot_fp32 = INTERPRET or x.dtype == torch.float32

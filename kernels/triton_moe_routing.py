@@ -9,7 +9,8 @@ the logits themselves (softmax is monotonic, so the order is the probabilities' 
 reordering them) by k rounds of max + lowest index holding it among the experts not yet taken: ties go to the
 lower expert id. ``torch.topk`` leaves the order of ties unspecified (on CPU it is not lowest-index-first), so
 the two can differ only on tied experts. The chosen weights are ``exp(x - max) / sum(exp(x - max))`` in fp32,
-then divided by their sum when ``renormalize``. No host sync and output sizes fixed by the input's shape:
+then divided by their sum when ``renormalize``. With a shared expert (its gate logit in the last column) the
+row also gets slot k: the shared expert's id and sigmoid(logit). No host sync and output sizes fixed by the input's shape:
 CUDA-graph capturable.
 """
 
@@ -26,9 +27,10 @@ MAX_TOP_K = 32
 
 @_jit
 def _route_topk_kernel(
-    logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e,
-    RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
+    RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
 ):
+    """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K."""
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
@@ -48,30 +50,38 @@ def _route_topk_kernel(
         free = free & (offs != index)
     if RENORMALIZE:
         top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), axis=0)
-    out = tok * TOP_K + slots
+    width = TOP_K + 1 if SHARED else TOP_K
+    out = tok * width + slots
     tl.store(weights_ptr + out, top_w, mask=slots < TOP_K)
     tl.store(ids_ptr + out, top_i, mask=slots < TOP_K)
+    if SHARED:
+        gate = tl.load(logits_ptr + tok * stride_t + E * stride_e).to(tl.float32)
+        tl.store(weights_ptr + tok * width + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+        tl.store(ids_ptr + tok * width + TOP_K, shared_id)
 
 
-def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
+                      shared_expert_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``route_topk_ref`` except the ids are int32 (and ties go to the lower expert id):
-    ``(topk_weights fp32 [T, k], topk_ids int32 [T, k])``. Any float dtype and any strides."""
+    ``(topk_weights fp32 [T, k (+1)], topk_ids int32 [T, k (+1)])``. Any float dtype and any strides."""
     if router_logits.dim() != 2 or not router_logits.is_floating_point():
         raise ValueError(f"router logits must be a float [T, E] tensor, got {router_logits.dtype} "
                          f"{tuple(router_logits.shape)}")
+    shared = shared_expert_id is not None
     t, e = router_logits.shape
+    e -= shared
     if not 1 <= e <= MAX_EXPERTS:
         raise ValueError(f"need 1 <= E <= {MAX_EXPERTS} experts, got {e}")
     if not 1 <= top_k <= min(e, MAX_TOP_K):
         raise ValueError(f"need 1 <= top_k <= min(E, {MAX_TOP_K}) = {min(e, MAX_TOP_K)}, got {top_k}")
-    weights = torch.empty(t, top_k, dtype=torch.float32, device=router_logits.device)
-    ids = torch.empty(t, top_k, dtype=torch.int32, device=router_logits.device)
+    weights = torch.empty(t, top_k + shared, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(t, top_k + shared, dtype=torch.int32, device=router_logits.device)
     if t == 0:
         return weights, ids
     _route_topk_kernel[(t,)](
         router_logits, weights, ids, e, top_k, router_logits.stride(0), router_logits.stride(1),
-        RENORMALIZE=bool(renormalize), E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
+        shared_expert_id if shared else 0, RENORMALIZE=bool(renormalize), SHARED=shared,
+        E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
         # one warp keeps the 2k + 2 reductions in shuffles: fastest on an H200 for E 128..512 at T 1..4096
         num_warps=1 if e <= 512 else 4,
     )

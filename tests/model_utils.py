@@ -69,7 +69,7 @@ def tiny_config(model_type: str, **overrides):
         kwargs.update(num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
                       linear_value_head_dim=16, linear_conv_kernel_dim=4)
     if model_type in ("qwen3_next", "qwen3_5_moe_text"):
-        kwargs.update(shared_expert_intermediate_size=48)
+        kwargs.update(shared_expert_intermediate_size=32)  # = moe_intermediate_size: folded into the experts
     if model_type == "qwen3_5_moe_text":
         kwargs.pop("intermediate_size")
     kwargs.update(overrides)

@@ -81,14 +81,15 @@ class GatedDeltaNet(nn.Module):
         proj = self.in_proj(x)
         conv_states, ssm_states = ctx.caches[self.state_index], ctx.caches[self.state_index + 1]
         mixed = gdn.causal_conv1d_varlen(proj[:, :C], self.conv1d.weight.view(C, self.conv_kernel_size), None,
-                                         conv_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state)
+                                         conv_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
+                                         meta.max_query_len)
         kd = self.key_dim
         q = mixed[:, :kd].view(T, self.num_k_heads, self.head_k_dim)
         k = mixed[:, kd:2 * kd].view(T, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * kd:].view(T, HV, self.head_v_dim)
-        g, beta = gdn.gdn_gates(proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log, self.dt_bias)
-        o = gdn.gated_delta_rule(q, k, v, g, beta, ssm_states, ctx.state_slots, meta.query_start_loc,
-                                 ctx.has_initial_state, meta.max_query_len, meta.query_start_loc_host)
+        o = gdn.gated_delta_rule(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log, self.dt_bias,
+                                 ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
+                                 meta.max_query_len, meta.query_start_loc_host)
         z = proj[:, C:C + V].reshape(T * HV, self.head_v_dim)
         o = self.norm(o.reshape(T * HV, self.head_v_dim), z)
         return self.out_proj(o.view(T, V))

@@ -11,6 +11,14 @@ boundary) and its forward runs in three named steps a comm stage can split:
 
 plus the optional shared expert: ``y = combine(experts(x, *route(x))) + sigmoid(shared_expert_gate(x)) *
 shared_expert(x)``.
+
+When the shared expert has the routed experts' size and the block holds the last of the global experts (one GPU,
+or the last rank of an expert-parallel group), it is folded in as one more expert: local index
+``num_local_experts`` of ``w13`` / ``w2``, its gate a last row of the router, and ``route`` appends it to every
+token's top-k with weight sigmoid(gate logit). The fused MoE kernels then run it in the same launches as the routed
+experts (at batch-1 decode that saves seven small kernels a layer). Its id, ``expert_offset + num_local_experts``,
+cannot collide with a routed id only on the rank that holds the last expert, hence that condition; another rank
+keeps the separate shared expert, and with experts split across ranks only one rank may add it.
 """
 
 from __future__ import annotations
@@ -33,7 +41,8 @@ class SparseMoeBlock(nn.Module):
     ``gate.weight`` [E, H] (``mlp.gate.weight``), ``w13`` [E_local, 2I, H], ``w2`` [E_local, H, I]
     (``mlp.experts.{e}.{gate,up,down}_proj.weight`` or the stacked ``mlp.experts.{gate_up,down}_proj``),
     ``shared_expert`` (``mlp.shared_expert.{gate,up,down}_proj.weight``) and ``shared_expert_gate.weight``
-    [1, H] (``mlp.shared_expert_gate.weight``)."""
+    [1, H] (``mlp.shared_expert_gate.weight``); folded (module docstring), those four tensors load into the last
+    expert of ``w13`` / ``w2`` and the last row of ``gate.weight`` [E + 1, H]."""
 
     def __init__(
         self,
@@ -65,11 +74,16 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.expert_offset = expert_offset
         self.num_local_experts = num_local
-        self.gate = Linear(hidden_size, num_experts, False, dtype, device)  # the router
+        # the shared expert as one more local expert (module docstring)
+        self.fold_shared = (shared_expert_intermediate_size == moe_intermediate_size
+                            and expert_offset + num_local == num_experts)
+        stacked = num_local + self.fold_shared
+        self.gate = Linear(hidden_size, num_experts + self.fold_shared, False, dtype, device)  # the router
         self.w13 = nn.Parameter(
-            torch.empty(num_local, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(num_local, hidden_size, moe_intermediate_size, dtype=dtype, device=device))
-        if shared_expert_intermediate_size:
+            torch.empty(stacked, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(torch.empty(stacked, hidden_size, moe_intermediate_size, dtype=dtype, device=device))
+        self.has_shared_expert = bool(shared_expert_intermediate_size)
+        if shared_expert_intermediate_size and not self.fold_shared:
             self.shared_expert = GatedMLP(
                 hidden_size, shared_expert_intermediate_size, False, hidden_act, dtype, device)
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
@@ -79,13 +93,16 @@ class SparseMoeBlock(nn.Module):
 
     # ---- forward, in steps ----
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids)."""
-        return route_topk(self.gate(x), self.top_k, self.norm_topk_prob)
+        """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids); with the shared expert
+        folded in, [T, k + 1], its slot last."""
+        shared_id = self.expert_offset + self.num_local_experts if self.fold_shared else None
+        return route_topk(self.gate(x), self.top_k, self.norm_topk_prob, shared_id)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
         elsewhere get zeros here), so the full output is the sum of every holder's partial."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_local_experts)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset,
+                         self.num_local_experts + self.fold_shared)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split
@@ -106,7 +123,7 @@ class SparseMoeBlock(nn.Module):
         names = {"gate.weight"}
         for e in range(self.expert_offset, self.expert_offset + self.num_local_experts):
             names |= {f"experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-        if self.shared_expert is not None:
+        if self.has_shared_expert:
             names |= {f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
             names.add("shared_expert_gate.weight")
         return names
@@ -155,11 +172,22 @@ class SparseMoeBlock(nn.Module):
                 src = tensor[lo:hi].transpose(1, 2)
             else:
                 raise ValueError(f"{name}: checkpoint shape {shape} is neither {direct} nor {transposed}")
-            dst.copy_(src)
+            dst[: hi - lo].copy_(src)
             self._loaded |= {f"experts.{e}.{p}.weight" for e in range(lo, hi) for p in parts}
             return True
+        E = self.num_experts
         if name == "gate.weight":
-            self._copy(name, self.gate.weight.data, tensor)
+            self._copy(name, self.gate.weight.data[:E], tensor)
+        elif self.fold_shared and name == "shared_expert_gate.weight":
+            self._copy(name, self.gate.weight.data[E:], tensor)
+        elif self.fold_shared and name.startswith("shared_expert."):
+            shared = hi - lo  # the folded expert's local index
+            dsts = {"shared_expert.gate_proj.weight": lambda: self.w13.data[shared, :I],
+                    "shared_expert.up_proj.weight": lambda: self.w13.data[shared, I:],
+                    "shared_expert.down_proj.weight": lambda: self.w2.data[shared]}
+            if name not in dsts:
+                raise KeyError(f"unknown MoE weight name {name!r}")
+            self._copy(name, dsts[name](), tensor)
         elif self.shared_expert is not None and name == "shared_expert_gate.weight":
             self._copy(name, self.shared_expert_gate.weight.data, tensor)
         elif self.shared_expert is not None and name.startswith("shared_expert."):
@@ -186,4 +214,5 @@ class SparseMoeBlock(nn.Module):
     def extra_repr(self) -> str:
         return (f"experts={self.num_experts}, local=[{self.expert_offset}, "
                 f"{self.expert_offset + self.num_local_experts}), top_k={self.top_k}, "
-                f"intermediate={self.intermediate_size}, norm_topk_prob={self.norm_topk_prob}")
+                f"intermediate={self.intermediate_size}, norm_topk_prob={self.norm_topk_prob}, "
+                f"shared_expert={'folded' if self.fold_shared else self.has_shared_expert}")

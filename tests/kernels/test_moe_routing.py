@@ -172,3 +172,25 @@ def test_route_topk_takes_the_reference_off_cuda():
     weights, ids = route_topk(x, 2, True)
     ref_w, ref_ids = route_topk_ref(x, 2, True)
     assert torch.equal(ids, ref_ids) and torch.equal(weights, ref_w)
+
+
+@needs_triton
+@pytest.mark.parametrize("renormalize", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_expert_slot(renormalize, dtype):
+    """With a shared expert, the last logit column is its gate: top-k over the others (as without it), then slot k
+    holds the shared expert's id and sigmoid(gate logit); the reference agrees."""
+    from kernels.triton_moe_routing import route_topk_triton
+
+    routed = logits(13, 16, dtype, seed=5)
+    gate = (torch.linspace(-6, 6, 13) if dtype == torch.float32 else torch.linspace(-4, 4, 13)).to(routed)
+    full = torch.cat([routed, gate[:, None]], dim=1)
+    weights, ids = route_topk_triton(full, 4, renormalize, shared_expert_id=16)
+    assert weights.shape == ids.shape == (13, 5)
+    plain_w, plain_ids = route_topk_triton(routed, 4, renormalize)
+    assert torch.equal(weights[:, :4], plain_w) and torch.equal(ids[:, :4], plain_ids)
+    assert (ids[:, 4] == 16).all()
+    torch.testing.assert_close(weights[:, 4], torch.sigmoid(gate.float()), atol=1e-6, rtol=1e-5)
+    ref_w, ref_ids = route_topk_ref(full, 4, renormalize, shared_expert_id=16)
+    torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
+    assert torch.equal(ids.long(), ref_ids)

@@ -124,7 +124,8 @@ def test_decode_batch_equals_each_sequence_alone(n):
     """Decode (one token a sequence): conv + recurrent on the batch equal, bit for bit, the same kernels on each
     sequence alone, and match the references; the chunked entry point given the host query_start_loc takes the
     recurrent kernel."""
-    from kernels.triton_gdn import causal_conv1d_varlen_triton, gated_delta_rule_chunked_triton
+    from kernels.triton_gdn import gated_delta_rule_chunked_triton
+    from kernels.triton_gdn_conv import causal_conv1d_varlen_triton
 
     recurrent = gdn_fns()["recurrent"]
     slots, qsl, init = batch([1] * n, 12, seed=10 + n)
@@ -136,7 +137,7 @@ def test_decode_batch_equals_each_sequence_alone(n):
     conv_states = torch.randn(12, C, K - 1, generator=gen).to(device=DEVICE, dtype=torch.bfloat16)
 
     conv_after = conv_states.clone()
-    y = causal_conv1d_varlen_triton(x, weight, None, conv_after, slots, qsl, init)
+    y = causal_conv1d_varlen_triton(x, weight, None, conv_after, slots, qsl, init, max_query_len=1)
     o, states = run(recurrent, inputs, slots, qsl, init)
     ref_conv = conv_states.clone()
     torch.testing.assert_close(y, causal_conv1d_varlen_ref(x, weight, None, ref_conv, slots, qsl, init), **tol(y.dtype))
@@ -155,61 +156,59 @@ def test_decode_batch_equals_each_sequence_alone(n):
         assert torch.equal(o_b, o[b:b + 1])
         assert torch.equal(states_b[slots[b].long()], states[slots[b].long()])
         conv_b = conv_states.clone()
-        y_b = causal_conv1d_varlen_triton(x[b:b + 1], weight, None, conv_b, slots[b:b + 1], one, init[b:b + 1])
+        y_b = causal_conv1d_varlen_triton(x[b:b + 1], weight, None, conv_b, slots[b:b + 1], one, init[b:b + 1],
+                                          max_query_len=1)
         assert torch.equal(y_b, y[b:b + 1])
         assert torch.equal(conv_b[slots[b].long()], conv_after[slots[b].long()])
     untouched(states, inputs["ssm_states"], slots)
     untouched(conv_after, conv_states, slots)
 
 
-def conv_case(lens: list[int], C: int, K: int, dtype: torch.dtype, seed: int, init: list[bool] | None = None,
-              bias: bool = True, activation: str | None = "silu", strided: bool = False) -> None:
-    from kernels.triton_gdn import causal_conv1d_varlen_triton
-
-    gen = torch.Generator().manual_seed(seed)
-    T = sum(lens)
-    x = torch.randn(T, C + 8 * strided, generator=gen).to(device=DEVICE, dtype=dtype)[:, :C]
-    weight = torch.randn(C, K, generator=gen).to(device=DEVICE, dtype=dtype)
-    b = torch.randn(C, generator=gen).to(device=DEVICE, dtype=dtype) if bias else None
-    conv_states = torch.randn(10, C, K - 1, generator=gen).to(device=DEVICE, dtype=dtype)
-    slots, qsl, init_t = batch(lens, 10, seed=seed + 1, init=init)
-    mine, ref = conv_states.clone(), conv_states.clone()
-    y = causal_conv1d_varlen_triton(x, weight, b, mine, slots, qsl, init_t, activation=activation)
-    ref_y = causal_conv1d_varlen_ref(x, weight, b, ref, slots, qsl, init_t, activation=activation)
-    assert y.dtype == dtype and y.shape == (T, C)
-    torch.testing.assert_close(y, ref_y, **tol(dtype))
-    assert torch.equal(mine, ref), "conv states differ"
-    untouched(mine, conv_states, slots)
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("K", [2, 3, 4])
-def test_conv_varlen_matches_reference(K, dtype):
-    conv_case(MIXED, 40, K, dtype, seed=K, strided=True)
+def test_recurrent_computes_the_gates_from_raw_projections(dtype):
+    """``raw_gates``: a and b as column views of a wider projection row (as the layer passes them), including
+    softplus inputs past its threshold of 20 and far below 0; equals the kernel fed ``gdn_gates``' g and beta."""
+    from kernels.triton_gdn import gated_delta_rule_recurrent_triton
+
+    lens = [1, 3, 1, 2]
+    slots, qsl, init = batch(lens, 8, seed=50)
+    hk, hv, dk, dv = 1, 4, 16, 16
+    inputs = gdn_inputs(sum(lens), hk, hv, dk, dv, dtype, seed=51, num_slots=8)
+    gen = torch.Generator().manual_seed(52)
+    proj = (torch.randn(sum(lens), 3 + 2 * hv, generator=gen) * 8).to(device=DEVICE, dtype=dtype)
+    proj[0, 3 + hv:] = torch.tensor([25.0, -30.0, 19.9, 20.1])
+    b_raw, a_raw = proj[:, 3:3 + hv], proj[:, 3 + hv:]
+    A_log = torch.linspace(-2, 1, hv, device=DEVICE)
+    dt_bias = torch.linspace(-1, 1, hv, device=DEVICE)
+    g, beta = gdn_gates(a_raw, b_raw, A_log, dt_bias)
+    fed = run(gated_delta_rule_recurrent_triton, {**inputs, "g": g, "beta": beta}, slots, qsl, init)
+    raw = run(gated_delta_rule_recurrent_triton, {**inputs, "g": a_raw, "beta": b_raw}, slots, qsl, init,
+              raw_gates=(A_log, dt_bias))
+    exact = dict(atol=1e-6, rtol=1e-6)  # bf16: beta is rounded to bf16 in the kernel (the interpreter truncates)
+    torch.testing.assert_close(raw[0], fed[0], **(exact if dtype == torch.float32 else tol(dtype)))
+    torch.testing.assert_close(raw[1], fed[1], **(exact if dtype == torch.float32 else state_tol(dtype)))
+    with pytest.raises(ValueError):
+        run(gated_delta_rule_recurrent_triton, inputs, slots, qsl, init, raw_gates=(A_log[:2], dt_bias))
 
 
-def test_conv_short_chunks_keep_older_state_and_options():
-    """Chunks shorter than K-1 after an initial state keep the older inputs; no initial state means zeros;
-    several channel blocks; no bias; no activation."""
-    conv_case([1, 2, 1, 2, 5], 40, 4, torch.bfloat16, seed=7, init=[True, True, False, False, True])
-    conv_case([2, 1, 3], 520, 4, torch.float32, seed=8, init=[True, True, True], bias=False, activation=None)
+def test_dispatch_takes_raw_gates():
+    """``kernels.gdn.gated_delta_rule`` (the layer's entry point) on raw a / b equals the reference on
+    ``gdn_gates``' output, for decode rows and for prompt chunks."""
+    from kernels import gdn
 
-
-def test_conv_empty_sequence_leaves_its_slot_alone():
-    """The reference cannot take an empty sequence; the kernel skips it: the rest as the reference without it."""
-    from kernels.triton_gdn import causal_conv1d_varlen_triton
-
-    gen = torch.Generator().manual_seed(9)
-    x = torch.randn(5, 24, generator=gen).to(DEVICE)
-    weight = torch.randn(24, 4, generator=gen).to(DEVICE)
-    conv_states = torch.randn(6, 24, 3, generator=gen).to(DEVICE)
-    slots, qsl, init = batch([3, 0, 2], 6, seed=9, init=[True, False, False])
-    mine, ref = conv_states.clone(), conv_states.clone()
-    y = causal_conv1d_varlen_triton(x, weight, None, mine, slots, qsl, init)
-    keep = torch.tensor([0, 2], device=DEVICE)
-    ref_y = causal_conv1d_varlen_ref(x, weight, None, ref, slots[keep], qsl[[0, 1, 3]], init[keep])
-    torch.testing.assert_close(y, ref_y, **tol(x.dtype))
-    assert torch.equal(mine, ref)
+    for lens in ([1, 1, 1], [5, 70, 1]):
+        slots, qsl, init = batch(lens, 8, seed=60)
+        inputs = gdn_inputs(sum(lens), 1, 2, 16, 16, torch.float32, seed=61, num_slots=8)
+        gen = torch.Generator().manual_seed(62)
+        a_raw, b_raw = (torch.randn(sum(lens), 2, generator=gen).to(DEVICE) for _ in range(2))
+        A_log, dt_bias = torch.tensor([-1.0, 0.5], device=DEVICE), torch.tensor([0.3, -0.2], device=DEVICE)
+        g, beta = gdn_gates(a_raw, b_raw, A_log, dt_bias)
+        want = run(gated_delta_rule_varlen_ref, {**inputs, "g": g, "beta": beta}, slots, qsl, init)
+        states = inputs["ssm_states"].clone()
+        o = gdn.gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], a_raw, b_raw, A_log, dt_bias, states, slots,
+                                 qsl, init, max(lens), qsl.tolist())
+        torch.testing.assert_close(o, want[0], **tol(torch.float32))
+        torch.testing.assert_close(states, want[1], **state_tol(torch.float32))
 
 
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -231,7 +230,7 @@ def test_rms_norm_gated(D, dtype, w_dtype):
 
 
 def test_rejects_bad_inputs():
-    from kernels.triton_gdn import causal_conv1d_varlen_triton, gated_delta_rule_recurrent_triton
+    from kernels.triton_gdn import gated_delta_rule_recurrent_triton
 
     slots, qsl, init = batch([2], 3, seed=0)
     inputs = gdn_inputs(2, 2, 3, 16, 16, torch.float32, seed=0, num_slots=3)  # 3 value heads over 2 key heads
@@ -240,13 +239,6 @@ def test_rejects_bad_inputs():
     inputs = gdn_inputs(2, 1, 1, 16, 16, torch.float32, seed=0, num_slots=3)
     with pytest.raises(ValueError):
         run(gated_delta_rule_recurrent_triton, inputs, slots, qsl[:1], init)
-    x = torch.zeros(2, 8, device=DEVICE)
-    with pytest.raises(ValueError):
-        causal_conv1d_varlen_triton(x, torch.zeros(8, 4, device=DEVICE), None, torch.zeros(3, 8, 2, device=DEVICE),
-                                    slots, qsl, init)
-    with pytest.raises(ValueError):
-        causal_conv1d_varlen_triton(x, torch.zeros(8, 4, device=DEVICE), None, torch.zeros(3, 8, 3, device=DEVICE),
-                                    slots, qsl, init, activation="gelu")
 
 
 # ---- GPU only: realistic shapes and CUDA graphs ----
@@ -268,10 +260,9 @@ def test_gpu_realistic_shapes(kernel):
 
 
 @pytest.mark.gpu
-def test_gpu_realistic_conv_and_norm():
+def test_gpu_realistic_gated_norm():
     from kernels.triton_gdn import rms_norm_gated_triton
 
-    conv_case([1, 600, 37, 1, 3, 257], 2 * 16 * 128 + 32 * 128, 4, torch.bfloat16, seed=32, strided=True)
     gen = torch.Generator().manual_seed(33)
     x, z = (torch.randn(900 * 32, 128, generator=gen).to(device=DEVICE, dtype=torch.bfloat16) for _ in range(2))
     weight = (torch.rand(128, generator=gen) + 0.5).to(device=DEVICE, dtype=torch.bfloat16)
@@ -282,7 +273,8 @@ def test_gpu_realistic_conv_and_norm():
 @pytest.mark.gpu
 def test_gpu_decode_cuda_graph():
     """Conv + recurrent decode captured in a CUDA graph: replay on new inputs equals eager on the same inputs."""
-    from kernels.triton_gdn import causal_conv1d_varlen_triton, gated_delta_rule_recurrent_triton
+    from kernels.triton_gdn import gated_delta_rule_recurrent_triton
+    from kernels.triton_gdn_conv import causal_conv1d_varlen_triton
 
     n, C, K = 8, 2 * 16 * 128 + 32 * 128, 4
     slots, qsl, init = batch([1] * n, 16, seed=40)
@@ -298,7 +290,7 @@ def test_gpu_decode_cuda_graph():
     conv_states, ssm_states = conv0.clone(), inputs["ssm_states"].clone()
 
     def step():
-        y = causal_conv1d_varlen_triton(x, weight, None, conv_states, slots, qsl, init)
+        y = causal_conv1d_varlen_triton(x, weight, None, conv_states, slots, qsl, init, max_query_len=1)
         o = gated_delta_rule_recurrent_triton(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
                                               ssm_states, slots, qsl, init)
         return y, o

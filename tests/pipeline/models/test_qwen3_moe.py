@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from kernels.moe import route_topk_ref
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.moe import SparseMoeBlock
 from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
@@ -159,14 +160,15 @@ def test_local_expert_subsets_sum_to_full():
     torch.testing.assert_close(full.combine(parts[0] + parts[1]), full(x), atol=1e-5, rtol=1e-5)
 
 
-def test_shared_expert_block_matches_qwen3_next():
+@pytest.mark.parametrize("shared_size", [48, 32])  # 32 = the routed size: folded in as one more expert
+def test_shared_expert_block_matches_qwen3_next(shared_size):
     try:
         from transformers import Qwen3NextConfig
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextSparseMoeBlock
     except ImportError as e:
         pytest.skip(f"transformers has no Qwen3-Next sparse MoE block: {e}")
     for norm in (True, False):
-        cfg = Qwen3NextConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=48,
+        cfg = Qwen3NextConfig(hidden_size=64, moe_intermediate_size=32, shared_expert_intermediate_size=shared_size,
                               num_experts=8, num_experts_per_tok=2, norm_topk_prob=norm, hidden_act="silu")
         torch.manual_seed(0)
         ref = Qwen3NextSparseMoeBlock(cfg).float().eval()
@@ -174,11 +176,12 @@ def test_shared_expert_block_matches_qwen3_next():
         with torch.no_grad():
             for p in ref.parameters():
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[-1]))
-        block = SparseMoeBlock(64, 32, 8, 2, norm, shared_expert_intermediate_size=48)
+        block = SparseMoeBlock(64, 32, 8, 2, norm, shared_expert_intermediate_size=shared_size)
+        assert block.fold_shared == (shared_size == 32) and (block.shared_expert is None) == block.fold_shared
         sd = ref.state_dict()
         assert {"shared_expert_gate.weight", "shared_expert.gate_proj.weight", "gate.weight"} <= set(sd)
         # the per-expert names too, for a second copy
-        block2 = SparseMoeBlock(64, 32, 8, 2, norm, shared_expert_intermediate_size=48)
+        block2 = SparseMoeBlock(64, 32, 8, 2, norm, shared_expert_intermediate_size=shared_size)
         for name, t in sd.items():
             assert block.load_expert_weight(name, t)
         for name, t in per_expert_state_dict_block(sd).items():
@@ -189,6 +192,33 @@ def test_shared_expert_block_matches_qwen3_next():
             want = ref(x).reshape(33, 64)
         torch.testing.assert_close(block(x.reshape(33, 64)), want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(block2(x.reshape(33, 64)), want, atol=1e-5, rtol=1e-5)
+
+
+def test_folded_shared_expert_equals_the_separate_one_and_keeps_the_rank_rule():
+    """The folded block on the separate block's weights gives the same output; a block that does not hold the last
+    expert (an expert-parallel rank) keeps the shared expert separate."""
+    gen = torch.Generator().manual_seed(3)
+    sep = SparseMoeBlock(64, 32, 8, 2, True, shared_expert_intermediate_size=32, num_local_experts=7)
+    folded = SparseMoeBlock(64, 32, 8, 2, True, shared_expert_intermediate_size=32)
+    assert not sep.fold_shared and sep.shared_expert is not None and folded.fold_shared
+    names = {"gate.weight": (8, 64), "shared_expert_gate.weight": (1, 64), "shared_expert.gate_proj.weight": (32, 64),
+             "shared_expert.up_proj.weight": (32, 64), "shared_expert.down_proj.weight": (64, 32),
+             "experts.gate_up_proj": (8, 64, 64), "experts.down_proj": (8, 64, 32)}
+    weights = {n: torch.randn(shape, generator=gen) / 8 for n, shape in names.items()}
+    for name, t in weights.items():
+        folded.load_expert_weight(name, t)
+        sep.load_expert_weight(name, t)
+    assert folded.missing_weights() == []
+    x = torch.randn(9, 64, generator=gen)
+    with torch.no_grad():
+        routed = sep.experts(x, *route_topk_ref(sep.gate(x), 2, True))  # experts 0..6 only
+        rest = SparseMoeBlock(64, 32, 8, 2, True, expert_offset=7)
+        for name, t in weights.items():
+            if name.startswith("experts.") or name == "gate.weight":
+                rest.load_expert_weight(name, t)
+        want = routed + rest.experts(x, *route_topk_ref(sep.gate(x), 2, True)) + torch.sigmoid(
+            sep.shared_expert_gate(x)) * sep.shared_expert(x)
+        torch.testing.assert_close(folded(x), want, atol=1e-5, rtol=1e-5)
 
 
 def per_expert_state_dict_block(sd):

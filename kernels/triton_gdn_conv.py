@@ -1,0 +1,168 @@
+"""The causal depthwise conv of Gated DeltaNet in Triton: same contract as ``kernels.gdn.causal_conv1d_varlen_ref``
+(the oracle; its module docstring has the varlen layout and the state slots).
+
+Two kernels, picked by the host from the step's longest row (``max_query_len``):
+
+* ``_conv_update_kernel`` (every row at most one token: decode, CUDA-graph captured), grid ``(B, C / BLOCK_C)``:
+  row b's token is ``x[qsl[b]]``, so no program searches for its sequence. A program reads its channels' K-1
+  window and the token, writes the output, then (after a CTA barrier: the shifted window is re-read from memory
+  by other threads) the window shifted by one.
+* ``_conv_varlen_kernel`` (prompt chunks, any mix), grid ``(T // BLOCK_T + B, C / BLOCK_C)``: a program is one tile
+  of BLOCK_T tokens of one sequence (device-side search over ``query_start_loc``, as the paged-attention prefill)
+  and a block of channels. BLOCK_T >= K-1, so only a sequence's first tile needs its previous inputs: that program
+  alone reads the slot's old window (for its outputs and for the new window, whose older entries survive when the
+  chunk is shorter than K-1), passes a CTA barrier, then writes the new window. No other program touches the slot.
+
+Tiles are wide in channels (256 B or more of each token row), so a program's loads coalesce and the grid stays a
+few waves deep even for 8k-token chunks. The window is stored ``[slot, C, K-1]``; the state is rounded to x's
+dtype where it is read, as the reference does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.triton_compat import jit as _jit
+from kernels.triton_compat import tl, triton
+from kernels.triton_paged_attention import find_sequence
+
+
+def _pow2(n: int, least: int = 1) -> int:
+    return max(least, 1 << (max(1, n) - 1).bit_length())
+
+
+@_jit(do_not_specialize=["num_seqs"])
+def _conv_varlen_kernel(
+    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, num_seqs, C,
+    stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
+    K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    b = find_sequence(qsl_ptr, num_seqs, tile, BLOCK_T)
+    lo = tl.load(qsl_ptr + b)
+    length = tl.load(qsl_ptr + b + 1) - lo
+    t0 = (tile - (lo // BLOCK_T + b)) * BLOCK_T
+    if t0 >= length:  # a spare tile; an empty sequence keeps its state (as the GDN reference does)
+        return
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    rows = t0 + tl.arange(0, BLOCK_T)
+    r_ok = rows < length
+    init = tl.load(init_ptr + b) != 0
+    st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols * stride_sc
+    x_base = x_ptr + lo.to(tl.int64) * stride_xt
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    for j in tl.static_range(K):
+        p = rows - (K - 1) + j  # input position in the sequence; p < 0: previous input K-1+p of the state
+        inp = tl.load(x_base + p[:, None] * stride_xt + cols[None, :], mask=((p >= 0) & r_ok)[:, None] & c_ok[None, :],
+                      other=0.0).to(tl.float32)
+        if t0 < K - 1:  # only a sequence's first tile reaches back into the window
+            old = tl.load(st[None, :] + (K - 1 + p)[:, None] * stride_sk,
+                          mask=((p < 0) & r_ok & init)[:, None] & c_ok[None, :], other=0.0)
+            inp += old.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference casts the state to x's dtype
+        w = tl.load(w_ptr + cols * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+        acc += inp * w[None, :]
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y_ptr + (lo + rows).to(tl.int64)[:, None] * stride_yt + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=r_ok[:, None] & c_ok[None, :])
+    if K > 1:
+        if t0 == 0:  # the first tile owns the slot: new state = the last K-1 of [old state, the sequence's inputs]
+            jj = tl.arange(0, KM1_PAD)
+            pos = length - (K - 1) + jj  # new names: inside an scf.if a name may not change its shape
+            m = c_ok[:, None] & (jj < K - 1)[None, :]
+            from_x = tl.load(x_base + pos[None, :] * stride_xt + cols[:, None], mask=m & (pos >= 0)[None, :],
+                             other=0.0)
+            kept = tl.load(st[:, None] + (K - 1 + pos)[None, :] * stride_sk, mask=m & (pos < 0)[None, :] & init,
+                           other=0.0)
+            sd = state_ptr.dtype.element_ty
+            new_state = tl.where((pos >= 0)[None, :], from_x.to(sd), kept.to(x_ptr.dtype.element_ty).to(sd))
+            tl.debug_barrier()  # every read of the old state (above and in the outputs) happens before the write
+            tl.store(st[:, None] + jj[None, :] * stride_sk, new_state, mask=m)
+
+
+@_jit
+def _conv_update_kernel(
+    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, C,
+    stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
+    K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+):
+    b = tl.program_id(0)
+    t = tl.load(qsl_ptr + b)
+    if tl.load(qsl_ptr + b + 1) - t <= 0:  # an empty row keeps its state
+        return
+    cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = cols < C
+    jj = tl.arange(0, KM1_PAD)
+    j_ok = jj < K - 1
+    init = tl.load(init_ptr + b) != 0
+    st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols[:, None] * stride_sc + jj[None, :] * stride_sk
+    m = c_ok[:, None] & j_ok[None, :]
+    window = tl.load(st, mask=m & init, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_C, KM1_PAD]
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=c_ok, other=0.0)
+    w_win = tl.load(w_ptr + cols[:, None] * stride_wc + jj[None, :] * stride_wk, mask=m, other=0.0).to(tl.float32)
+    w_last = tl.load(w_ptr + cols * stride_wc + (K - 1) * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+    acc = tl.sum(window * w_win, 1) + x.to(tl.float32) * w_last
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc))
+    tl.store(y_ptr + t.to(tl.int64) * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=c_ok)
+    if K > 1:
+        # new window: entries 1..K-2 of the old one, then x. Entry j + 1 is re-read from memory (no register
+        # shuffle across threads); the barrier orders every read above before any write
+        shifted = tl.load(st + stride_sk, mask=m & (jj < K - 2)[None, :] & init, other=0.0)
+        sd = state_ptr.dtype.element_ty
+        new_window = tl.where((jj == K - 2)[None, :], x.to(sd)[:, None], shifted.to(x_ptr.dtype.element_ty).to(sd))
+        tl.debug_barrier()
+        tl.store(st, new_window, mask=m)
+
+
+def causal_conv1d_varlen_triton(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
+    state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
+    activation: str | None = "silu", max_query_len: int | None = None,
+) -> torch.Tensor:
+    """Same contract as ``causal_conv1d_varlen_ref``: y [T, C] in x's dtype; ``conv_states [num_slots, C, K-1]``
+    updated in place. x may be a row-strided view (last dim contiguous); y is contiguous. An empty sequence (which
+    the reference cannot take) leaves its slot alone. ``max_query_len`` (host): 1 takes the decode kernel; None or
+    more the varlen one."""
+    if activation not in ("silu", None):
+        raise ValueError(f"activation {activation!r} is not supported")
+    T, C = x.shape
+    K = weight.shape[1]
+    if weight.shape != (C, K) or not 1 <= K <= 9 or conv_states.shape[1:] != (C, K - 1):
+        raise ValueError(f"weight {tuple(weight.shape)} / conv_states {tuple(conv_states.shape)} do not fit x "
+                         f"{tuple(x.shape)}")
+    if bias is not None and bias.shape != (C,):
+        raise ValueError(f"bias {tuple(bias.shape)} does not fit {C} channels")
+    B = state_slots.shape[0]
+    if state_slots.dim() != 1 or query_start_loc.shape != (B + 1,) or has_initial_state.shape != (B,):
+        raise ValueError(f"state_slots {tuple(state_slots.shape)}, query_start_loc {tuple(query_start_loc.shape)} "
+                         f"and has_initial_state {tuple(has_initial_state.shape)} do not describe one batch")
+    init = has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.bool()
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    if B == 0:
+        return y
+    strides = (x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0),
+               conv_states.stride(1), conv_states.stride(2) if K > 1 else 1)
+    common = dict(K=K, KM1_PAD=_pow2(K - 1), HAS_BIAS=bias is not None, SILU=activation == "silu")
+    b_arg = bias if bias is not None else weight
+    if max_query_len is not None and max_query_len <= 1:
+        block_c = min(_pow2(C, 16), 256)
+        _conv_update_kernel[(B, triton.cdiv(C, block_c))](
+            x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, C, *strides,
+            **common, BLOCK_C=block_c, num_warps=2)
+        return y
+    # tiles of about one sequence's tokens (K-1 must fit in a tile): 4 for single tokens, up to 64 for prompts
+    block_t = max(_pow2(K - 1), min(64, _pow2(-(-T // B))), 4)
+    block_c = min(_pow2(C, 16), max(128, 8192 // block_t))
+    _conv_varlen_kernel[(T // block_t + B, triton.cdiv(C, block_c))](
+        x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, B, C, *strides,
+        **common, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4 if block_t * block_c <= 4096 else 8)
+    return y
