@@ -102,6 +102,9 @@ def _conv_update_kernel(
     st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols[:, None] * stride_sc + jj[None, :] * stride_sk
     m = c_ok[:, None] & j_ok[None, :]
     window = tl.load(st, mask=m & init, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_C, KM1_PAD]
+    # the new window: entries 1..K-2 of the old one, then x. Entry j + 1 is re-read from memory (no register shuffle
+    # across threads), issued with the other loads; the barrier below orders every read before any write
+    shifted = tl.load(st + stride_sk, mask=m & (jj < K - 2)[None, :] & init, other=0.0)
     x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=c_ok, other=0.0)
     w_win = tl.load(w_ptr + cols[:, None] * stride_wc + jj[None, :] * stride_wk, mask=m, other=0.0).to(tl.float32)
     w_last = tl.load(w_ptr + cols * stride_wc + (K - 1) * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
@@ -112,9 +115,6 @@ def _conv_update_kernel(
         acc = acc / (1.0 + tl.exp(-acc))
     tl.store(y_ptr + t.to(tl.int64) * stride_yt + cols, acc.to(y_ptr.dtype.element_ty), mask=c_ok)
     if K > 1:
-        # new window: entries 1..K-2 of the old one, then x. Entry j + 1 is re-read from memory (no register
-        # shuffle across threads); the barrier orders every read above before any write
-        shifted = tl.load(st + stride_sk, mask=m & (jj < K - 2)[None, :] & init, other=0.0)
         sd = state_ptr.dtype.element_ty
         new_window = tl.where((jj == K - 2)[None, :], x.to(sd)[:, None], shifted.to(x_ptr.dtype.element_ty).to(sd))
         tl.debug_barrier()

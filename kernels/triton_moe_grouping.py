@@ -5,8 +5,9 @@ Between 17 and a few hundred tokens the grouped MoE path runs every step, and it
 small kernels a layer (a radix sort with its scans, scatter, cumsum, searchsorted), ~2 ms of a 35 ms batch-256 step
 of the Qwen3.5-35B-A3B shape on an H200. Here one program holds all the slots: it sorts ``key * N_PAD + slot`` (a
 stable sort by expert, the torch version's order), counts the experts with ``tl.histogram``, scans the padded
-counts, gathers each sorted slot's destination, writes the sentinel-filled ``sorted_slots`` (a CTA barrier between
-the fill and the scatter) and each block's expert. Same outputs as the torch version bit for bit; no host sync,
+counts, gathers each sorted slot's destination, and scatters the slots into the sentinel-filled ``sorted_slots``
+and each block's first slot's expert into the ``-1``-filled ``block_expert`` (a CTA barrier between the fills and
+the scatters). Same outputs as the torch version bit for bit; no host sync,
 output sizes fixed by the input's shape: CUDA-graph capturable.
 """
 
@@ -21,7 +22,7 @@ MAX_SLOTS = 4096  # token slots (T * k) one program sorts in registers; more tak
 MAX_EXPERTS = 1022  # keys E (not local) and E + 1 (padding) must fit the histogram too
 
 
-@_jit
+@_jit(do_not_specialize=["n", "P", "NB", "expert_offset"])
 def _group_kernel(
     ids_ptr, sorted_ptr, block_expert_ptr, num_padded_ptr, n, P, NB, expert_offset,
     E: tl.constexpr, BLOCK_M: tl.constexpr, N_PAD: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
@@ -45,13 +46,13 @@ def _group_kernel(
     for p0 in range(0, P, CHUNK):
         p = p0 + tl.arange(0, CHUNK)
         tl.store(sorted_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) + n, mask=p < P)
-    tl.debug_barrier()  # the sentinel fill lands before the scatter over it
-    tl.store(sorted_ptr + dest, s_slot, mask=s_key < E)
-    for b0 in range(0, NB, CHUNK):
-        b = b0 + tl.arange(0, CHUNK)
-        # the first expert whose padded run ends after the block's start (torch.searchsorted(..., right=True))
-        owner = tl.sum(((padded_end[None, :] <= (b * BLOCK_M)[:, None]) & (experts < E)[None, :]).to(tl.int32), 1)
-        tl.store(block_expert_ptr + b, tl.where(owner < E, owner, -1), mask=b < NB)
+        tl.store(block_expert_ptr + p, tl.zeros([CHUNK], dtype=tl.int32) - 1, mask=p < NB)
+    tl.debug_barrier()  # the fills land before the scatters over them
+    local_slot = s_key < E
+    tl.store(sorted_ptr + dest, s_slot, mask=local_slot)
+    # an expert's run is a whole number of blocks and starts with a real slot, so every used block begins with one:
+    # that slot names the block's expert
+    tl.store(block_expert_ptr + dest // BLOCK_M, s_key, mask=local_slot & (dest % BLOCK_M == 0))
     tl.store(num_padded_ptr, tl.sum(padded, 0))
 
 
