@@ -80,6 +80,7 @@ def group_by_expert_triton(topk_ids: torch.Tensor, num_experts: int, block_m: in
     _group_kernel[(1,)](
         topk_ids.reshape(-1).contiguous(), sorted_slots, block_expert, num_padded, n, p, nb, expert_offset,
         E=num_experts, BLOCK_M=block_m, N_PAD=n_pad, E_PAD=triton.next_power_of_2(num_experts + 2),
-        CHUNK=min(1024, n_pad), num_warps=8,
+        # the sort dominates: 32 warps halve it from 2048 slots up (H200: 37 against 68 us at 256 tokens x 9)
+        CHUNK=min(1024, n_pad), num_warps=32 if n_pad >= 2048 else 8,
     )
     return sorted_slots, block_expert, num_padded
