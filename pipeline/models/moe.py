@@ -42,7 +42,7 @@ class SparseMoeBlock(nn.Module):
     (``mlp.experts.{e}.{gate,up,down}_proj.weight`` or the stacked ``mlp.experts.{gate_up,down}_proj``),
     ``shared_expert`` (``mlp.shared_expert.{gate,up,down}_proj.weight``) and ``shared_expert_gate.weight``
     [1, H] (``mlp.shared_expert_gate.weight``); folded (module docstring), those four tensors load into the last
-    expert of ``w13`` / ``w2`` and the last row of ``gate.weight`` [E + 1, H]."""
+    expert of ``w13`` / ``w2`` and row E of ``gate.weight`` [E + 1 rounded up to 8, H]."""
 
     def __init__(
         self,
@@ -78,7 +78,11 @@ class SparseMoeBlock(nn.Module):
         self.fold_shared = (shared_expert_intermediate_size == moe_intermediate_size
                             and expert_offset + num_local == num_experts)
         stacked = num_local + self.fold_shared
-        self.gate = Linear(hidden_size, num_experts + self.fold_shared, False, dtype, device)  # the router
+        # the router; folded, padded to a multiple of 8 rows: an odd row count sends prefill-sized router GEMMs to
+        # an unaligned cuBLAS kernel (6 of a 164 ms Qwen3.5-35B-A3B prefill step on an H200). Padding rows are unread
+        self.router_rows = num_experts + self.fold_shared
+        self.gate = Linear(hidden_size, -(-self.router_rows // 8) * 8 if self.fold_shared else num_experts, False,
+                           dtype, device)
         self.w13 = nn.Parameter(
             torch.empty(stacked, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
         self.w2 = nn.Parameter(torch.empty(stacked, hidden_size, moe_intermediate_size, dtype=dtype, device=device))
@@ -96,7 +100,7 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids); with the shared expert
         folded in, [T, k + 1], its slot last."""
         shared_id = self.expert_offset + self.num_local_experts if self.fold_shared else None
-        return route_topk(self.gate(x), self.top_k, self.norm_topk_prob, shared_id)
+        return route_topk(self.gate(x)[:, :self.router_rows], self.top_k, self.norm_topk_prob, shared_id)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
@@ -179,7 +183,8 @@ class SparseMoeBlock(nn.Module):
         if name == "gate.weight":
             self._copy(name, self.gate.weight.data[:E], tensor)
         elif self.fold_shared and name == "shared_expert_gate.weight":
-            self._copy(name, self.gate.weight.data[E:], tensor)
+            self._copy(name, self.gate.weight.data[E:E + 1], tensor)
+            self.gate.weight.data[E + 1:].zero_()
         elif self.fold_shared and name.startswith("shared_expert."):
             shared = hi - lo  # the folded expert's local index
             dsts = {"shared_expert.gate_proj.weight": lambda: self.w13.data[shared, :I],
