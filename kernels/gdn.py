@@ -11,6 +11,12 @@ ignored (zeros), so a reused or recomputed slot never needs clearing. Every func
 slots, computes, and writes the state after the chunk's last token back in place. Slot 0 is the null slot:
 CUDA-graph padding rows point at it, and its contents are never read as anyone's state.
 
+The gates come raw, as the layer's projection gives them: ``a, b [T, HV]`` (model dtype; the kernels take
+row-strided column views of the projection) and the per-head ``A_log, dt_bias [HV]`` (fp32). ``gdn_gates`` is
+the definition, transformers' to the rounding:
+
+    g_t = -exp(A_log) * softplus(a_t + dt_bias)  (fp32, softplus's threshold 20);   beta_t = sigmoid(b_t)  (b's dtype)
+
 The recurrence per value head h (k head ``h // (HV // HK)``), token t, q/k l2-normalised, q scaled by Dk^-0.5:
 
     S = exp(g_t) * S;   u_t = beta_t * (v_t - S^T k_t);   S = S + k_t u_t^T;   o_t = S^T q_t
@@ -39,7 +45,8 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 def gdn_gates(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor
               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(g fp32 [T, HV] = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) in b's dtype)."""
+    """(g fp32 [T, HV] = -exp(A_log) * softplus(a + dt_bias), beta = sigmoid(b) in b's dtype): the reference
+    for the gates that the Triton delta-rule kernels compute in-kernel."""
     g = -A_log.float().exp() * F.softplus(a.float() + dt_bias)
     return g, b.sigmoid()
 
@@ -121,18 +128,20 @@ def _chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
 
 
 def gated_delta_rule_varlen_ref(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor, use_qk_l2norm: bool = True, chunk: int = CHUNK,
 ) -> torch.Tensor:
-    """q, k [T, HK, Dk], v [T, HV, Dv], g fp32 [T, HV] (log decay, <= 0), beta [T, HV] -> o [T, HV, Dv] in v's
-    dtype; math in fp32. Reads and writes ``ssm_states[state_slots[b]]`` ([HV, Dk, Dv], fp32). Single-token
-    sequences take the recurrent step (batched over them), longer ones the chunked form."""
+    """q, k [T, HK, Dk], v [T, HV, Dv], the raw gate inputs a, b [T, HV] and A_log, dt_bias [HV] (module
+    docstring) -> o [T, HV, Dv] in v's dtype; math in fp32. Reads and writes ``ssm_states[state_slots[b]]``
+    ([HV, Dk, Dv], fp32). Single-token sequences take the recurrent step (batched over them), longer ones the
+    chunked form."""
     T, HK, Dk = q.shape
     HV = v.shape[1]
     if HV % HK:
         raise ValueError(f"{HV} value heads are not a multiple of {HK} key heads")
     qsl, slots, init = _check_varlen(query_start_loc, state_slots, has_initial_state, T)
+    g, beta = gdn_gates(a, b, A_log, dt_bias)
     qf, kf = q.float(), k.float()
     if use_qk_l2norm:
         qf, kf = l2norm(qf), l2norm(kf)
@@ -143,24 +152,24 @@ def gated_delta_rule_varlen_ref(
     vf, gf, bf = v.float(), g.float(), beta.float()
     out = torch.empty(T, HV, v.shape[2], dtype=torch.float32, device=v.device)
 
-    def initial(b: int) -> torch.Tensor:
-        return ssm_states[slots[b]].float() if init[b] else torch.zeros_like(ssm_states[slots[b]], dtype=torch.float32)
+    def initial(i: int) -> torch.Tensor:
+        return ssm_states[slots[i]].float() if init[i] else torch.zeros_like(ssm_states[slots[i]], dtype=torch.float32)
 
-    singles = [b for b in range(len(slots)) if qsl[b + 1] - qsl[b] == 1]
+    singles = [i for i in range(len(slots)) if qsl[i + 1] - qsl[i] == 1]
     if singles:  # decode rows: one batched step
-        idx = torch.tensor([qsl[b] for b in singles], device=v.device)
-        S = torch.stack([initial(b) for b in singles])
+        idx = torch.tensor([qsl[i] for i in singles], device=v.device)
+        S = torch.stack([initial(i) for i in singles])
         o, S = _recurrent(qf[idx, None], kf[idx, None], vf[idx, None], gf[idx, None], bf[idx, None], S)
         out[idx] = o[:, 0]
-        for i, b in enumerate(singles):
-            ssm_states[slots[b]] = S[i].to(ssm_states.dtype)
-    for b in range(len(slots)):
-        lo, hi = qsl[b], qsl[b + 1]
+        for n, i in enumerate(singles):
+            ssm_states[slots[i]] = S[n].to(ssm_states.dtype)
+    for i in range(len(slots)):
+        lo, hi = qsl[i], qsl[i + 1]
         if hi - lo <= 1:
             continue
-        o, S = _chunked(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], bf[lo:hi], initial(b), chunk)
+        o, S = _chunked(qf[lo:hi], kf[lo:hi], vf[lo:hi], gf[lo:hi], bf[lo:hi], initial(i), chunk)
         out[lo:hi] = o
-        ssm_states[slots[b]] = S.to(ssm_states.dtype)
+        ssm_states[slots[i]] = S.to(ssm_states.dtype)
     return out.to(v.dtype)
 
 
@@ -195,23 +204,23 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
                      A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor,
                      query_start_loc: torch.Tensor, has_initial_state: torch.Tensor, max_query_len: int,
                      query_start_loc_host: list[int] | None = None) -> torch.Tensor:
-    """``gated_delta_rule_varlen_ref`` (q/k l2-normalised) on the gates ``gdn_gates(a, b, A_log, dt_bias)``. On the
-    GPU, steps whose rows hold at most RECURRENT_MAX_QUERY tokens take the token-by-token kernel, which computes
-    the gates itself (CUDA-graph capturable: it reads the row bounds on the device); longer prompt chunks take the
-    chunked kernels, which size their grids from the host copy."""
+    """``gated_delta_rule_varlen_ref`` (q/k l2-normalised) on the raw gate inputs. On the GPU both kernels compute
+    the gates themselves (no torch op before them): steps whose rows hold at most RECURRENT_MAX_QUERY tokens take
+    the token-by-token kernel (CUDA-graph capturable: it reads the row bounds on the device); longer prompt chunks
+    take the chunked kernels, which size their grids from the host copy."""
     if dispatch.use_triton(q.device):
         if max_query_len <= RECURRENT_MAX_QUERY or query_start_loc_host is None:
             from kernels.triton_gdn import gated_delta_rule_recurrent_triton
 
-            return gated_delta_rule_recurrent_triton(q, k, v, a, b, ssm_states, state_slots, query_start_loc,
-                                                     has_initial_state, raw_gates=(A_log, dt_bias))
+            return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
+                                                     query_start_loc, has_initial_state)
         from kernels.triton_gdn import gated_delta_rule_chunked_triton
 
-        g, beta = gdn_gates(a, b, A_log, dt_bias)
-        return gated_delta_rule_chunked_triton(q, k, v, g, beta, ssm_states, state_slots, query_start_loc,
-                                               has_initial_state, query_start_loc_host=query_start_loc_host)
-    g, beta = gdn_gates(a, b, A_log, dt_bias)
-    return gated_delta_rule_varlen_ref(q, k, v, g, beta, ssm_states, state_slots, query_start_loc, has_initial_state)
+        return gated_delta_rule_chunked_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
+                                               query_start_loc, has_initial_state,
+                                               query_start_loc_host=query_start_loc_host)
+    return gated_delta_rule_varlen_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots, query_start_loc,
+                                       has_initial_state)
 
 
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

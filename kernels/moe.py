@@ -10,6 +10,13 @@ in x's dtype, accumulated in fp32. Expert parallelism: the weights may hold only
 ``[expert_offset, expert_offset + num_local_experts)`` of the global ids; token slots routed elsewhere contribute
 zero, so each rank returns its experts' partial sums and a later combine adds them.
 
+A sigmoid-gated shared expert (Qwen3-Next / Qwen3.5) of the experts' size can ride along as one more expert:
+``route_topk(..., shared_expert_id=s)`` reads its gate logit from the logits' last column and appends slot k to
+every token, id ``s`` with weight ``sigmoid(logit)`` (so ``k`` above is then the routed top-k + 1). The weights
+hold it as their last local expert: ``num_local_experts`` counts it and ``s = expert_offset + num_local_experts - 1``
+on the rank that computes it (``pipeline/models/moe.py`` uses ``s = E``, local only on the rank holding expert
+``E - 1``). The expert compute does not tell it from a routed expert, and ``DECODE_SLOTS`` counts its slots too.
+
 ``fused_moe`` runs the Triton kernels where ``dispatch.use_triton`` says so, else ``fused_moe_ref``: for a few
 token slots (decode) one program per slot reads its expert's rows directly (``kernels/triton_moe_decode.py``), for
 more the slots are grouped by expert (``group_by_expert``, host-sync free) and run as grouped GEMMs
@@ -28,8 +35,9 @@ def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
     weights are rescaled to sum to 1. Returns ``(topk_weights fp32 [T, k], topk_ids int64 [T, k])``.
 
     ``shared_expert_id``: the logits' last column is a shared expert's gate logit, not a routed expert: the top-k
-    are picked among the other columns and a (k+1)-th slot is appended, id ``shared_expert_id`` with weight
-    ``sigmoid(logit)`` (Qwen3-Next / Qwen3.5's sigmoid-gated shared expert run as one more expert)."""
+    are picked among the other columns as without it and a (k+1)-th slot is appended, id ``shared_expert_id`` with
+    weight ``sigmoid(logit)`` in fp32 (Qwen3-Next / Qwen3.5's sigmoid-gated shared expert run as one more expert):
+    ``[T, k + 1]`` each."""
     routed = router_logits if shared_expert_id is None else router_logits[:, :-1]
     probs = torch.softmax(routed.float(), dim=-1)
     topk_weights, topk_ids = torch.topk(probs, top_k, dim=-1)

@@ -9,6 +9,9 @@ and ``has_initial_state`` on the device, never sync, and size their grids from (
   of the state in registers (BV = 32: 128-byte rows, coalesced), walks its sequence token by token, and writes the
   state back once. Decode reads and writes the state once; also a correct (slow) path at any length.
 * ``gated_delta_rule_chunked_triton``: the chunked form on tensor cores (kernels/triton_gdn_chunked.py).
+* Both delta-rule paths take the raw gate inputs (a, b, A_log, dt_bias) and compute the decay and beta gates in
+  their kernels (``gate_values``; the chunked path in its prep kernel), which spares every layer a chain of small
+  torch kernels (7 launches a layer on the decode step).
 * ``rms_norm_gated_triton``: row tiles, rounding like the reference (normed in x's dtype, weight product in the
   promoted dtype, silu(z) product in fp32).
 
@@ -22,7 +25,7 @@ import torch
 
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_gdn_chunked import chunked_forward, load_state_slice
+from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
 
 _TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
@@ -43,13 +46,12 @@ def _check_varlen(state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_
 
 @_jit
 def _recurrent_kernel(
-    q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, a_log_ptr, dt_bias_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr,
-    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot,
+    q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr,
+    scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot,
     stride_oh, stride_ss, stride_sh, stride_sk,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, RAW_GATES: tl.constexpr,
+    L2NORM: tl.constexpr,
 ):
-    """RAW_GATES: g_ptr / beta_ptr hold the projections a / b, and the gates are computed here (``gdn_gates``)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(qsl_ptr + b)
@@ -59,25 +61,19 @@ def _recurrent_kernel(
     hk = h // GROUP
     dk, dv, k_ok, v_ok, s_mask, s_ptrs, state = load_state_slice(
         slots_ptr, init_ptr, state_ptr, b, h, stride_ss, stride_sh, stride_sk, DK, DV, DK_PAD, BV)
+    a_log = tl.load(a_log_ptr + h).to(tl.float32)
+    dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
     for i in range(0, length):
         t = (lo + i).to(tl.int64)
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
         k = tl.load(k_ptr + t * stride_kt + hk * stride_kh + dk, mask=k_ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + t * stride_vt + h * stride_vh + dv, mask=v_ok, other=0.0).to(tl.float32)
-        if RAW_GATES:  # g = -exp(A_log) * softplus(a + dt_bias) (torch's threshold 20), beta = sigmoid(b) in b's dtype
-            x = tl.load(g_ptr + t * stride_gt + h).to(tl.float32) + tl.load(dt_bias_ptr + h).to(tl.float32)
-            softplus = tl.where(x > 20.0, x, tl.log(1.0 + tl.exp(x)))
-            decay = tl.exp(-tl.exp(tl.load(a_log_ptr + h).to(tl.float32)) * softplus)
-            b_raw = tl.load(beta_ptr + t * stride_bt + h)
-            beta = (1.0 / (1.0 + tl.exp(-b_raw.to(tl.float32)))).to(b_raw.dtype).to(tl.float32)
-        else:
-            decay = tl.exp(tl.load(g_ptr + t * stride_gt + h).to(tl.float32))
-            beta = tl.load(beta_ptr + t * stride_bt + h).to(tl.float32)
+        g, beta = gate_values(tl.load(a_ptr + t * stride_at + h), tl.load(b_ptr + t * stride_bt + h), a_log, dt_bias)
         if L2NORM:
             q = q * tl.rsqrt(tl.sum(q * q, 0) + 1e-6)
             k = k * tl.rsqrt(tl.sum(k * k, 0) + 1e-6)
         q = q * scale
-        state = state * decay
+        state = state * tl.exp(g)
         u = (v - tl.sum(state * k[:, None], 0)) * beta
         state = state + k[:, None] * u[None, :]
         o = tl.sum(state * q[:, None], 0)
@@ -85,38 +81,37 @@ def _recurrent_kernel(
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
 
 
-def _gdn_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
-              has_initial_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Shape checks (no host sync); last dims made contiguous where they are not (q/k/v heads may be views)."""
+def _gdn_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+              A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor,
+              query_start_loc: torch.Tensor, has_initial_state: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Shape checks (no host sync); last dims made contiguous where they are not (q/k/v heads and a/b columns are
+    views into the projection rows, whose strides the kernels take, so the layer's inputs go in uncopied)."""
     T, HK, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
-    if k.shape != q.shape or v.shape[0] != T or g.shape != (T, HV) or beta.shape != (T, HV) or HV % HK:
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, g {tuple(g.shape)}, "
-                         f"beta {tuple(beta.shape)} do not fit together")
+    if (k.shape != q.shape or v.shape[0] != T or a.shape != (T, HV) or b.shape != (T, HV) or HV % HK
+            or A_log.shape != (HV,) or dt_bias.shape != (HV,)):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, a {tuple(a.shape)}, "
+                         f"b {tuple(b.shape)}, A_log {tuple(A_log.shape)}, dt_bias {tuple(dt_bias.shape)} "
+                         f"do not fit together")
     if ssm_states.shape[1:] != (HV, dk, dv) or ssm_states.stride(3) != 1:
         raise ValueError(f"ssm_states {tuple(ssm_states.shape)} must be [slots, {HV}, {dk}, {dv}] with a contiguous "
                          f"last dim (it is updated in place)")
     init = _check_varlen(state_slots, query_start_loc, has_initial_state)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
-    g, beta = (t if t.stride(1) == 1 else t.contiguous() for t in (g, beta))
-    return q, k, v, g, beta, init
+    a, b, A_log, dt_bias = (t if t.stride(-1) == 1 else t.contiguous() for t in (a, b, A_log, dt_bias))
+    return q, k, v, a, b, A_log, dt_bias, init
 
 
 def gated_delta_rule_recurrent_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
-    raw_gates: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gated_delta_rule_varlen_ref``, token by token: o [T, HV, Dv] in v's dtype, the state
-    of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph. ``raw_gates = (A_log,
-    dt_bias)``: g and beta are the raw projections a and b [T, HV] (row-strided views are fine) and the kernel
-    computes the gates as ``gdn_gates`` does, which saves the decode step a chain of small torch kernels."""
-    q, k, v, g, beta, init = _gdn_args(q, k, v, g, beta, ssm_states, state_slots, query_start_loc, has_initial_state)
-    a_log, dt_bias = raw_gates if raw_gates is not None else (g, g)
-    if raw_gates is not None and (a_log.shape != (v.shape[1],) or dt_bias.shape != (v.shape[1],)):
-        raise ValueError(f"A_log {tuple(a_log.shape)} / dt_bias {tuple(dt_bias.shape)} must be [{v.shape[1]}]")
+    of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph: with a/b columns of the
+    projection (row-strided, last dim contiguous) it launches the one kernel and no torch op."""
+    q, k, v, a, b, A_log, dt_bias, init = _gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
+                                                    query_start_loc, has_initial_state)
     T, HK, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
@@ -125,18 +120,17 @@ def gated_delta_rule_recurrent_triton(
         return o
     bv = min(32, _pow2(dv, 16))
     _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, a_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, dk**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+        q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
-        GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=_pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
-        RAW_GATES=raw_gates is not None, num_warps=4,
+        GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=_pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm), num_warps=4,
     )
     return o
 
 
 def gated_delta_rule_chunked_triton(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-    ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor, use_qk_l2norm: bool = True, query_start_loc_host: list[int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gated_delta_rule_varlen_ref``, in 64-token chunks on tensor cores (any varlen batch).
@@ -144,14 +138,15 @@ def gated_delta_rule_chunked_triton(
     of single tokens takes the recurrent kernel instead (one launch, no scratch)."""
     if query_start_loc_host is not None and all(
             b - a <= 1 for a, b in zip(query_start_loc_host, query_start_loc_host[1:])):
-        return gated_delta_rule_recurrent_triton(q, k, v, g, beta, ssm_states, state_slots, query_start_loc,
-                                                 has_initial_state, use_qk_l2norm)
-    q, k, v, g, beta, init = _gdn_args(q, k, v, g, beta, ssm_states, state_slots, query_start_loc, has_initial_state)
+        return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
+                                                 query_start_loc, has_initial_state, use_qk_l2norm)
+    q, k, v, a, b, A_log, dt_bias, init = _gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
+                                                    query_start_loc, has_initial_state)
     T, HV, dv = v.shape
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
     if state_slots.shape[0] == 0 or T == 0:
         return o
-    chunked_forward(q, k, v, g, beta, o, ssm_states, state_slots, query_start_loc, init, use_qk_l2norm)
+    chunked_forward(q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, use_qk_l2norm)
     return o
 
 

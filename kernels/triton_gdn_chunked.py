@@ -5,7 +5,8 @@ sequence (its last chunk may be shorter) and are found on the device: sequence b
 ``qsl[b] // BT + b`` of a ``T // BT + B`` grid (the paged-attention prefill trick) and spare tiles exit, so the
 launches depend only on (T, B) and no host-built index is copied in.
 
-1. ``_chunk_prep_kernel``, grid (tiles, HV), all chunks in parallel: the strictly lower
+1. ``_chunk_prep_kernel``, grid (tiles, HV), all chunks in parallel: the gates from the raw projections
+   (``gate_values``), written to ``gates [2, T, HV]`` fp32 (g, beta) for the scan; the strictly lower
    ``A_tj = beta_t exp(G_t - G_j) k_t.k_j`` (one tl.dot) and the unit lower-triangular inverse ``(I + A)^-1``,
    written to ``tinv [T, HV, BT]`` fp32 (row = token). The inverse: the four 16x16 diagonal blocks by forward
    substitution (16 register-only steps, all four blocks at once), then two levels of block merges
@@ -45,6 +46,23 @@ def dot_precision(*tensors: torch.Tensor) -> str:
 
 
 @_jit
+def gate_values(a, b, a_log, dt_bias):
+    """``kernels.gdn.gdn_gates`` on loaded values (scalars or blocks; a_log, dt_bias fp32): (g fp32, beta fp32).
+    softplus as torch's: x above 20 passes through, else log1p(exp(x)), with log1p(e) = log(u) * e / (u - 1)
+    for u = 1 + e (exact where 1 + e rounds; e itself where u is 1), since log(1 + e) alone loses small e. beta
+    is sigmoid(b) in fp32 rounded to b's dtype, as torch computes it on a 16-bit tensor. Shared by the recurrent
+    and the chunk-prep kernels."""
+    x = a.to(tl.float32) + dt_bias
+    e = tl.exp(tl.minimum(x, 20.0))
+    u = 1.0 + e
+    small = u == 1.0
+    log1p = tl.where(small, e, tl.log(u) * (e / tl.where(small, 1.0, u - 1.0)))
+    g = -tl.exp(a_log) * tl.where(x > 20.0, x, log1p)
+    beta = (1.0 / (1.0 + tl.exp(-b.to(tl.float32)))).to(b.dtype).to(tl.float32)
+    return g, beta
+
+
+@_jit
 def load_state_slice(slots_ptr, init_ptr, state_ptr, b, h, stride_ss, stride_sh, stride_sk,
                      DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr):
     """A program's [DK_PAD, BV] fp32 slice of sequence b's value head h state (zeros when it starts fresh), with
@@ -77,9 +95,10 @@ def _merge_blocks(base, n, off, RS: tl.constexpr, SIZE: tl.constexpr, PRECISION:
     tl.store(base + bot[:, None] * RS + top[None, :], x, mask=bot_ok)
 
 
-@_jit(do_not_specialize=["num_seqs"])
+@_jit(do_not_specialize=["num_seqs", "num_tokens"])
 def _chunk_prep_kernel(
-    k_ptr, g_ptr, beta_ptr, qsl_ptr, tinv_ptr, num_seqs, stride_kt, stride_kh, stride_gt, stride_bt,
+    k_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, qsl_ptr, gates_ptr, tinv_ptr, num_seqs, num_tokens, stride_kt,
+    stride_kh, stride_at, stride_bt,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DK_PAD: tl.constexpr, L2NORM: tl.constexpr,
     PRECISION: tl.constexpr, BT: tl.constexpr,
 ):
@@ -94,9 +113,14 @@ def _chunk_prep_kernel(
     r = tl.arange(0, BT)
     r_ok = r < n
     tok = (lo + t0 + r).to(tl.int64)
-    g = tl.load(g_ptr + tok * stride_gt + h, mask=r_ok, other=0.0).to(tl.float32)
-    G = tl.cumsum(g, 0)
-    beta = tl.load(beta_ptr + tok * stride_bt + h, mask=r_ok, other=0.0).to(tl.float32)
+    g, beta = gate_values(tl.load(a_ptr + tok * stride_at + h, mask=r_ok, other=0.0),
+                          tl.load(b_ptr + tok * stride_bt + h, mask=r_ok, other=0.0),
+                          tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32))
+    G = tl.cumsum(tl.where(r_ok, g, 0.0), 0)
+    beta = tl.where(r_ok, beta, 0.0)
+    # for the scan, whose serial loop is the long pole: reading these costs it less than computing them (H200)
+    tl.store(gates_ptr + tok * HV + h, g, mask=r_ok)
+    tl.store(gates_ptr + num_tokens * HV + tok * HV + h, beta, mask=r_ok)
     dk = tl.arange(0, DK_PAD)
     k = tl.load(k_ptr + tok[:, None] * stride_kt + (h // GROUP) * stride_kh + dk[None, :],
                 mask=r_ok[:, None] & (dk < DK)[None, :], other=0.0).to(tl.float32)
@@ -134,7 +158,7 @@ def _chunk_prep_kernel(
 @_jit
 def _chunk_scan_kernel(
     q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tinv_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, scale,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_gt, stride_bt, stride_ot, stride_oh,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_ss, stride_sh, stride_sk,
     HV: tl.constexpr, GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr,
     BV: tl.constexpr, L2NORM: tl.constexpr, PRECISION: tl.constexpr, BT: tl.constexpr,
@@ -153,10 +177,10 @@ def _chunk_scan_kernel(
     for c in range(0, tl.cdiv(length, BT)):
         r_ok = r < length - c * BT
         tok = (lo + c * BT + r).to(tl.int64)
-        g = tl.load(g_ptr + tok * stride_gt + h, mask=r_ok, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + tok * HV + h, mask=r_ok, other=0.0)
         G = tl.cumsum(g, 0)  # padding rows add 0: G there is G_end
         g_end = tl.sum(g, 0)
-        beta = tl.load(beta_ptr + tok * stride_bt + h, mask=r_ok, other=0.0).to(tl.float32)
+        beta = tl.load(beta_ptr + tok * HV + h, mask=r_ok, other=0.0)
         qk_mask = r_ok[:, None] & k_ok[None, :]
         k = tl.load(k_ptr + tok[:, None] * stride_kt + hk * stride_kh + dk[None, :], mask=qk_mask, other=0.0)
         q = tl.load(q_ptr + tok[:, None] * stride_qt + hk * stride_qh + dk[None, :], mask=qk_mask, other=0.0)
@@ -185,28 +209,31 @@ def _chunk_scan_kernel(
 
 
 def chunked_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, o: torch.Tensor,
-    ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
-    has_initial_state: torch.Tensor, use_qk_l2norm: bool,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+    dt_bias: torch.Tensor, o: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor,
+    query_start_loc: torch.Tensor, has_initial_state: torch.Tensor, use_qk_l2norm: bool,
 ) -> None:
     """Launch both kernels on checked arguments (``gated_delta_rule_chunked_triton`` does the checks): q, k
-    [T, HK, Dk], v and o [T, HV, Dv] with contiguous last dims, g and beta [T, HV] with contiguous columns."""
+    [T, HK, Dk], v and o [T, HV, Dv] with contiguous last dims, the raw gate inputs a and b [T, HV] with
+    contiguous last dims (rows may be strided), A_log and dt_bias [HV]."""
     T, HK, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]
     precision = dot_precision(q, k, v)
     dk_pad = max(16, triton.next_power_of_2(dk))
     bv = min(64, max(16, triton.next_power_of_2(dv)))
+    gates = torch.empty(2, T, HV, dtype=torch.float32, device=q.device)
     tinv = torch.empty(T, HV, BT, dtype=torch.float32, device=q.device)
     _chunk_prep_kernel[(T // BT + B, HV)](
-        k, g, beta, query_start_loc, tinv, B, k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
+        k, a, b, A_log, dt_bias, query_start_loc, gates, tinv, B, T, k.stride(0), k.stride(1), a.stride(0),
+        b.stride(0),
         HV=HV, GROUP=HV // HK, DK=dk, DK_PAD=dk_pad, L2NORM=bool(use_qk_l2norm), PRECISION=precision, BT=BT,
         num_warps=4,
     )
     _chunk_scan_kernel[(B, HV, triton.cdiv(dv, bv))](
-        q, k, v, g, beta, tinv, o, ssm_states, state_slots, query_start_loc, has_initial_state, dk**-0.5,
-        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
-        o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
+        q, k, v, gates[0], gates[1], tinv, o, ssm_states, state_slots, query_start_loc, has_initial_state, dk**-0.5,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), o.stride(0), o.stride(1),
+        ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
         HV=HV, GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=dk_pad, BV=bv, L2NORM=bool(use_qk_l2norm),
         # 4 warps: the 64-row dots are one warpgroup's (8 warps would duplicate them). BV 64, one stage: the best of
         # an H200 sweep over BV 16/32/64 x 4/8 warps x 1-3 stages at Dk = Dv = 128, bf16, 16 prompts of 512 tokens

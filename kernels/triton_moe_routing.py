@@ -10,8 +10,8 @@ reordering them) by k rounds of max + lowest index holding it among the experts 
 lower expert id. ``torch.topk`` leaves the order of ties unspecified (on CPU it is not lowest-index-first), so
 the two can differ only on tied experts. The chosen weights are ``exp(x - max) / sum(exp(x - max))`` in fp32,
 then divided by their sum when ``renormalize``. With a shared expert (its gate logit in the last column) the
-row also gets slot k: the shared expert's id and sigmoid(logit). No host sync and output sizes fixed by the input's shape:
-CUDA-graph capturable.
+row also gets slot k: the shared expert's id and sigmoid(logit) in fp32. No host sync and output sizes fixed by the
+input's shape: CUDA-graph capturable.
 """
 
 from __future__ import annotations

@@ -1,24 +1,27 @@
 """The sparse mixture-of-experts MLP block, reusable across MoE families (Qwen3-MoE; Qwen3-Next /
-Qwen3.5-MoE with a gated shared expert).
+Qwen3.5-MoE with a sigmoid-gated shared expert).
 
 Expert weights are stacked: ``w13 [E_local, 2*I, H]`` (gate rows then up rows) and ``w2 [E_local, H, I]``.
 The block holds the experts ``[expert_offset, expert_offset + num_local_experts)`` (the expert-parallel
 boundary) and its forward runs in three named steps a comm stage can split:
 
-    route(x)                          -> (topk_weights fp32 [T, k], topk_ids [T, k])   (global expert ids)
+    route(x)                          -> (topk_weights fp32 [T, k'], topk_ids [T, k'])   (global expert ids)
     experts(x, topk_weights, topk_ids) -> partial y [T, H]  (only this block's local experts contribute)
     combine(partial)                   -> y  (identity on one rank; where the all-reduce / all-to-all goes)
 
-plus the optional shared expert: ``y = combine(experts(x, *route(x))) + sigmoid(shared_expert_gate(x)) *
-shared_expert(x)``.
+``k' = k``, or ``k + 1`` with the shared expert folded in. The shared expert computes
+``sigmoid(shared_expert_gate(x)) * shared_expert(x)``, added to the routed output. When its intermediate size equals
+the routed experts' (Qwen3-Next, Qwen3.5-MoE) it is folded in as one more expert with the global id ``num_experts``:
+its gate is the router's last row (one GEMV gives the routing logits and the gate logit), ``route`` appends a
+(k+1)-th slot to every token (that id, weight sigmoid(gate logit)), and the fused MoE kernels run it in the same
+launches as the routed experts (at batch-1 decode that saves seven small kernels a layer). Otherwise it stays a
+separate GatedMLP that ``forward`` adds after ``combine``.
 
-When the shared expert has the routed experts' size and the block holds the last of the global experts (one GPU,
-or the last rank of an expert-parallel group), it is folded in as one more expert: local index
-``num_local_experts`` of ``w13`` / ``w2``, its gate a last row of the router, and ``route`` appends it to every
-token's top-k with weight sigmoid(gate logit). The fused MoE kernels then run it in the same launches as the routed
-experts (at batch-1 decode that saves seven small kernels a layer). Its id, ``expert_offset + num_local_experts``,
-cannot collide with a routed id only on the rank that holds the last expert, hence that condition; another rank
-keeps the separate shared expert, and with experts split across ranks only one rank may add it.
+Expert parallelism: the partials are summed over ranks, so the shared expert must be added by one rank only: the
+block holding the last routed expert (``expert_offset + num_local_experts == num_experts``; the only block on one
+GPU). Folded, it is that block's local expert ``num_local_experts`` (its id, ``num_experts``, is local to no other
+block); separate, that block's forward adds it. The other blocks hold no shared-expert weights (they skip those
+names), but their router keeps the gate row, so every rank's ``route`` gives the same slots.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from pipeline.models.layers import GatedMLP, Linear
 
 _EXPERT_RE = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _STACKED_RE = re.compile(r"^experts\.(gate_up_proj|down_proj)(\.weight)?$")
+_SHARED_NAMES = frozenset(f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj"))
 
 
 class SparseMoeBlock(nn.Module):
@@ -41,8 +45,9 @@ class SparseMoeBlock(nn.Module):
     ``gate.weight`` [E, H] (``mlp.gate.weight``), ``w13`` [E_local, 2I, H], ``w2`` [E_local, H, I]
     (``mlp.experts.{e}.{gate,up,down}_proj.weight`` or the stacked ``mlp.experts.{gate_up,down}_proj``),
     ``shared_expert`` (``mlp.shared_expert.{gate,up,down}_proj.weight``) and ``shared_expert_gate.weight``
-    [1, H] (``mlp.shared_expert_gate.weight``); folded (module docstring), those four tensors load into the last
-    expert of ``w13`` / ``w2`` and row E of ``gate.weight`` [E + 1 rounded up to 8, H]."""
+    [1, H] (``mlp.shared_expert_gate.weight``). Folded (module docstring), the shared expert's tensors load into
+    expert ``E_local`` of ``w13`` / ``w2`` [E_local + 1, ...] and its gate into the last row of ``gate.weight``
+    [E + 1, H]; ``fold_shared_expert=False`` keeps it separate whatever the sizes."""
 
     def __init__(
         self,
@@ -57,6 +62,7 @@ class SparseMoeBlock(nn.Module):
         hidden_act: str = "silu",
         dtype=None,
         device=None,
+        fold_shared_expert: bool = True,
     ) -> None:
         super().__init__()
         if hidden_act != "silu":
@@ -74,20 +80,23 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.expert_offset = expert_offset
         self.num_local_experts = num_local
-        # the shared expert as one more local expert (module docstring)
-        self.fold_shared = (shared_expert_intermediate_size == moe_intermediate_size
-                            and expert_offset + num_local == num_experts)
-        stacked = num_local + self.fold_shared
+        self.has_shared_expert = bool(shared_expert_intermediate_size)
+        # the shared expert as one more expert (module docstring), routed on every block, computed on one
+        self.fold_shared = (self.has_shared_expert and fold_shared_expert
+                            and shared_expert_intermediate_size == moe_intermediate_size)
+        self.shared_expert_id = num_experts if self.fold_shared else None
+        self.holds_shared = self.has_shared_expert and expert_offset + num_local == num_experts
+        self.num_stacked = num_local + (self.fold_shared and self.holds_shared)  # experts in w13 / w2
         # the router; folded, padded to a multiple of 8 rows: an odd row count sends prefill-sized router GEMMs to
         # an unaligned cuBLAS kernel (6 of a 164 ms Qwen3.5-35B-A3B prefill step on an H200). Padding rows are unread
         self.router_rows = num_experts + self.fold_shared
         self.gate = Linear(hidden_size, -(-self.router_rows // 8) * 8 if self.fold_shared else num_experts, False,
                            dtype, device)
         self.w13 = nn.Parameter(
-            torch.empty(stacked, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
-        self.w2 = nn.Parameter(torch.empty(stacked, hidden_size, moe_intermediate_size, dtype=dtype, device=device))
-        self.has_shared_expert = bool(shared_expert_intermediate_size)
-        if shared_expert_intermediate_size and not self.fold_shared:
+            torch.empty(self.num_stacked, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
+        self.w2 = nn.Parameter(
+            torch.empty(self.num_stacked, hidden_size, moe_intermediate_size, dtype=dtype, device=device))
+        if self.holds_shared and not self.fold_shared:
             self.shared_expert = GatedMLP(
                 hidden_size, shared_expert_intermediate_size, False, hidden_act, dtype, device)
             self.shared_expert_gate = Linear(hidden_size, 1, False, dtype, device)
@@ -98,15 +107,14 @@ class SparseMoeBlock(nn.Module):
     # ---- forward, in steps ----
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids); with the shared expert
-        folded in, [T, k + 1], its slot last."""
-        shared_id = self.expert_offset + self.num_local_experts if self.fold_shared else None
-        return route_topk(self.gate(x)[:, :self.router_rows], self.top_k, self.norm_topk_prob, shared_id)
+        folded in, [T, k + 1], its slot (id ``num_experts``) last. The same on every block."""
+        return route_topk(self.gate(x)[:, :self.router_rows], self.top_k, self.norm_topk_prob, self.shared_expert_id)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
-        elsewhere get zeros here), so the full output is the sum of every holder's partial."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset,
-                         self.num_local_experts + self.fold_shared)
+        elsewhere get zeros here), so the full output is the sum of every holder's partial. The folded shared
+        expert is local expert ``num_local_experts`` of the block that holds it."""
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split
@@ -127,9 +135,10 @@ class SparseMoeBlock(nn.Module):
         names = {"gate.weight"}
         for e in range(self.expert_offset, self.expert_offset + self.num_local_experts):
             names |= {f"experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
-        if self.has_shared_expert:
-            names |= {f"shared_expert.{p}.weight" for p in ("gate_proj", "up_proj", "down_proj")}
+        if self.fold_shared or self.holds_shared:  # folded, the gate is a router row on every block
             names.add("shared_expert_gate.weight")
+        if self.holds_shared:
+            names |= _SHARED_NAMES
         return names
 
     def missing_weights(self) -> list[str]:
@@ -138,8 +147,8 @@ class SparseMoeBlock(nn.Module):
     @torch.no_grad()
     def load_expert_weight(self, name: str, tensor: torch.Tensor) -> bool:
         """Load one HF tensor given by its name relative to the block. Returns False when the tensor is
-        skipped (experts outside this block's local range). Raises KeyError on an unknown name and
-        ValueError on a shape mismatch.
+        skipped (experts outside this block's local range; the shared expert on a block that does not hold it).
+        Raises KeyError on an unknown name and ValueError on a shape mismatch.
 
         Accepts the per-expert names (``experts.{e}.gate_proj.weight`` [I, H], ``up_proj`` [I, H],
         ``down_proj`` [H, I]) and the stacked transformers-5 forms ``experts.gate_up_proj`` ([E, 2I, H], or
@@ -176,39 +185,38 @@ class SparseMoeBlock(nn.Module):
                 src = tensor[lo:hi].transpose(1, 2)
             else:
                 raise ValueError(f"{name}: checkpoint shape {shape} is neither {direct} nor {transposed}")
-            dst[: hi - lo].copy_(src)
+            dst[: hi - lo].copy_(src)  # a folded shared expert, after the routed ones, is left alone
             self._loaded |= {f"experts.{e}.{p}.weight" for e in range(lo, hi) for p in parts}
             return True
-        E = self.num_experts
         if name == "gate.weight":
-            self._copy(name, self.gate.weight.data[:E], tensor)
-        elif self.fold_shared and name == "shared_expert_gate.weight":
-            self._copy(name, self.gate.weight.data[E:E + 1], tensor)
-            self.gate.weight.data[E + 1:].zero_()
-        elif self.fold_shared and name.startswith("shared_expert."):
-            shared = hi - lo  # the folded expert's local index
-            dsts = {"shared_expert.gate_proj.weight": lambda: self.w13.data[shared, :I],
-                    "shared_expert.up_proj.weight": lambda: self.w13.data[shared, I:],
-                    "shared_expert.down_proj.weight": lambda: self.w2.data[shared]}
-            if name not in dsts:
-                raise KeyError(f"unknown MoE weight name {name!r}")
-            self._copy(name, dsts[name](), tensor)
-        elif self.shared_expert is not None and name == "shared_expert_gate.weight":
-            self._copy(name, self.shared_expert_gate.weight.data, tensor)
-        elif self.shared_expert is not None and name.startswith("shared_expert."):
-            S = self.shared_expert.intermediate_size
-            dsts = {
-                "shared_expert.gate_proj.weight": lambda: self.shared_expert.gate_up_proj.weight.data[:S],
-                "shared_expert.up_proj.weight": lambda: self.shared_expert.gate_up_proj.weight.data[S:],
-                "shared_expert.down_proj.weight": lambda: self.shared_expert.down_proj.weight.data,
-            }
-            if name not in dsts:
-                raise KeyError(f"unknown MoE weight name {name!r}")
-            self._copy(name, dsts[name](), tensor)
+            dst = self.gate.weight.data[: self.num_experts]
+        elif self.has_shared_expert and (name == "shared_expert_gate.weight" or name in _SHARED_NAMES):
+            dst = self._shared_destination(name)
+            if dst is None:
+                return False
         else:
             raise KeyError(f"unknown MoE weight name {name!r}")
+        self._copy(name, dst, tensor)
         self._loaded.add(name)
         return True
+
+    def _shared_destination(self, name: str) -> torch.Tensor | None:
+        """Where a shared-expert tensor goes: folded, the router's last row and expert ``num_local_experts`` of
+        ``w13`` / ``w2``; else the separate modules. None where this block does not take it (module docstring)."""
+        if name == "shared_expert_gate.weight":
+            if self.fold_shared:
+                self.gate.weight.data[self.router_rows:].zero_()  # the alignment padding
+                return self.gate.weight.data[self.num_experts:self.router_rows]
+            return self.shared_expert_gate.weight.data if self.holds_shared else None
+        if not self.holds_shared:
+            return None
+        if self.fold_shared:
+            gate_up, down = self.w13.data[self.num_local_experts], self.w2.data[self.num_local_experts]
+        else:
+            gate_up, down = self.shared_expert.gate_up_proj.weight.data, self.shared_expert.down_proj.weight.data
+        inter = gate_up.shape[0] // 2
+        return {"shared_expert.gate_proj.weight": gate_up[:inter], "shared_expert.up_proj.weight": gate_up[inter:],
+                "shared_expert.down_proj.weight": down}[name]
 
     @staticmethod
     def _copy(name: str, dst: torch.Tensor, tensor: torch.Tensor) -> None:
@@ -217,7 +225,10 @@ class SparseMoeBlock(nn.Module):
         dst.copy_(tensor)
 
     def extra_repr(self) -> str:
+        shared = ("folded" if self.fold_shared else "separate") if self.has_shared_expert else "none"
+        if self.has_shared_expert and not self.holds_shared:
+            shared += " (on another rank)"
         return (f"experts={self.num_experts}, local=[{self.expert_offset}, "
                 f"{self.expert_offset + self.num_local_experts}), top_k={self.top_k}, "
                 f"intermediate={self.intermediate_size}, norm_topk_prob={self.norm_topk_prob}, "
-                f"shared_expert={'folded' if self.fold_shared else self.has_shared_expert}")
+                f"shared_expert={shared}")

@@ -194,3 +194,36 @@ def test_shared_expert_slot(renormalize, dtype):
     ref_w, ref_ids = route_topk_ref(full, 4, renormalize, shared_expert_id=16)
     torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
     assert torch.equal(ids.long(), ref_ids)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_shared_expert_slot_reference(dtype):
+    """``route_topk_ref`` with a shared expert: the routed k exactly as without the gate column (softmax over the
+    routed columns only), then the shared id with sigmoid of the gate logit taken in fp32."""
+    full = (torch.randn(6, 9, generator=torch.Generator().manual_seed(8)) * 2).to(dtype)
+    for renormalize in (True, False):
+        weights, ids = route_topk_ref(full, 3, renormalize, shared_expert_id=40)
+        assert weights.dtype == torch.float32 and ids.dtype == torch.int64 and weights.shape == ids.shape == (6, 4)
+        plain_w, plain_ids = route_topk_ref(full[:, :8], 3, renormalize)
+        assert torch.equal(weights[:, :3], plain_w) and torch.equal(ids[:, :3], plain_ids)
+        assert (ids[:, 3] == 40).all() and torch.equal(weights[:, 3], torch.sigmoid(full[:, 8].float()))
+        if renormalize:
+            torch.testing.assert_close(weights[:, :3].sum(1), torch.ones(6))
+
+
+@needs_triton
+def test_shared_expert_slot_strided_empty_and_bad():
+    """The gate column read through any strides; no tokens, no launch; the shared column is not a routed expert."""
+    from kernels.triton_moe_routing import route_topk_triton
+
+    wide = logits(4, 40, seed=9)
+    for view in (wide[:, 3:20], wide[:, ::4], logits(17, 4, seed=10).t()):  # 16 + 1, 9 + 1, 3 + 1 columns
+        weights, ids = route_topk_triton(view, 2, True, shared_expert_id=99)
+        ref_w, ref_ids = route_topk_ref(view.contiguous(), 2, True, shared_expert_id=99)
+        assert weights.shape == (view.shape[0], 3) and torch.equal(ids.long(), ref_ids)
+        torch.testing.assert_close(weights, ref_w, atol=1e-6, rtol=1e-5)
+    weights, ids = route_topk_triton(torch.zeros(0, 9, device=DEVICE), 2, False, shared_expert_id=8)
+    assert weights.shape == ids.shape == (0, 3)
+    for bad, k in [(torch.zeros(2, 1), 1), (torch.zeros(2, 5), 5)]:  # no routed expert; k above the 4 routed
+        with pytest.raises(ValueError):
+            route_topk_triton(bad.to(DEVICE), k, True, shared_expert_id=4)

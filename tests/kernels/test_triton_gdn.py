@@ -3,10 +3,12 @@ references in ``kernels/gdn.py``.
 
 On CPU they run under the Triton interpreter (tests/conftest.py sets TRITON_INTERPRET=1) on small shapes: varlen
 batches mixing single tokens with sequences that cross 64-token chunk boundaries, slots out of order with gaps
-(slots outside the batch must stay untouched), GQA and HV == HK, fp32 and bf16. The interpreter computes in exact
-fp32 (its bf16 casts truncate: one ulp). On a GPU the same tests run for real, plus the ``gpu``-marked ones:
-realistic Qwen3.5 shapes and CUDA-graph capture of the decode kernels. There the chunked kernel's dots are tf32
-for bf16 inputs, hence the bf16 tolerances on the fp32 states.
+(slots outside the batch must stay untouched), GQA and HV == HK, fp32 and bf16. The kernels take the raw gate
+inputs (a, b as column views of a projection row, A_log, dt_bias) and compute the gates themselves; the references
+go through ``gdn_gates``. The interpreter computes in exact fp32 (its bf16 casts truncate: one ulp, beta too). On
+a GPU the same tests run for real, plus the ``gpu``-marked ones: realistic Qwen3.5 shapes and CUDA-graph capture
+of the decode kernels. There the chunked kernel's dots are tf32 for bf16 inputs, hence the bf16 tolerances on the
+fp32 states.
 """
 
 from __future__ import annotations
@@ -51,27 +53,32 @@ def batch(lens: list[int], num_slots: int, seed: int, init: list[bool] | None = 
     return slots.to(DEVICE), qsl.to(DEVICE), torch.tensor(init, dtype=torch.bool, device=DEVICE)
 
 
+PER_TOKEN = ("q", "k", "v", "a", "b")  # the inputs with a token dim (A_log, dt_bias are per head)
+
+
 def gdn_inputs(T: int, hk: int, hv: int, dk: int, dv: int, dtype: torch.dtype, seed: int, num_slots: int,
                fused: bool = False) -> dict[str, torch.Tensor]:
-    """q, k, v (views into one [T, 2*hk*dk + hv*dv] row like the conv output when ``fused``), gates from
-    ``gdn_gates`` (log decays from ~0 to ~-1), random fp32 states."""
+    """q, k, v, and the raw gate inputs a, b (when ``fused``, views into one [T, 2*hk*dk + hv*dv] row like the conv
+    output, and into a [T, 8 + 2*hv] row like the projection's [.. | b | a] tail), A_log, dt_bias (log decays from
+    ~0 to ~-1), random fp32 states."""
     gen = torch.Generator().manual_seed(seed)
     mixed = torch.randn(T, 2 * hk * dk + hv * dv, generator=gen).to(dtype=dtype, device=DEVICE)
     q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=1)
     q, k, v = q.unflatten(1, (hk, dk)), k.unflatten(1, (hk, dk)), v.unflatten(1, (hv, dv))
+    proj = torch.randn(T, 8 + 2 * hv, generator=gen).to(dtype=dtype, device=DEVICE)
+    b, a = proj[:, 8:8 + hv], proj[:, 8 + hv:]
     if not fused:
-        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    a, b = (torch.randn(T, hv, generator=gen).to(dtype=dtype, device=DEVICE) for _ in range(2))
+        q, k, v, a, b = (t.contiguous() for t in (q, k, v, a, b))
     A_log = torch.linspace(-4, 0.5, hv, device=DEVICE)
-    g, beta = gdn_gates(a, b, A_log, torch.zeros(hv, device=DEVICE))
+    dt_bias = torch.linspace(-0.3, 0.3, hv, device=DEVICE)
     states = (torch.randn(num_slots, hv, dk, dv, generator=gen) * 0.5).to(DEVICE)
-    return dict(q=q, k=k, v=v, g=g, beta=beta, ssm_states=states)
+    return dict(q=q, k=k, v=v, a=a, b=b, A_log=A_log, dt_bias=dt_bias, ssm_states=states)
 
 
 def run(fn, inputs: dict[str, torch.Tensor], slots, qsl, init, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, states after) on a copy of the states."""
     states = inputs["ssm_states"].clone()
-    o = fn(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"], states, slots, qsl, init, **kwargs)
+    o = fn(*(inputs[name] for name in (*PER_TOKEN, "A_log", "dt_bias")), states, slots, qsl, init, **kwargs)
     return o, states
 
 
@@ -91,7 +98,7 @@ def gdn_fns():
 @pytest.mark.parametrize("hk,hv", [(1, 2), (2, 2)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gdn_varlen_matches_reference(kernel, dtype, hk, hv):
-    """Mixed lengths, GQA and HV == HK, q/k/v as strided views of one fused row."""
+    """Mixed lengths, GQA and HV == HK, q/k/v and a/b as strided views of fused rows."""
     slots, qsl, init = batch(MIXED, 9, seed=1)
     inputs = gdn_inputs(sum(MIXED), hk, hv, 32, 32, dtype, seed=2, num_slots=9, fused=True)
     kwargs = {"query_start_loc_host": qsl.tolist()} if kernel == "chunked" else {}
@@ -151,7 +158,7 @@ def test_decode_batch_equals_each_sequence_alone(n):
 
     one = torch.tensor([0, 1], dtype=torch.int32, device=DEVICE)
     for b in range(n):
-        alone = {name: (t if name == "ssm_states" else t[b:b + 1]) for name, t in inputs.items()}
+        alone = {name: (t[b:b + 1] if name in PER_TOKEN else t) for name, t in inputs.items()}
         o_b, states_b = run(recurrent, alone, slots[b:b + 1], one, init[b:b + 1])
         assert torch.equal(o_b, o[b:b + 1])
         assert torch.equal(states_b[slots[b].long()], states[slots[b].long()])
@@ -164,51 +171,85 @@ def test_decode_batch_equals_each_sequence_alone(n):
     untouched(conv_after, conv_states, slots)
 
 
+def extreme_gate_inputs(T: int, hv: int, dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
+    """a, b as column views of a wider projection row (as the layer passes them), with softplus inputs
+    a + dt_bias past its threshold of 20, just around it, and far below 0; b saturating sigmoid both ways."""
+    gen = torch.Generator().manual_seed(seed)
+    proj = (torch.randn(T, 5 + 2 * hv, generator=gen) * 8).to(dtype)
+    proj[:8, 5 + hv] = torch.tensor([25.0, -30.0, 19.9, 20.1, 100.0, -100.0, 20.0, -8.0])  # head 0: dt_bias 0
+    proj[-4:, 6] = torch.tensor([30.0, -30.0, 0.0, -3.0])  # b of head 1
+    proj = proj.to(DEVICE)
+    return dict(b=proj[:, 5:5 + hv], a=proj[:, 5 + hv:], A_log=torch.linspace(-2, 1, hv, device=DEVICE),
+                dt_bias=torch.linspace(0, 1, hv, device=DEVICE))
+
+
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_in_kernel_gates_equal_gdn_gates(kernel, dtype):
+    """Probes that expose the gates each kernel computes from a, b in ``dtype``, on single tokens (the chunked
+    entry point without the host copy runs its chunk kernels on them), q/k/v in fp32 so that nothing else rounds:
+
+    * q = k = 0: the state becomes exp(g) * S0, so an all-ones state reads out exp(g) (compared as logs: exp
+      multiplies an ulp of g by |g|, and near 1 it cannot resolve g below an ulp of 1);
+    * from a zero state, q = k = e_0 (no l2norm), v = Dk^0.5: the output is beta, which must be rounded to b's
+      dtype. Both equal ``gdn_gates``' to an ulp or two, bf16 beta to one bf16 ulp (the interpreter truncates)."""
+    T, hv, dk, dv = 8, 4, 16, 16
+    slots = torch.arange(1, T + 1, dtype=torch.int32, device=DEVICE)
+    qsl = torch.arange(T + 1, dtype=torch.int32, device=DEVICE)
+    gates = extreme_gate_inputs(T, hv, dtype, seed=50)
+    g, beta = gdn_gates(gates["a"], gates["b"], gates["A_log"], gates["dt_bias"])
+    assert (gates["a"][:, 0] > 20).any() and (gates["a"][:, 0] < -20).any()
+    zeros = torch.zeros(T, 1, dk, device=DEVICE)
+    unit = zeros.clone()
+    unit[..., 0] = 1
+    fn = gdn_fns()[kernel]
+
+    decay_in = dict(q=zeros, k=zeros, v=torch.zeros(T, hv, dv, device=DEVICE), **gates,
+                    ssm_states=torch.ones(T + 1, hv, dk, dv, device=DEVICE))
+    _, states = run(fn, decay_in, slots, qsl, torch.ones(T, dtype=torch.bool, device=DEVICE), use_qk_l2norm=False)
+    torch.testing.assert_close(states[1:].log(), g[:, :, None, None].expand(T, hv, dk, dv), atol=1e-6, rtol=1e-6)
+
+    beta_in = dict(q=unit, k=unit, v=torch.full((T, hv, dv), dk**0.5, device=DEVICE), **gates,
+                   ssm_states=torch.zeros(T + 1, hv, dk, dv, device=DEVICE))
+    o, _ = run(fn, beta_in, slots, qsl, torch.zeros(T, dtype=torch.bool, device=DEVICE), use_qk_l2norm=False)
+    assert torch.equal(o, o.to(dtype).float()), "beta is not rounded to b's dtype"
+    want = beta.float()[:, :, None].expand(T, hv, dv)
+    torch.testing.assert_close(o, want, atol=0, rtol=2**-7 if dtype == torch.bfloat16 else 2e-6)
+
+
+@pytest.mark.parametrize("kernel", ["recurrent", "chunked"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_recurrent_computes_the_gates_from_raw_projections(dtype):
-    """``raw_gates``: a and b as column views of a wider projection row (as the layer passes them), including
-    softplus inputs past its threshold of 20 and far below 0; equals the kernel fed ``gdn_gates``' g and beta."""
-    from kernels.triton_gdn import gated_delta_rule_recurrent_triton
-
-    lens = [1, 3, 1, 2]
-    slots, qsl, init = batch(lens, 8, seed=50)
-    hk, hv, dk, dv = 1, 4, 16, 16
-    inputs = gdn_inputs(sum(lens), hk, hv, dk, dv, dtype, seed=51, num_slots=8)
-    gen = torch.Generator().manual_seed(52)
-    proj = (torch.randn(sum(lens), 3 + 2 * hv, generator=gen) * 8).to(device=DEVICE, dtype=dtype)
-    proj[0, 3 + hv:] = torch.tensor([25.0, -30.0, 19.9, 20.1])
-    b_raw, a_raw = proj[:, 3:3 + hv], proj[:, 3 + hv:]
-    A_log = torch.linspace(-2, 1, hv, device=DEVICE)
-    dt_bias = torch.linspace(-1, 1, hv, device=DEVICE)
-    g, beta = gdn_gates(a_raw, b_raw, A_log, dt_bias)
-    fed = run(gated_delta_rule_recurrent_triton, {**inputs, "g": g, "beta": beta}, slots, qsl, init)
-    raw = run(gated_delta_rule_recurrent_triton, {**inputs, "g": a_raw, "beta": b_raw}, slots, qsl, init,
-              raw_gates=(A_log, dt_bias))
-    exact = dict(atol=1e-6, rtol=1e-6)  # bf16: beta is rounded to bf16 in the kernel (the interpreter truncates)
-    torch.testing.assert_close(raw[0], fed[0], **(exact if dtype == torch.float32 else tol(dtype)))
-    torch.testing.assert_close(raw[1], fed[1], **(exact if dtype == torch.float32 else state_tol(dtype)))
-    with pytest.raises(ValueError):
-        run(gated_delta_rule_recurrent_triton, inputs, slots, qsl, init, raw_gates=(A_log[:2], dt_bias))
+def test_raw_gates_match_reference(kernel, dtype):
+    """The whole rule on extreme raw gates (strided a/b views, softplus past its threshold and far below 0):
+    each kernel equals the reference fed the same a and b, decode rows beside sequences over a chunk boundary."""
+    lens = [1, 70, 3, 1]
+    slots, qsl, init = batch(lens, 8, seed=51)
+    inputs = gdn_inputs(sum(lens), 1, 4, 16, 16, dtype, seed=52, num_slots=8, fused=True)
+    inputs.update(extreme_gate_inputs(sum(lens), 4, dtype, seed=53))
+    kwargs = {"query_start_loc_host": qsl.tolist()} if kernel == "chunked" else {}
+    o, states = run(gdn_fns()[kernel], inputs, slots, qsl, init, **kwargs)
+    ref_o, ref_states = run(gated_delta_rule_varlen_ref, inputs, slots, qsl, init)
+    exact = dict(atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(o, ref_o, **(exact if dtype == torch.float32 else tol(dtype)))
+    torch.testing.assert_close(states, ref_states, **(exact if dtype == torch.float32 else state_tol(dtype)))
+    untouched(states, inputs["ssm_states"], slots)
 
 
-def test_dispatch_takes_raw_gates():
-    """``kernels.gdn.gated_delta_rule`` (the layer's entry point) on raw a / b equals the reference on
-    ``gdn_gates``' output, for decode rows and for prompt chunks."""
-    from kernels import gdn
+def test_dispatch_takes_raw_gates(monkeypatch):
+    """``kernels.gdn.gated_delta_rule`` (the layer's entry point) routes decode rows to the recurrent kernel and
+    prompt chunks to the chunked kernels (forced onto the Triton branch under the interpreter); both equal the
+    reference."""
+    from kernels import dispatch, gdn
 
+    if INTERPRET:
+        monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
     for lens in ([1, 1, 1], [5, 70, 1]):
         slots, qsl, init = batch(lens, 8, seed=60)
-        inputs = gdn_inputs(sum(lens), 1, 2, 16, 16, torch.float32, seed=61, num_slots=8)
-        gen = torch.Generator().manual_seed(62)
-        a_raw, b_raw = (torch.randn(sum(lens), 2, generator=gen).to(DEVICE) for _ in range(2))
-        A_log, dt_bias = torch.tensor([-1.0, 0.5], device=DEVICE), torch.tensor([0.3, -0.2], device=DEVICE)
-        g, beta = gdn_gates(a_raw, b_raw, A_log, dt_bias)
-        want = run(gated_delta_rule_varlen_ref, {**inputs, "g": g, "beta": beta}, slots, qsl, init)
-        states = inputs["ssm_states"].clone()
-        o = gdn.gated_delta_rule(inputs["q"], inputs["k"], inputs["v"], a_raw, b_raw, A_log, dt_bias, states, slots,
-                                 qsl, init, max(lens), qsl.tolist())
-        torch.testing.assert_close(o, want[0], **tol(torch.float32))
-        torch.testing.assert_close(states, want[1], **state_tol(torch.float32))
+        inputs = gdn_inputs(sum(lens), 1, 2, 16, 16, torch.float32, seed=61, num_slots=8, fused=True)
+        want = run(gated_delta_rule_varlen_ref, inputs, slots, qsl, init)
+        got = run(lambda *args: gdn.gated_delta_rule(*args, max(lens), qsl.tolist()), inputs, slots, qsl, init)
+        torch.testing.assert_close(got[0], want[0], **tol(torch.float32))
+        torch.testing.assert_close(got[1], want[1], **state_tol(torch.float32))
 
 
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
@@ -239,6 +280,10 @@ def test_rejects_bad_inputs():
     inputs = gdn_inputs(2, 1, 1, 16, 16, torch.float32, seed=0, num_slots=3)
     with pytest.raises(ValueError):
         run(gated_delta_rule_recurrent_triton, inputs, slots, qsl[:1], init)
+    for name in ("a", "A_log", "dt_bias"):  # gate inputs of the wrong width
+        with pytest.raises(ValueError):
+            run(gated_delta_rule_recurrent_triton, {**inputs, name: torch.cat([inputs[name]] * 2, dim=-1)}, slots,
+                qsl, init)
 
 
 # ---- GPU only: realistic shapes and CUDA graphs ----
@@ -291,7 +336,7 @@ def test_gpu_decode_cuda_graph():
 
     def step():
         y = causal_conv1d_varlen_triton(x, weight, None, conv_states, slots, qsl, init, max_query_len=1)
-        o = gated_delta_rule_recurrent_triton(inputs["q"], inputs["k"], inputs["v"], inputs["g"], inputs["beta"],
+        o = gated_delta_rule_recurrent_triton(*(inputs[name] for name in (*PER_TOKEN, "A_log", "dt_bias")),
                                               ssm_states, slots, qsl, init)
         return y, o
 
@@ -302,7 +347,7 @@ def test_gpu_decode_cuda_graph():
         y_graph, o_graph = step()
     new_x, new_inputs = fresh(43)
     x.copy_(new_x)
-    for name in ("q", "k", "v", "g", "beta"):
+    for name in PER_TOKEN:
         inputs[name].copy_(new_inputs[name])
     conv_states.copy_(conv0)
     ssm_states.copy_(new_inputs["ssm_states"])

@@ -4,11 +4,11 @@ shared-expert sparse block against transformers' own module, dummy weights, and 
 
 import dataclasses
 import math
+import os
 
 import pytest
 import torch
 
-from kernels.moe import route_topk_ref
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.moe import SparseMoeBlock
 from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
@@ -194,30 +194,112 @@ def test_shared_expert_block_matches_qwen3_next(shared_size):
         torch.testing.assert_close(block2(x.reshape(33, 64)), want, atol=1e-5, rtol=1e-5)
 
 
-def test_folded_shared_expert_equals_the_separate_one_and_keeps_the_rank_rule():
-    """The folded block on the separate block's weights gives the same output; a block that does not hold the last
-    expert (an expert-parallel rank) keeps the shared expert separate."""
-    gen = torch.Generator().manual_seed(3)
-    sep = SparseMoeBlock(64, 32, 8, 2, True, shared_expert_intermediate_size=32, num_local_experts=7)
-    folded = SparseMoeBlock(64, 32, 8, 2, True, shared_expert_intermediate_size=32)
-    assert not sep.fold_shared and sep.shared_expert is not None and folded.fold_shared
-    names = {"gate.weight": (8, 64), "shared_expert_gate.weight": (1, 64), "shared_expert.gate_proj.weight": (32, 64),
-             "shared_expert.up_proj.weight": (32, 64), "shared_expert.down_proj.weight": (64, 32),
-             "experts.gate_up_proj": (8, 64, 64), "experts.down_proj": (8, 64, 32)}
-    weights = {n: torch.randn(shape, generator=gen) / 8 for n, shape in names.items()}
+def _shared_weights(seed: int = 3, experts: int = 8) -> dict[str, torch.Tensor]:
+    """HF-named weights of a 64-wide block with 8 routed experts of size 32 and a shared expert of size 32."""
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"gate.weight": (experts, 64), "shared_expert_gate.weight": (1, 64),
+              "shared_expert.gate_proj.weight": (32, 64), "shared_expert.up_proj.weight": (32, 64),
+              "shared_expert.down_proj.weight": (64, 32), "experts.gate_up_proj": (experts, 64, 64),
+              "experts.down_proj": (experts, 64, 32)}
+    return {n: torch.randn(shape, generator=gen) / 8 for n, shape in shapes.items()}
+
+
+def _loaded_block(weights, fold=True, **kw) -> SparseMoeBlock:
+    block = SparseMoeBlock(64, 32, 8, 2, kw.pop("norm", True), shared_expert_intermediate_size=32,
+                           fold_shared_expert=fold, **kw)
     for name, t in weights.items():
-        folded.load_expert_weight(name, t)
-        sep.load_expert_weight(name, t)
-    assert folded.missing_weights() == []
-    x = torch.randn(9, 64, generator=gen)
+        block.load_expert_weight(name, t)
+    assert block.missing_weights() == []
+    return block
+
+
+@pytest.mark.parametrize("norm", [True, False])
+def test_folded_shared_expert_equals_the_separate_one(norm):
+    """Same weights, same output: the shared expert as one more routed slot or as its own MLP after the experts."""
+    weights = _shared_weights()
+    folded, sep = _loaded_block(weights, norm=norm), _loaded_block(weights, fold=False, norm=norm)
+    assert folded.fold_shared and folded.shared_expert is None and folded.w13.shape[0] == 9
+    assert not sep.fold_shared and sep.shared_expert is not None and sep.w13.shape[0] == 8
+    assert folded.gate.weight.shape == (16, 64) and sep.gate.weight.shape == (8, 64)  # 9 rows padded to 8k
+    x = torch.randn(9, 64, generator=torch.Generator().manual_seed(4))
     with torch.no_grad():
-        routed = sep.experts(x, *route_topk_ref(sep.gate(x), 2, True))  # experts 0..6 only
-        rest = SparseMoeBlock(64, 32, 8, 2, True, expert_offset=7)
-        for name, t in weights.items():
-            if name.startswith("experts.") or name == "gate.weight":
-                rest.load_expert_weight(name, t)
-        want = routed + rest.experts(x, *route_topk_ref(sep.gate(x), 2, True)) + torch.sigmoid(
-            sep.shared_expert_gate(x)) * sep.shared_expert(x)
+        w, ids = folded.route(x)
+        assert w.shape == ids.shape == (9, 3) and (ids[:, 2] == 8).all()
+        torch.testing.assert_close(w[:, 2], torch.sigmoid(sep.shared_expert_gate(x)).squeeze(1))
+        sep_w, sep_ids = sep.route(x)
+        assert torch.equal(ids[:, :2], sep_ids) and torch.equal(w[:, :2], sep_w)
+        want = sep(x)
+        torch.testing.assert_close(folded(x), want, atol=1e-5, rtol=1e-5)
+        assert not torch.allclose(sep.combine(sep.experts(x, sep_w, sep_ids)), want)  # the shared term counts
+
+
+def test_shared_expert_names_fill_the_folded_tensors():
+    """The HF names, per-expert or stacked and in any order, land in expert 8 of w13 / w2 and router row 8."""
+    weights = _shared_weights()
+    per_expert = per_expert_state_dict_block(weights)
+    for order in (list(weights.items()), list(reversed(weights.items())), list(reversed(per_expert.items()))):
+        block = SparseMoeBlock(64, 32, 8, 2, True, shared_expert_intermediate_size=32)
+        assert "shared_expert.down_proj.weight" in block.missing_weights()
+        for name, t in order:
+            assert block.load_expert_weight(name, t)
+        assert block.missing_weights() == []
+        torch.testing.assert_close(block.w13[8, :32], weights["shared_expert.gate_proj.weight"], atol=0, rtol=0)
+        torch.testing.assert_close(block.w13[8, 32:], weights["shared_expert.up_proj.weight"], atol=0, rtol=0)
+        torch.testing.assert_close(block.w2[8], weights["shared_expert.down_proj.weight"], atol=0, rtol=0)
+        torch.testing.assert_close(block.gate.weight[8:9], weights["shared_expert_gate.weight"], atol=0, rtol=0)
+        assert not block.gate.weight[9:].any()  # the alignment rows
+        torch.testing.assert_close(block.gate.weight[:8], weights["gate.weight"], atol=0, rtol=0)
+        torch.testing.assert_close(block.w13[:8], weights["experts.gate_up_proj"], atol=0, rtol=0)
+        torch.testing.assert_close(block.w2[:8], weights["experts.down_proj"], atol=0, rtol=0)
+    with pytest.raises(ValueError, match="shared_expert.up_proj"):
+        block.load_expert_weight("shared_expert.up_proj.weight", torch.zeros(48, 64))
+    with pytest.raises(KeyError):
+        block.load_expert_weight("shared_expert.bogus.weight", torch.zeros(32, 64))
+
+
+@pytest.mark.parametrize("fold", [True, False])
+def test_expert_parallel_ranks_add_the_shared_expert_once(fold):
+    """Experts [0, 4) and [4, 8) on two blocks: only the one holding the last expert holds (and adds) the shared
+    expert, the other skips its weights; both route alike; the two forwards sum to the one-block output."""
+    weights = _shared_weights(seed=5)
+    full = _loaded_block(weights, fold)
+    ranks = [_loaded_block(weights, fold, expert_offset=o, num_local_experts=4) for o in (0, 4)]
+    assert not ranks[0].holds_shared and ranks[1].holds_shared
+    assert ranks[0].w13.shape[0] == 4 and ranks[1].w13.shape[0] == 4 + fold
+    assert (ranks[1].shared_expert is None) == fold and ranks[0].shared_expert is None
+    assert not ranks[0].load_expert_weight("shared_expert.down_proj.weight", weights["shared_expert.down_proj.weight"])
+    assert ranks[0].load_expert_weight("shared_expert_gate.weight", weights["shared_expert_gate.weight"]) == fold
+    x = torch.randn(13, 64, generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        w, ids = full.route(x)
+        for rank in ranks:
+            rank_w, rank_ids = rank.route(x)
+            assert torch.equal(rank_ids, ids) and torch.equal(rank_w, w)
+        parts = [rank(x) for rank in ranks]
+        assert all(p.abs().sum() > 0 for p in parts)
+        torch.testing.assert_close(parts[0] + parts[1], full(x), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("t", [1, 50])  # 3 slots a token: 1 takes the decode kernels, 50 the grouped GEMMs
+def test_folded_block_on_the_triton_kernels(monkeypatch, t):
+    """The folded block's route and experts on the Triton kernels (the interpreter on CPU) equal the separate
+    block on the torch references."""
+    from kernels import moe, triton_compat
+
+    interpret = os.environ.get("TRITON_INTERPRET") == "1"
+    if triton_compat.triton is None or not (interpret or torch.cuda.is_available()):
+        pytest.skip("needs triton (GPU or TRITON_INTERPRET=1)")
+    device = "cpu" if interpret else "cuda"
+    weights = _shared_weights(seed=7)
+    folded, sep = _loaded_block(weights).to(device), _loaded_block(weights, fold=False)
+    x = torch.randn(t, 64, generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        want = sep(x).to(device)  # on CPU: the torch references
+        x = x.to(device)
+        monkeypatch.setattr("kernels.dispatch.use_triton", lambda device: True)
+        ids = folded.route(x)[1]
+        assert ids.dtype == torch.int32 and ids.shape == (t, 3)  # the Triton routing kernel's ids
+        assert (ids.numel() <= moe.DECODE_SLOTS) == (t == 1)
         torch.testing.assert_close(folded(x), want, atol=1e-5, rtol=1e-5)
 
 
@@ -237,13 +319,16 @@ def per_expert_state_dict_block(sd):
     return out
 
 
-def test_dummy_weights_fill_moe_parameters():
+@pytest.mark.parametrize("shared_size", [48, 32])  # separate; folded into the experts
+def test_dummy_weights_fill_moe_parameters(shared_size):
     # Qwen3-MoE has no shared expert; add one to exercise the block's
-    arch = dataclasses.replace(arch_of(make_tiny_hf_model("qwen3_moe")), shared_expert_intermediate_size=48)
+    arch = dataclasses.replace(arch_of(make_tiny_hf_model("qwen3_moe")), shared_expert_intermediate_size=shared_size)
     model = build_model(arch, None, prepack=False)
     block = model.model.layers[1].mlp
-    assert isinstance(block, SparseMoeBlock) and block.shared_expert is not None
-    for name in ("w13", "w2", "gate.weight", "shared_expert_gate.weight", "shared_expert.gate_up_proj.weight"):
+    assert isinstance(block, SparseMoeBlock) and block.fold_shared == (shared_size == 32)
+    names = ("w13", "w2", "gate.weight") + (() if block.fold_shared else (
+        "shared_expert_gate.weight", "shared_expert.gate_up_proj.weight"))
+    for name in names:
         p = block.get_parameter(name)
         assert torch.isfinite(p).all() and 0.01 < p.std() < 0.03, name
     out = run_paged(build_model(arch, None), [prompt(7)], 3)
