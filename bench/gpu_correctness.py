@@ -102,10 +102,10 @@ def hf_vs_ours(a: argparse.Namespace, shape: dict, dtype: torch.dtype, prompt: l
               "params": sum(p.numel() for p in hf.parameters()), "layers": shape["num_hidden_layers"],
               "model_type": shape["model_type"], "dtype": str(dtype), "prompt_tokens": len(prompt),
               "new_tokens": n}
+    del ours
+    free_device()
     if dtype != torch.float32 and "linear_num_value_heads" in shape:
         # random-weight hybrids amplify 16-bit rounding: set both against the fp32 forward of the same weights
-        del ours
-        free_device()
         weights = {k: v.float() for k, v in hf.state_dict().items()}
         del hf
         free_device()
@@ -116,8 +116,7 @@ def hf_vs_ours(a: argparse.Namespace, shape: dict, dtype: torch.dtype, prompt: l
             truth = hf(input_ids=torch.tensor([prompt], device=a.device)).logits[0].float()
         result["prompt_vs_fp32_max_abs_diff"] = {"transformers": float((ref[0] - truth).abs().max()),
                                                  "ours": float((mine[0] - truth).abs().max())}
-        ours = None
-    del hf, ours
+    del hf
     free_device()
     return result
 

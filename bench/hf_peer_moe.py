@@ -39,6 +39,8 @@ import torch
 import transformers
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from gpu_util import state_bytes_per_seq  # noqa: E402 (bench/ is on sys.path when run as bench/hf_peer_moe.py)
+
 QWEN3_30B_A3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
                      num_experts=128, num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
                      num_key_value_heads=4, head_dim=128, norm_topk_prob=True, decoder_sparse_step=1,
@@ -113,18 +115,6 @@ def active_bytes_per_token(model: torch.nn.Module, element_size: int = 2) -> int
     unused = experts * (c.num_experts - c.num_experts_per_tok) // c.num_experts
     embedding = model.get_input_embeddings().weight.numel()
     return element_size * (total - unused - embedding + c.hidden_size)
-
-
-def state_bytes_per_token(c) -> int:
-    """A hybrid model's recurrent state, read and written once per decoded token (fp32 delta-rule state and the
-    conv window per linear-attention layer); 0 for attention-only models."""
-    kinds = getattr(c, "layer_types", None) or []
-    if "linear_attention" not in kinds:
-        return 0
-    conv = 2 * c.linear_num_key_heads * c.linear_key_head_dim + c.linear_num_value_heads * c.linear_value_head_dim
-    per_layer = 4 * c.linear_num_value_heads * c.linear_key_head_dim * c.linear_value_head_dim \
-        + 2 * conv * (c.linear_conv_kernel_dim - 1)
-    return 2 * per_layer * kinds.count("linear_attention")
 
 
 def build(shape: dict, device: str) -> torch.nn.Module:
@@ -285,7 +275,7 @@ def main() -> None:
     if not hybrid:
         res["config_weight_bytes"] = 2 * config_params(c)  # the formula beside the model's own count
     res["active_bytes_per_token"] = active_bytes_per_token(model)
-    res["state_bytes_per_token"] = state_bytes_per_token(c)
+    res["state_bytes_per_token"] = 2 * state_bytes_per_seq(c.to_dict())  # read and written once a token
     if "copy_GBps" in res:
         res["b1_limit_tok_s"] = res["copy_GBps"] * 1e9 / (res["active_bytes_per_token"] + res["state_bytes_per_token"])
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS

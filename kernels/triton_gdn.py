@@ -30,13 +30,14 @@ from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_
 _TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
-def _pow2(n: int, least: int = 1) -> int:
+def pow2(n: int, least: int = 1) -> int:
+    """The smallest power of two >= max(n, least) (block sizes; shared with kernels/triton_gdn_conv.py)."""
     return max(least, 1 << (max(1, n) - 1).bit_length())
 
 
-def _check_varlen(state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor
+def check_varlen(state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor
                   ) -> torch.Tensor:
-    """Shapes only (no host sync); returns has_initial_state as bool."""
+    """Shapes only (no host sync); returns has_initial_state as bool. Shared with kernels/triton_gdn_conv.py."""
     B = state_slots.shape[0]
     if state_slots.dim() != 1 or query_start_loc.shape != (B + 1,) or has_initial_state.shape != (B,):
         raise ValueError(f"state_slots {tuple(state_slots.shape)}, query_start_loc {tuple(query_start_loc.shape)} "
@@ -96,7 +97,7 @@ def _gdn_args(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor
     if ssm_states.shape[1:] != (HV, dk, dv) or ssm_states.stride(3) != 1:
         raise ValueError(f"ssm_states {tuple(ssm_states.shape)} must be [slots, {HV}, {dk}, {dv}] with a contiguous "
                          f"last dim (it is updated in place)")
-    init = _check_varlen(state_slots, query_start_loc, has_initial_state)
+    init = check_varlen(state_slots, query_start_loc, has_initial_state)
     q, k, v = (t if t.stride(2) == 1 else t.contiguous() for t in (q, k, v))
     a, b, A_log, dt_bias = (t if t.stride(-1) == 1 else t.contiguous() for t in (a, b, A_log, dt_bias))
     return q, k, v, a, b, A_log, dt_bias, init
@@ -118,12 +119,12 @@ def gated_delta_rule_recurrent_triton(
     B = state_slots.shape[0]
     if B == 0 or T == 0:
         return o
-    bv = min(32, _pow2(dv, 16))
+    bv = min(32, pow2(dv, 16))
     _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
         q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
-        GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=_pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm), num_warps=4,
+        GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm), num_warps=4,
     )
     return o
 
@@ -180,7 +181,7 @@ def rms_norm_gated_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     n = x2.shape[0]
     if n == 0:
         return y.view(x.shape)
-    block_d = _pow2(D, 16)
+    block_d = pow2(D, 16)
     block_r = max(1, min(16, 2048 // block_d))
     _rms_norm_gated_kernel[(triton.cdiv(n, block_r),)](
         x2, z2, weight, y, n, D, eps, x2.stride(0), z2.stride(0), y.stride(0),

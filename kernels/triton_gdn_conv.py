@@ -23,11 +23,8 @@ import torch
 
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
+from kernels.triton_gdn import check_varlen, pow2
 from kernels.triton_paged_attention import find_sequence
-
-
-def _pow2(n: int, least: int = 1) -> int:
-    return max(least, 1 << (max(1, n) - 1).bit_length())
 
 
 @_jit(do_not_specialize=["num_seqs"])
@@ -138,30 +135,26 @@ def causal_conv1d_varlen_triton(
                          f"{tuple(x.shape)}")
     if bias is not None and bias.shape != (C,):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit {C} channels")
-    B = state_slots.shape[0]
-    if state_slots.dim() != 1 or query_start_loc.shape != (B + 1,) or has_initial_state.shape != (B,):
-        raise ValueError(f"state_slots {tuple(state_slots.shape)}, query_start_loc {tuple(query_start_loc.shape)} "
-                         f"and has_initial_state {tuple(has_initial_state.shape)} do not describe one batch")
-    init = has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.bool()
+    init = check_varlen(state_slots, query_start_loc, has_initial_state)
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
+    B = state_slots.shape[0]
     if B == 0:
         return y
     strides = (x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0),
                conv_states.stride(1), conv_states.stride(2) if K > 1 else 1)
-    common = dict(K=K, KM1_PAD=_pow2(K - 1), HAS_BIAS=bias is not None, SILU=activation == "silu")
+    common = dict(K=K, KM1_PAD=pow2(K - 1), HAS_BIAS=bias is not None, SILU=activation == "silu")
     b_arg = bias if bias is not None else weight
+    block_c = min(pow2(C, 16), 256)  # 512 B of each 16-bit token row
     if max_query_len is not None and max_query_len <= 1:
-        block_c = min(_pow2(C, 16), 256)
         _conv_update_kernel[(B, triton.cdiv(C, block_c))](
             x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, C, *strides,
             **common, BLOCK_C=block_c, num_warps=2)
         return y
     # short tiles (K-1 must fit in one) of 512 B rows: the best of an H200 sweep over 8-64 tokens x 64-512 channels
     # x 4/8 warps on 16 prompts of 512 tokens at the Qwen3.5-35B-A3B width (206 us against 345 for 64 x 128)
-    block_t = max(_pow2(K - 1), min(8, _pow2(-(-T // B))), 4)
-    block_c = min(_pow2(C, 16), 256)
+    block_t = max(pow2(K - 1), min(8, pow2(-(-T // B))), 4)
     _conv_varlen_kernel[(T // block_t + B, triton.cdiv(C, block_c))](
         x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, B, C, *strides,
         **common, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)

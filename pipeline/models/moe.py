@@ -190,6 +190,7 @@ class SparseMoeBlock(nn.Module):
             return True
         if name == "gate.weight":
             dst = self.gate.weight.data[: self.num_experts]
+            self.gate.weight.data[self.router_rows:].zero_()  # the router's alignment rows (never read)
         elif self.has_shared_expert and (name == "shared_expert_gate.weight" or name in _SHARED_NAMES):
             dst = self._shared_destination(name)
             if dst is None:
@@ -205,7 +206,6 @@ class SparseMoeBlock(nn.Module):
         ``w13`` / ``w2``; else the separate modules. None where this block does not take it (module docstring)."""
         if name == "shared_expert_gate.weight":
             if self.fold_shared:
-                self.gate.weight.data[self.router_rows:].zero_()  # the alignment padding
                 return self.gate.weight.data[self.num_experts:self.router_rows]
             return self.shared_expert_gate.weight.data if self.holds_shared else None
         if not self.holds_shared:
