@@ -93,7 +93,7 @@ def main() -> None:
                 for c in itertools.product((2, 4, 8, 16), (64, 128, 256), (2, 4, 8))]
         top = best(down)
         default = timed(fused_moe_decode_triton, x, routes)
-        report["decode"][str(t)] = {"bytes": moved, "default": {"config": decode_config(t), "ms": default},
+        report["decode"][str(t)] = {"bytes": moved, "default": {"config": decode_config(t, k), "ms": default},
                                     "best": {"gate_up": g, "down": top["down"], "ms": top["ms"]},
                                     "gate_up_sweep": gate_up, "down_sweep": down}
         print(f"decode T={t}: default {default:.4f} ms, best {top['ms']:.4f} ms gate_up {g} down {top['down']} "

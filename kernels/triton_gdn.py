@@ -48,11 +48,14 @@ def check_varlen(state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_i
 @_jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr,
+    z_ptr, norm_w_ptr, eps,
     scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot,
-    stride_oh, stride_ss, stride_sh, stride_sk,
+    stride_oh, stride_ss, stride_sh, stride_sk, stride_zt, stride_zh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr,
+    L2NORM: tl.constexpr, NORM: tl.constexpr, PROD_DTYPE: tl.constexpr,
 ):
+    """NORM (BV covers DV): each token's output goes through the gated RMSNorm (``rms_norm_gated_ref``'s rounding)
+    before it is stored."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(qsl_ptr + b)
@@ -78,6 +81,13 @@ def _recurrent_kernel(
         u = (v - tl.sum(state * k[:, None], 0)) * beta
         state = state + k[:, None] * u[None, :]
         o = tl.sum(state * q[:, None], 0)
+        if NORM:
+            o = o.to(o_ptr.dtype.element_ty).to(tl.float32)  # the reference norms the rounded output
+            rstd = tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
+            normed = (o * rstd).to(o_ptr.dtype.element_ty).to(tl.float32)
+            gated = (tl.load(norm_w_ptr + dv, mask=v_ok, other=0.0).to(tl.float32) * normed).to(PROD_DTYPE)
+            z = tl.load(z_ptr + t * stride_zt + h * stride_zh + dv, mask=v_ok, other=0.0).to(tl.float32)
+            o = gated.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
         tl.store(o_ptr + t * stride_ot + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
 
@@ -107,24 +117,37 @@ def gated_delta_rule_recurrent_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
+    gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gated_delta_rule_varlen_ref``, token by token: o [T, HV, Dv] in v's dtype, the state
     of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph: with a/b columns of the
-    projection (row-strided, last dim contiguous) it launches the one kernel and no torch op."""
+    projection (row-strided, last dim contiguous) it launches the one kernel and no torch op. ``gated_norm``
+    ``(z [T, HV, Dv], weight [Dv], eps)``: o is ``rms_norm_gated_ref(o, z, weight, eps)`` instead, in the same
+    kernel (a program then holds a head's whole [Dk, Dv] state)."""
     q, k, v, a, b, A_log, dt_bias, init = _gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
                                                     query_start_loc, has_initial_state)
     T, HK, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
     B = state_slots.shape[0]
+    if gated_norm is not None:
+        z, norm_w, eps = gated_norm
+        if z.shape != v.shape or z.stride(2) != 1 or norm_w.shape != (dv,):
+            raise ValueError(f"gated norm z {tuple(z.shape)} / weight {tuple(norm_w.shape)} do not fit v "
+                             f"{tuple(v.shape)} (z's last dim must be contiguous)")
+        bv, warps, prod = pow2(dv, 16), 8, _TL_DTYPES[torch.promote_types(norm_w.dtype, v.dtype)]
+        z_strides = (z.stride(0), z.stride(1))
+    else:
+        z, norm_w, eps, z_strides = o, o, 0.0, (0, 0)
+        bv, warps, prod = min(32, pow2(dv, 16)), 4, _TL_DTYPES[v.dtype]
     if B == 0 or T == 0:
         return o
-    bv = min(32, pow2(dv, 16))
     _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
-        q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, dk**-0.5,
+        q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, z, norm_w, eps, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
-        o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
-        GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm), num_warps=4,
+        o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), *z_strides,
+        GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
+        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps,
     )
     return o
 

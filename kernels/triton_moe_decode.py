@@ -16,7 +16,8 @@ row:
 No ``tl.dot`` (one row per program), so the interpreter runs it in any dtype. Grids depend only on T, k, H, I and
 the block sizes, and nothing reads back to the host: CUDA-graph capturable. The intermediate stays fp32, so in
 16-bit this path can differ from ``fused_moe_triton`` (which rounds ``h`` to x's dtype) by a few ulps.
-Block sizes and warps come from an H200 sweep on the Qwen3-30B-A3B expert shape (``bench/moe_tune.py``).
+Block sizes and warps come from H200 sweeps on the Qwen3-30B-A3B and Qwen3.5-35B-A3B expert shapes
+(``bench/moe_tune.py``).
 """
 
 from __future__ import annotations
@@ -28,18 +29,37 @@ from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
 # By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps) of gate/up,
-# (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from an H200 sweep (bench/moe_tune.py) on the
-# Qwen3-30B-A3B expert shape.
-DECODE_CONFIGS: tuple[tuple[int, tuple[int, int, int], tuple[int, int, int]], ...] = (
-    (1, (8, 128, 8), (4, 128, 8)),
-    (2, (8, 128, 8), (16, 128, 4)),
-    (4, (16, 256, 2), (16, 128, 4)),
-    (1 << 62, (32, 128, 2), (16, 128, 4)),
-)
+# (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from H200 sweeps (bench/moe_tune.py). The down kernel
+# holds a [K_PAD, BLOCK_N, BLOCK_K] fp32 tile, so its table depends on the padded slots a token has: up to 8
+# (Qwen3-30B-A3B: 8 of 768-wide experts) or 9-16 (Qwen3.5: 8 routed + the folded shared expert, 512 wide; there
+# the 8-slot table's down tiles spill registers and run 10x slower, results/moe-tune-decode-h200-qwen3.5-35b-a3b.json).
+DECODE_CONFIGS: dict[int, tuple[tuple[int, tuple[int, int, int], tuple[int, int, int]], ...]] = {
+    8: (
+        (1, (8, 128, 8), (4, 128, 8)),
+        (2, (8, 128, 8), (16, 128, 4)),
+        (4, (16, 256, 2), (16, 128, 4)),
+        (1 << 62, (32, 128, 2), (16, 128, 4)),
+    ),
+    16: (
+        (1, (8, 256, 8), (2, 64, 4)),
+        (4, (8, 128, 4), (16, 64, 4)),
+        (1 << 62, (8, 256, 8), (16, 64, 4)),
+    ),
+}
+DOWN_TILE_LIMIT = 128  # fp32 accumulator elements a thread in the down kernel's tile, at most (256 spilled)
 
 
-def decode_config(num_tokens: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
-    return next((gate_up, down) for bound, gate_up, down in DECODE_CONFIGS if num_tokens <= bound)
+def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """The launch configs for T tokens of ``top_k`` slots (k > 16 takes the 16-slot table's tiles, shrunk
+    until the down tile fits ``DOWN_TILE_LIMIT`` elements a thread)."""
+    k_pad = triton.next_power_of_2(top_k)
+    table = DECODE_CONFIGS[8 if k_pad <= 8 else 16]
+    gate_up, (bn, bk, warps) = next((g, d) for bound, g, d in table if num_tokens <= bound)
+    while k_pad * bn * bk > DOWN_TILE_LIMIT * 32 * warps and bn > 1:
+        bn //= 2
+    while k_pad * bn * bk > DOWN_TILE_LIMIT * 32 * warps and bk > 16:
+        bk //= 2
+    return gate_up, (bn, bk, warps)
 
 
 @_jit
@@ -137,7 +157,7 @@ def fused_moe_decode_triton(
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    default_gate_up, default_down = decode_config(t)
+    default_gate_up, default_down = decode_config(t, top_k)
     bn1, bk1, warps1 = _check_config(gate_up_config or default_gate_up)
     bn2, bk2, warps2 = _check_config(down_config or default_down)
     x = x if x.stride(1) == 1 else x.contiguous()

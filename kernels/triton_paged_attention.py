@@ -109,14 +109,23 @@ def _attend_tile(
     return acc, m_new, l_i
 
 
+@_jit
+def output_gate(out, gate_ptrs, mask, OUT_TY: tl.constexpr):
+    """Qwen3-Next's gated attention output, rounded as torch's ``out * sigmoid(gate)`` in the activation dtype:
+    the attention output and the sigmoid each rounded to it, their product in fp32."""
+    gate = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+    sig = (1.0 / (1.0 + tl.exp(-gate))).to(OUT_TY).to(tl.float32)
+    return out.to(OUT_TY).to(tl.float32) * sig
+
+
 @_jit(do_not_specialize=['num_splits', 'stride_bt'])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr, gate_ptr,
     qk_scale, num_splits,
-    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh,
+    stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh, stride_gb, stride_gh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -152,6 +161,9 @@ def _decode_split_kernel(
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
     if DIRECT:
+        if GATED:
+            out = output_gate(out, gate_ptr + b * stride_gb + heads[:, None] * stride_gh + dims[None, :], q_mask,
+                              out_ptr.dtype.element_ty)
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
@@ -163,8 +175,8 @@ def _decode_split_kernel(
 
 @_jit(do_not_specialize=['num_splits'])
 def _decode_reduce_kernel(
-    part_acc_ptr, part_lse_ptr, out_ptr, num_splits, stride_ob, stride_oh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr,
+    part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr,
 ):
     """Combine one (sequence, head)'s split partials: weights 2^(lse_j - max lse); empty splits weigh 0."""
     b = tl.program_id(0)
@@ -177,6 +189,9 @@ def _decode_reduce_kernel(
     used = lse > float("-inf")
     acc = tl.load(part_acc_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=used[:, None], other=0.0)
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
+    if GATED:
+        out = output_gate(out, gate_ptr + b * stride_gb + h * stride_gh + dims, dims < HEAD_DIM,
+                          out_ptr.dtype.element_ty)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
@@ -267,9 +282,13 @@ def paged_decode_attention_triton(
     meta,
     scale: float,
     plan: TritonAttentionPlan | None = None,
+    gate: torch.Tensor | None = None,  # [B, H, D], last dim contiguous
 ) -> torch.Tensor:  # [B, H, D]
-    """Decode-only batch, split-KV (flash-decoding) with a reduce kernel when there is more than one split."""
+    """Decode-only batch, split-KV (flash-decoding) with a reduce kernel when there is more than one split.
+    ``gate``: the output is ``out * sigmoid(gate)`` (``output_gate``), applied where the output is stored."""
     query, kvh, group, d = _check(query, kv_cache_layer)
+    if gate is not None and (gate.shape != query.shape or gate.stride(-1) != 1):
+        raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
     plan = plan if isinstance(plan, TritonAttentionPlan) else TritonAttentionPlan()
     B, H, _ = query.shape
     d_pad = _pow2(d)
@@ -281,17 +300,19 @@ def paged_decode_attention_triton(
     part_lse = query.new_empty(0 if direct else B * H * splits, dtype=torch.float32)
     fp32, precision = _dtype_choices(kv_cache_layer)
     k, v = kv_cache_layer[0], kv_cache_layer[1]
+    g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     _decode_split_kernel[(B, kvh, splits)](
-        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, scale * LOG2E, splits,
+        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, g, scale * LOG2E, splits,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *g_strides,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
-        BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, num_warps=4, num_stages=2,
+        BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
+        num_stages=2,
     )
     if not direct:
         _decode_reduce_kernel[(B, H)](
-            part_acc, part_lse, out, splits, out.stride(0), out.stride(1),
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=_pow2(splits, 2), num_warps=4,
+            part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides,
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=_pow2(splits, 2), GATED=gate is not None, num_warps=4,
         )
     return out
 
@@ -338,7 +359,11 @@ def paged_attention_triton(
     meta,  # AttentionMetadata
     scale: float,
     plan: TritonAttentionPlan | None = None,
+    gate: torch.Tensor | None = None,  # [T, H, D]: Qwen3-Next's output gate
 ) -> torch.Tensor:  # [T, H, D]
+    """Attention over the paged cache; with ``gate``, ``out * sigmoid(gate)`` rounded as torch does (fused into
+    the decode kernels' stores; after the prefill kernel, in torch)."""
     if meta.is_decode_only:
-        return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan)
-    return paged_prefill_attention_triton(query, kv_cache_layer, meta, scale, plan)
+        return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan, gate)
+    out = paged_prefill_attention_triton(query, kv_cache_layer, meta, scale, plan)
+    return out if gate is None else out * torch.sigmoid(gate)

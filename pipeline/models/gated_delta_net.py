@@ -4,7 +4,8 @@ One fused input projection gives ``[qkv | z | b | a]`` (qkv: the conv channels, 
 of the value heads; z: the output gate; b, a: the per-value-head beta and decay inputs). The qkv channels run
 through a causal depthwise conv (its last K-1 inputs kept per sequence), q and k are l2-normalised in the kernel,
 and the delta rule advances an fp32 state [HV, Dk, Dv] per sequence; the output is normed per value head,
-gated by silu(z), and projected back. The conv window and the state live in two per-layer tensors indexed by
+gated by silu(z), and projected back. On a decode step that is three launches on the GPU: the projection (with
+the conv in its epilogue), the delta rule (with the norm), the output projection. The conv window and the state live in two per-layer tensors indexed by
 each row's state slot (``ctx.state_slots``); the model's ``cache_specs`` declares them.
 
 Both HF layouts load into the one projection: Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
@@ -30,16 +31,13 @@ class _ConvWeight(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm of the delta-rule output, times silu(z) (transformers' RMSNormGated; weight not
-    zero-centred)."""
+    """Holds the per-head RMSNorm weight of the delta-rule output (transformers' RMSNormGated; not zero-centred).
+    The norm, times silu(z), is applied by ``gdn.gated_delta_rule_normed`` (inside the decode kernel)."""
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         self.eps = eps
-
-    def forward(self, x: torch.Tensor, z: torch.Tensor) -> torch.Tensor:
-        return gdn.rms_norm_gated(x, z, self.weight, self.eps)
 
 
 class GatedDeltaNet(nn.Module):
@@ -78,20 +76,25 @@ class GatedDeltaNet(nn.Module):
         meta = ctx.attention
         T = x.shape[0]
         C, V, HV = self.conv_dim, self.value_dim, self.num_v_heads
-        proj = self.in_proj(x)
         conv_states, ssm_states = ctx.caches[self.state_index], ctx.caches[self.state_index + 1]
-        mixed = gdn.causal_conv1d_varlen(proj[:, :C], self.conv1d.weight.view(C, self.conv_kernel_size), None,
-                                         conv_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
-                                         meta.max_query_len)
+        conv_weight = self.conv1d.weight.view(C, self.conv_kernel_size)
+        if self.in_proj.packed is None and gdn.fused_decode_applies(x, ctx.state_slots.shape[0], meta.max_query_len):
+            proj = gdn.project_with_conv(x, self.in_proj.weight, conv_weight, conv_states, ctx.state_slots,
+                                         ctx.has_initial_state)  # decode: the conv runs in the projection's epilogue
+            mixed = proj[:, :C]
+        else:
+            proj = self.in_proj(x)
+            mixed = gdn.causal_conv1d_varlen(proj[:, :C], conv_weight, None, conv_states, ctx.state_slots,
+                                             meta.query_start_loc, ctx.has_initial_state, meta.max_query_len)
         kd = self.key_dim
         q = mixed[:, :kd].view(T, self.num_k_heads, self.head_k_dim)
         k = mixed[:, kd:2 * kd].view(T, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * kd:].view(T, HV, self.head_v_dim)
-        o = gdn.gated_delta_rule(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log, self.dt_bias,
-                                 ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
-                                 meta.max_query_len, meta.query_start_loc_host)
-        z = proj[:, C:C + V].reshape(T * HV, self.head_v_dim)
-        o = self.norm(o.reshape(T * HV, self.head_v_dim), z)
+        z = proj[:, C:C + V].view(T, HV, self.head_v_dim)
+        o = gdn.gated_delta_rule_normed(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log,
+                                        self.dt_bias, z, self.norm.weight, self.norm.eps, ssm_states, ctx.state_slots,
+                                        meta.query_start_loc, ctx.has_initial_state, meta.max_query_len,
+                                        meta.query_start_loc_host)
         return self.out_proj(o.view(T, V))
 
 

@@ -135,3 +135,20 @@ def test_fused_moe_dispatch_by_slot_count(monkeypatch, t, expected):
     tw, ids = routing(t)
     torch.testing.assert_close(moe.fused_moe(x, w13, w2, tw, ids), fused_moe_ref(x, w13, w2, tw, ids))
     assert calls == [expected]
+
+
+@pytest.mark.parametrize("top_k", [1, 2, 8, 9, 16, 24, 32])
+@pytest.mark.parametrize("t", [1, 2, 3, 4, 8, 14, 128])
+def test_decode_config_down_tile_fits_the_register_budget(t, top_k):
+    """The down kernel's [K_PAD, BLOCK_N, BLOCK_K] fp32 tile stays within DOWN_TILE_LIMIT elements a thread for any
+    slot count (an 8-slot tile at 16 slots spilled and ran 10x slower), and sizes stay powers of two."""
+    from kernels.triton_moe_decode import DOWN_TILE_LIMIT, decode_config
+
+    gate_up, (bn, bk, warps) = decode_config(t, top_k)
+    k_pad = triton.next_power_of_2(top_k)
+    assert k_pad * bn * bk <= DOWN_TILE_LIMIT * 32 * warps
+    assert all(v >= 1 and v & (v - 1) == 0 for v in (*gate_up, bn, bk, warps))
+    if top_k <= 8:  # the Qwen3-30B-A3B table is unchanged
+        from kernels.triton_moe_decode import DECODE_CONFIGS
+
+        assert (gate_up, (bn, bk, warps)) == next((g, d) for b, g, d in DECODE_CONFIGS[8] if t <= b)

@@ -125,6 +125,25 @@ def test_16bit_inputs_accumulate_in_fp32(dtype, decode):
     torch.testing.assert_close(out.float(), reference(query, cache, meta, 0.25), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("q_lens,num_splits", [([1] * 5, 1), ([1] * 5, 3), ([1, 2, 3, 1, 1], 2)])
+def test_output_gate_equals_torch_gate(q_lens, num_splits, dtype):
+    """Qwen3-Next's output gate fused into the decode stores (direct and after the split reduce) and applied after
+    the prefill kernel: equal to ``out * torch.sigmoid(gate)`` on the ungated output (the gate a strided view)."""
+    query, cache, meta = make_step(q_lens, DECODE_LENS, group=2, block_size=4, dtype=dtype, seed=21)
+    gen = torch.Generator().manual_seed(22)
+    rows = torch.randn(query.shape[0], 2 * query[0].numel(), generator=gen).to(device=DEVICE, dtype=dtype)
+    gate = rows[:, query[0].numel():].view(query.shape)
+    plan = TritonAttentionPlan(num_splits=num_splits, decode_block_n=16, prefill_block_m=16, prefill_block_n=16)
+    gated = paged_attention_triton(query, cache, meta, 0.3, plan, gate)
+    expected = paged_attention_triton(query, cache, meta, 0.3, plan) * torch.sigmoid(gate)
+    ulp = 0.0 if dtype == torch.float32 else torch.finfo(dtype).eps
+    torch.testing.assert_close(gated.float(), expected.float(), atol=1e-6 + ulp, rtol=1e-5 + ulp)
+    if meta.is_decode_only:
+        with pytest.raises(ValueError, match="gate"):
+            paged_decode_attention_triton(query, cache, meta, 0.3, plan, gate[:, :1])
+
+
 @pytest.mark.parametrize("d", [80, 64])
 def test_head_dim_padding_and_strided_query(d):
     """head_dim 80 pads to 128 under masks; the query is a strided view into a packed qkv projection."""

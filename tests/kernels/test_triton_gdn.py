@@ -126,6 +126,34 @@ def test_gdn_odd_dims_empty_sequence_no_l2norm(kernel):
         assert torch.equal(states[slots[1].long()], inputs["ssm_states"][slots[1].long()])
 
 
+@pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
+                                            (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize("dv", [32, 40])
+def test_recurrent_with_gated_norm_equals_kernel_then_norm(dtype, w_dtype, dv):
+    """The gated RMSNorm applied in the recurrent kernel (decode rows, a 3-token row, a fresh row, an empty row;
+    z a strided view of a projection row) equals the delta rule then ``rms_norm_gated_ref``; states as without it."""
+    from kernels.triton_gdn import gated_delta_rule_recurrent_triton
+
+    lens = [1, 3, 1, 0, 1]
+    slots, qsl, init = batch(lens, 8, seed=7)
+    T, hv = sum(lens), 4
+    inputs = gdn_inputs(T, 2, hv, 32, dv, dtype, seed=8, num_slots=8, fused=True)
+    gen = torch.Generator().manual_seed(9)
+    z = torch.randn(T, hv * dv + 6, generator=gen).to(device=DEVICE, dtype=dtype)[:, 6:].unflatten(1, (hv, dv))
+    weight = (torch.rand(dv, generator=gen) + 0.5).to(device=DEVICE, dtype=w_dtype)
+    o, states = run(gated_delta_rule_recurrent_triton, inputs, slots, qsl, init, gated_norm=(z, weight, 1e-6))
+    plain, plain_states = run(gated_delta_rule_recurrent_triton, inputs, slots, qsl, init)
+    ref_o, _ = run(gated_delta_rule_varlen_ref, inputs, slots[[0, 1, 2, 4]],
+                   torch.tensor([0, 1, 4, 5, 6], dtype=torch.int32, device=DEVICE), init[[0, 1, 2, 4]])
+    torch.testing.assert_close(states, plain_states, atol=1e-6, rtol=1e-6)
+    expected = rms_norm_gated_ref(ref_o.reshape(T * hv, dv), z.reshape(T * hv, dv), weight, 1e-6).view(T, hv, dv)
+    torch.testing.assert_close(o, expected, **tol(dtype))
+    normed_plain = rms_norm_gated_ref(plain.reshape(T * hv, dv), z.reshape(T * hv, dv), weight, 1e-6)
+    torch.testing.assert_close(o, normed_plain.view(T, hv, dv), **tol(dtype))
+    with pytest.raises(ValueError, match="gated norm"):
+        run(gated_delta_rule_recurrent_triton, inputs, slots, qsl, init, gated_norm=(z, weight[:-1], 1e-6))
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
 def test_decode_batch_equals_each_sequence_alone(n):
     """Decode (one token a sequence): conv + recurrent on the batch equal, bit for bit, the same kernels on each

@@ -125,3 +125,50 @@ def test_gpu_gemv_bf16_real_shapes(m, n, k):
     graph.replay()
     torch.cuda.synchronize()
     close(graph_out, gemv_ref(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,use_dot", [(1, False), (3, False), (3, True), (16, True)])
+@pytest.mark.parametrize("conv_k,block_n", [(4, None), (2, 16), (4, 16)])
+def test_gemv_conv_epilogue_matches_projection_then_conv(dtype, m, use_dot, conv_k, block_n):
+    """The Gated DeltaNet decode conv applied in the GEMM's epilogue equals the plain projection followed by the
+    conv reference: the first C channels (C = 40 of 70: a tile straddles the boundary at block_n 16) hold silu(conv),
+    the rest the projection, every row's window advances by its token (rows that start fresh ignore their old
+    window), and the windows of slots outside the batch stay untouched."""
+    from kernels.gdn import causal_conv1d_varlen_ref
+    from kernels.triton_gdn_conv import ConvUpdate
+
+    if use_dot and dtype == torch.float32 and not INTERPRET:
+        pytest.skip("fp32 takes the FMA path on the GPU")
+    n, k, C = 70, 96, 40
+    x, weight, _ = operands(m, n, k, dtype, bias=False, seed=m + conv_k)
+    conv_w = randn(C, conv_k, dtype=dtype, seed=5, scale=0.5)
+    states = randn(20, C, conv_k - 1, dtype=dtype, seed=6)
+    gen = torch.Generator().manual_seed(conv_k)
+    slots = (torch.randperm(19, generator=gen)[:m] + 1).to(device=DEVICE, dtype=torch.int32)
+    init = torch.tensor([i % 3 != 1 for i in range(m)], device=DEVICE)
+    mine, ref_states = states.clone(), states.clone()
+    kw = dict(block_n=block_n, use_dot=use_dot)
+    y = gemv_triton(x, weight, conv=ConvUpdate(conv_w, mine, slots, init), **kw)
+    proj = gemv_triton(x, weight, **kw)
+    qsl = torch.arange(m + 1, dtype=torch.int32, device=DEVICE)
+    ref_mixed = causal_conv1d_varlen_ref(proj[:, :C], conv_w, None, ref_states, slots, qsl, init)
+    assert torch.equal(y[:, C:], proj[:, C:])
+    close(y[:, :C], ref_mixed)
+    assert torch.equal(mine, ref_states), "conv windows differ"
+    others = torch.ones(20, dtype=torch.bool, device=DEVICE)
+    others[slots.long()] = False
+    assert torch.equal(mine[others], states[others])
+
+
+def test_gemv_conv_epilogue_errors():
+    from kernels.triton_gdn_conv import ConvUpdate
+
+    x, weight = randn(2, 32), randn(16, 32)
+    slots, init = torch.tensor([1, 2], dtype=torch.int32, device=DEVICE), torch.ones(2, dtype=torch.bool, device=DEVICE)
+    with pytest.raises(ValueError, match="do not fit"):  # more conv channels than outputs
+        gemv_triton(x, weight, conv=ConvUpdate(randn(20, 4), randn(3, 20, 3), slots, init))
+    with pytest.raises(ValueError, match="do not fit"):  # one slot for two rows
+        gemv_triton(x, weight, conv=ConvUpdate(randn(8, 4), randn(3, 8, 3), slots[:1], init[:1]))
+    with pytest.raises(ValueError, match="do not fit"):  # window of the wrong width
+        gemv_triton(x, weight, conv=ConvUpdate(randn(8, 4), randn(3, 8, 2), slots, init))
