@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_gdn_conv import ConvUpdate, conv_update_tile
+from kernels.triton_gdn_conv import ConvUpdate, conv_update_tile, conv_window_tile
 
 SKINNY_MAX_M = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -56,6 +56,10 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     w_ptrs = w_ptr + rows_n[:, None] * K + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * x_s0 + (k_lo + offs_k)[None, :]
+    if CONV_K > 0:  # pid_n * BLOCK_N < conv_c: the tile has conv channels (the loads are masked off otherwise)
+        window, shifted, w_win, w_last, st = conv_window_tile(
+            offs_n, offs_m, M, conv_w_ptr, conv_state_ptr, conv_slots_ptr, conv_init_ptr, conv_c, conv_s_wc,
+            conv_s_ss, conv_s_sc, CONV_K, CONV_KM1_PAD)
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -87,9 +91,8 @@ def _gemv_kernel(
         y = acc.to(y_ptr.dtype.element_ty)
         if CONV_K > 0:
             if pid_n * BLOCK_N < conv_c:
-                y = conv_update_tile(y.to(tl.float32), offs_n, offs_m, M, conv_w_ptr, conv_state_ptr, conv_slots_ptr,
-                                     conv_init_ptr, conv_c, conv_s_wc, conv_s_ss, conv_s_sc, CONV_K,
-                                     CONV_KM1_PAD).to(y_ptr.dtype.element_ty)
+                y = conv_update_tile(y.to(tl.float32), offs_n, offs_m, M, conv_c, window, shifted, w_win, w_last, st,
+                                     CONV_K, CONV_KM1_PAD).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], y, mask=out_mask)
 
 
