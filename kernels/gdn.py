@@ -223,25 +223,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
                                        has_initial_state)
 
 
-def fused_decode_applies(x: torch.Tensor, num_rows: int, max_query_len: int) -> bool:
-    """Whether ``project_with_conv`` may take this step: the GPU, one token in every row (row m is token m), at most
-    the skinny GEMM's rows."""
-    from kernels.triton_gemv import SKINNY_MAX_M
-
-    return dispatch.use_triton(x.device) and max_query_len <= 1 and x.shape[0] == num_rows and 1 <= num_rows <= SKINNY_MAX_M
-
-
-def project_with_conv(x: torch.Tensor, weight: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
-                      state_slots: torch.Tensor, has_initial_state: torch.Tensor) -> torch.Tensor:
-    """``x @ weight^T`` whose first C = ``conv_weight.shape[0]`` channels hold instead ``causal_conv1d_varlen_ref`` of
-    them (SiLU), each row a one-token sequence: the decode conv in the projection's epilogue (one launch; see
-    ``fused_decode_applies``)."""
-    from kernels.triton_gdn_conv import ConvUpdate
-    from kernels.triton_gemv import gemv_triton
-
-    return gemv_triton(x, weight, conv=ConvUpdate(conv_weight, conv_states, state_slots, has_initial_state.bool()))
-
-
 def gated_delta_rule_normed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                             A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
                             eps: float, ssm_states: torch.Tensor, state_slots: torch.Tensor,

@@ -13,18 +13,11 @@ Two kernels, picked by the host from the step's longest row (``max_query_len``):
   alone reads the slot's old window (for its outputs and for the new window, whose older entries survive when the
   chunk is shorter than K-1), passes a CTA barrier, then writes the new window. No other program touches the slot.
 
-* ``conv_window_tile`` / ``conv_update_tile`` (``@triton.jit`` helpers, not kernels): the decode update applied to a projection's output
-  tile where it is computed, in the epilogue of the skinny GEMM (kernels/triton_gemv.py, ``ConvUpdate``). A GEMM
-  program owns its output channels, so it owns their windows too: no other program reads or writes them, and
-  the Gated DeltaNet layer's decode step saves the conv launch.
-
 Prompt tiles are 8 tokens by 256 channels (512 B of each token row, so a program's loads coalesce). The window is stored ``[slot, C, K-1]``; the state is rounded to x's
 dtype where it is read, as the reference does.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -32,63 +25,6 @@ from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn import check_varlen, pow2
 from kernels.triton_paged_attention import find_sequence
-
-
-@dataclass(slots=True)
-class ConvUpdate:
-    """The decode conv to apply to the first ``weight.shape[0]`` output channels of a skinny GEMM whose rows are
-    one token of one sequence each (row m: ``state_slots[m]``, ``has_initial_state[m]``). The output holds
-    silu(conv) there instead of the projection; ``conv_states [slots, C, K-1]`` advance by the row's token."""
-    weight: torch.Tensor  # [C, K]
-    conv_states: torch.Tensor  # [num_slots, C, K-1]
-    state_slots: torch.Tensor  # [M]
-    has_initial_state: torch.Tensor  # [M] bool
-
-    def check(self, m: int, n: int, dtype: torch.dtype) -> None:
-        C, K = self.weight.shape
-        if (C > n or not 2 <= K <= 9 or self.conv_states.shape[1:] != (C, K - 1) or self.conv_states.stride(2) != 1
-                or self.weight.stride(1) != 1 or self.state_slots.shape != (m,) or self.has_initial_state.shape != (m,)
-                or self.conv_states.dtype != dtype):
-            raise ValueError(f"conv weight {tuple(self.weight.shape)}, states {tuple(self.conv_states.shape)} "
-                             f"{self.conv_states.dtype}, slots {tuple(self.state_slots.shape)} do not fit a "
-                             f"[{m}, {n}] {dtype} projection")
-
-
-@_jit
-def conv_window_tile(offs_n, offs_m, M, w_ptr, state_ptr, slots_ptr, init_ptr, C, stride_wc, stride_ss, stride_sc,
-                     K: tl.constexpr, KM1_PAD: tl.constexpr):
-    """The first half of the epilogue, issued before the GEMM's K loop so its loads hide under the weight stream:
-    the rows' windows of channels < C ([BLOCK_N, BLOCK_M, KM1_PAD] fp32, and shifted by one in the state dtype),
-    the conv weights, and the window pointers. The window's last dim is contiguous."""
-    m_ok = offs_m < M
-    ch = tl.minimum(offs_n, C - 1).to(tl.int64)
-    jj = tl.arange(0, KM1_PAD)
-    slot = tl.load(slots_ptr + offs_m, mask=m_ok, other=0).to(tl.int64)
-    init = tl.load(init_ptr + offs_m, mask=m_ok, other=0) != 0
-    ok = (offs_n < C)[:, None] & m_ok[None, :]
-    st = state_ptr + (slot * stride_ss)[None, :, None] + (ch * stride_sc)[:, None, None] + jj[None, None, :]
-    m3 = (ok & init[None, :])[:, :, None] & (jj < K - 1)[None, None, :]
-    window = tl.load(st, mask=m3, other=0.0).to(tl.float32)
-    shifted = tl.load(st + 1, mask=m3 & (jj < K - 2)[None, None, :], other=0.0)
-    w_win = tl.load(w_ptr + ch[:, None] * stride_wc + jj[None, :], mask=(jj < K - 1)[None, :], other=0.0)
-    w_last = tl.load(w_ptr + ch * stride_wc + (K - 1)).to(tl.float32)
-    return window, shifted, w_win.to(tl.float32), w_last, st
-
-
-@_jit
-def conv_update_tile(y, offs_n, offs_m, M, C, window, shifted, w_win, w_last, st, K: tl.constexpr,
-                     KM1_PAD: tl.constexpr):
-    """y [BLOCK_N channels, BLOCK_M rows] fp32 (the projection, already rounded to its dtype) -> silu of the
-    causal conv over each row's window (``conv_window_tile``), for channels < C (others pass through); writes the
-    new windows."""
-    ok = (offs_n < C)[:, None] & (offs_m < M)[None, :]
-    jj = tl.arange(0, KM1_PAD)
-    acc = tl.sum(window * w_win[:, None, :], 2) + y * w_last[:, None]
-    acc = acc / (1.0 + tl.exp(-acc))
-    new_window = tl.where((jj == K - 2)[None, None, :], y.to(st.dtype.element_ty)[:, :, None], shifted)
-    tl.debug_barrier()  # every read of the old windows happens before the write
-    tl.store(st, new_window, mask=ok[:, :, None] & (jj < K - 1)[None, None, :])
-    return tl.where((offs_n < C)[:, None], acc, y)
 
 
 @_jit(do_not_specialize=["num_seqs"])

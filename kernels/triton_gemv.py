@@ -20,7 +20,6 @@ import torch.nn.functional as F
 
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_gdn_conv import ConvUpdate, conv_update_tile, conv_window_tile
 
 SKINNY_MAX_M = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -37,13 +36,10 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
     M, N, K, k_split, x_s0,
-    conv_w_ptr, conv_state_ptr, conv_slots_ptr, conv_init_ptr, conv_c, conv_s_wc, conv_s_ss, conv_s_sc,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    CONV_K: tl.constexpr, CONV_KM1_PAD: tl.constexpr,
 ):
-    """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split).
-    CONV_K > 0: the decode conv epilogue (``ConvUpdate``) on the first conv_c channels (never with SPLIT)."""
+    """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -56,10 +52,6 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     w_ptrs = w_ptr + rows_n[:, None] * K + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * x_s0 + (k_lo + offs_k)[None, :]
-    if CONV_K > 0:  # pid_n * BLOCK_N < conv_c: the tile has conv channels (the loads are masked off otherwise)
-        window, shifted, w_win, w_last, st = conv_window_tile(
-            offs_n, offs_m, M, conv_w_ptr, conv_state_ptr, conv_slots_ptr, conv_init_ptr, conv_c, conv_s_wc,
-            conv_s_ss, conv_s_sc, CONV_K, CONV_KM1_PAD)
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -89,10 +81,6 @@ def _gemv_kernel(
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
         y = acc.to(y_ptr.dtype.element_ty)
-        if CONV_K > 0:
-            if pid_n * BLOCK_N < conv_c:
-                y = conv_update_tile(y.to(tl.float32), offs_n, offs_m, M, conv_c, window, shifted, w_win, w_last, st,
-                                     CONV_K, CONV_KM1_PAD).to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], y, mask=out_mask)
 
 
@@ -143,11 +131,8 @@ def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, use_dot: bool | None = None,
-    conv: ConvUpdate | None = None,
 ) -> torch.Tensor:
-    """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic.
-    ``conv``: the output's first C channels hold the Gated DeltaNet decode conv of the projection instead
-    (kernels/triton_gdn_conv.py; K is not split then, so each program owns its channels' windows)."""
+    """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic."""
     if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
         raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
     (m, k), n = x.shape, weight.shape[0]
@@ -159,12 +144,7 @@ def gemv_triton(
         raise ValueError("weight must be contiguous ([N, K] row-major)")
     if bias is not None and bias.shape != (n,):
         raise ValueError(f"bias shape {tuple(bias.shape)} != ({n},)")
-    if conv is not None:
-        conv.check(m, n, x.dtype)
-        split_k = 1
     if m == 0 or n == 0 or k == 0:
-        if conv is not None:
-            raise ValueError("the conv epilogue needs a non-empty projection")
         return gemv_ref(x, weight, bias)
     x = x if x.stride(1) == 1 else x.contiguous()
     bias = None if bias is None else bias.contiguous()
@@ -178,20 +158,12 @@ def gemv_triton(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     b = bias if bias is not None else y
-    if conv is not None:
-        cw, cs = conv.weight, conv.conv_states
-        conv_args = (cw, cs, conv.state_slots, conv.has_initial_state, cw.shape[0], cw.stride(0), cs.stride(0),
-                     cs.stride(1))
-        conv_k = cw.shape[1]
-    else:
-        conv_args, conv_k = (y, y, y, y, 0, 0, 0, 0), 0
     _gemv_kernel[(triton.cdiv(n, bn), splits)](
-        x, weight, b, y, ws, m, n, k, k_split, x.stride(0), *conv_args,
+        x, weight, b, y, ws, m, n, k, k_split, x.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=cfg["use_dot"],
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
-        num_stages=num_stages or cfg["num_stages"], CONV_K=conv_k,
-        CONV_KM1_PAD=triton.next_power_of_2(max(1, conv_k - 1)),
+        num_stages=num_stages or cfg["num_stages"],
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](

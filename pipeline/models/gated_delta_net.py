@@ -4,8 +4,7 @@ One fused input projection gives ``[qkv | z | b | a]`` (qkv: the conv channels, 
 of the value heads; z: the output gate; b, a: the per-value-head beta and decay inputs). The qkv channels run
 through a causal depthwise conv (its last K-1 inputs kept per sequence), q and k are l2-normalised in the kernel,
 and the delta rule advances an fp32 state [HV, Dk, Dv] per sequence; the output is normed per value head,
-gated by silu(z), and projected back. On a decode step that is three launches on the GPU: the projection (with
-the conv in its epilogue), the delta rule (with the norm), the output projection. The conv window and the state live in two per-layer tensors indexed by
+gated by silu(z), and projected back. On a decode step the norm runs inside the delta-rule kernel. The conv window and the state live in two per-layer tensors indexed by
 each row's state slot (``ctx.state_slots``); the model's ``cache_specs`` declares them.
 
 Both HF layouts load into the one projection: Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
@@ -77,15 +76,10 @@ class GatedDeltaNet(nn.Module):
         T = x.shape[0]
         C, V, HV = self.conv_dim, self.value_dim, self.num_v_heads
         conv_states, ssm_states = ctx.caches[self.state_index], ctx.caches[self.state_index + 1]
-        conv_weight = self.conv1d.weight.view(C, self.conv_kernel_size)
-        if self.in_proj.packed is None and gdn.fused_decode_applies(x, ctx.state_slots.shape[0], meta.max_query_len):
-            proj = gdn.project_with_conv(x, self.in_proj.weight, conv_weight, conv_states, ctx.state_slots,
-                                         ctx.has_initial_state)  # decode: the conv runs in the projection's epilogue
-            mixed = proj[:, :C]
-        else:
-            proj = self.in_proj(x)
-            mixed = gdn.causal_conv1d_varlen(proj[:, :C], conv_weight, None, conv_states, ctx.state_slots,
-                                             meta.query_start_loc, ctx.has_initial_state, meta.max_query_len)
+        proj = self.in_proj(x)
+        mixed = gdn.causal_conv1d_varlen(proj[:, :C], self.conv1d.weight.view(C, self.conv_kernel_size), None,
+                                         conv_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
+                                         meta.max_query_len)
         kd = self.key_dim
         q = mixed[:, :kd].view(T, self.num_k_heads, self.head_k_dim)
         k = mixed[:, kd:2 * kd].view(T, self.num_k_heads, self.head_k_dim)
