@@ -203,42 +203,31 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
                      A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor,
                      query_start_loc: torch.Tensor, has_initial_state: torch.Tensor, max_query_len: int,
-                     query_start_loc_host: list[int] | None = None) -> torch.Tensor:
+                     query_start_loc_host: list[int] | None = None,
+                     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """``gated_delta_rule_varlen_ref`` (q/k l2-normalised) on the raw gate inputs. On the GPU both kernels compute
     the gates themselves (no torch op before them): steps whose rows hold at most RECURRENT_MAX_QUERY tokens take
     the token-by-token kernel (CUDA-graph capturable: it reads the row bounds on the device); longer prompt chunks
-    take the chunked kernels, which size their grids from the host copy."""
-    if dispatch.use_triton(q.device):
-        if max_query_len <= RECURRENT_MAX_QUERY or query_start_loc_host is None:
-            from kernels.triton_gdn import gated_delta_rule_recurrent_triton
-
-            return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
-                                                     query_start_loc, has_initial_state)
-        from kernels.triton_gdn import gated_delta_rule_chunked_triton
-
-        return gated_delta_rule_chunked_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
-                                               query_start_loc, has_initial_state,
-                                               query_start_loc_host=query_start_loc_host)
-    return gated_delta_rule_varlen_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots, query_start_loc,
-                                       has_initial_state)
-
-
-def gated_delta_rule_normed(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                            A_log: torch.Tensor, dt_bias: torch.Tensor, z: torch.Tensor, norm_weight: torch.Tensor,
-                            eps: float, ssm_states: torch.Tensor, state_slots: torch.Tensor,
-                            query_start_loc: torch.Tensor, has_initial_state: torch.Tensor, max_query_len: int,
-                            query_start_loc_host: list[int] | None = None) -> torch.Tensor:
-    """``rms_norm_gated(gated_delta_rule(...), z)`` per value head: o [T, HV, Dv] normed and gated. Rows the
-    recurrent kernel takes (decode, verify) get the norm inside it: one launch instead of two."""
+    take the chunked kernels, which size their grids from the host copy. ``gated_norm`` ``(z [T, HV, Dv], weight,
+    eps)``: o is ``rms_norm_gated`` per value head, inside the token-by-token kernel (one launch, not two)."""
     if dispatch.use_triton(q.device) and (max_query_len <= RECURRENT_MAX_QUERY or query_start_loc_host is None):
         from kernels.triton_gdn import gated_delta_rule_recurrent_triton
 
         return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
-                                                 query_start_loc, has_initial_state, gated_norm=(z, norm_weight, eps))
-    o = gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots, query_start_loc, has_initial_state,
-                         max_query_len, query_start_loc_host)
+                                                 query_start_loc, has_initial_state, gated_norm=gated_norm)
+    if dispatch.use_triton(q.device):
+        from kernels.triton_gdn import gated_delta_rule_chunked_triton
+
+        o = gated_delta_rule_chunked_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots, query_start_loc,
+                                            has_initial_state, query_start_loc_host=query_start_loc_host)
+    else:
+        o = gated_delta_rule_varlen_ref(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots, query_start_loc,
+                                        has_initial_state)
+    if gated_norm is None:
+        return o
+    z, weight, eps = gated_norm
     T, HV, Dv = o.shape
-    return rms_norm_gated(o.reshape(T * HV, Dv), z.reshape(T * HV, Dv), norm_weight, eps).view(T, HV, Dv)
+    return rms_norm_gated(o.reshape(T * HV, Dv), z.reshape(T * HV, Dv), weight, eps).view(T, HV, Dv)
 
 
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -83,11 +83,10 @@ def _recurrent_kernel(
         o = tl.sum(state * q[:, None], 0)
         if NORM:
             o = o.to(o_ptr.dtype.element_ty).to(tl.float32)  # the reference norms the rounded output
-            rstd = tl.rsqrt(tl.sum(o * o, 0) / DV + eps)
-            normed = (o * rstd).to(o_ptr.dtype.element_ty).to(tl.float32)
-            gated = (tl.load(norm_w_ptr + dv, mask=v_ok, other=0.0).to(tl.float32) * normed).to(PROD_DTYPE)
-            z = tl.load(z_ptr + t * stride_zt + h * stride_zh + dv, mask=v_ok, other=0.0).to(tl.float32)
-            o = gated.to(tl.float32) * (z / (1.0 + tl.exp(-z)))
+            o = gated_norm_values(o, tl.rsqrt(tl.sum(o * o, 0) / DV + eps),
+                                  tl.load(norm_w_ptr + dv, mask=v_ok, other=0.0).to(tl.float32),
+                                  tl.load(z_ptr + t * stride_zt + h * stride_zh + dv, mask=v_ok, other=0.0),
+                                  o_ptr.dtype.element_ty, PROD_DTYPE)
         tl.store(o_ptr + t * stride_ot + h * stride_oh + dv, o.to(o_ptr.dtype.element_ty), mask=v_ok)
     tl.store(s_ptrs, state.to(state_ptr.dtype.element_ty), mask=s_mask)
 
@@ -176,6 +175,16 @@ def gated_delta_rule_chunked_triton(
     return o
 
 
+@_jit
+def gated_norm_values(x, rstd, w, z, X_DTYPE: tl.constexpr, PROD_DTYPE: tl.constexpr):
+    """``rms_norm_gated_ref``'s rounding, given x (fp32 holding x-dtype values), its rstd and the weight (both
+    broadcast to x): normed rounded to x's dtype, weight * normed in the promoted dtype, silu(z) product in fp32."""
+    normed = (x * rstd).to(X_DTYPE).to(tl.float32)
+    gated = (w * normed).to(PROD_DTYPE).to(tl.float32)
+    z = z.to(tl.float32)
+    return gated * (z / (1.0 + tl.exp(-z)))
+
+
 @_jit(do_not_specialize=["n_rows"])
 def _rms_norm_gated_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, n_rows, D, eps, stride_x, stride_z, stride_y,
@@ -186,12 +195,10 @@ def _rms_norm_gated_kernel(
     c_ok = cols < D
     mask = (rows < n_rows)[:, None] & c_ok[None, :]
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    rstd = tl.rsqrt(tl.sum(x * x, 1) / D + eps)
-    normed = (x * rstd[:, None]).to(x_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
-    gated = (w[None, :] * normed).to(PROD_DTYPE).to(tl.float32)  # torch: weight * normed in the promoted dtype
-    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    y = gated * (z / (1.0 + tl.exp(-z)))
+    z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
+    y = gated_norm_values(x, tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None], w[None, :], z, x_ptr.dtype.element_ty,
+                          PROD_DTYPE)
     tl.store(y_ptr + rows[:, None] * stride_y + cols[None, :], y.to(y_ptr.dtype.element_ty), mask=mask)
 
 

@@ -31,7 +31,7 @@ class _ConvWeight(nn.Module):
 
 class GatedRMSNorm(nn.Module):
     """Holds the per-head RMSNorm weight of the delta-rule output (transformers' RMSNormGated; not zero-centred).
-    The norm, times silu(z), is applied by ``gdn.gated_delta_rule_normed`` (inside the decode kernel)."""
+    The norm, times silu(z), is applied by ``gdn.gated_delta_rule`` (inside the decode kernel)."""
 
     def __init__(self, dim: int, eps: float, dtype=None, device=None) -> None:
         super().__init__()
@@ -85,10 +85,10 @@ class GatedDeltaNet(nn.Module):
         k = mixed[:, kd:2 * kd].view(T, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * kd:].view(T, HV, self.head_v_dim)
         z = proj[:, C:C + V].view(T, HV, self.head_v_dim)
-        o = gdn.gated_delta_rule_normed(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log,
-                                        self.dt_bias, z, self.norm.weight, self.norm.eps, ssm_states, ctx.state_slots,
-                                        meta.query_start_loc, ctx.has_initial_state, meta.max_query_len,
-                                        meta.query_start_loc_host)
+        o = gdn.gated_delta_rule(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log, self.dt_bias,
+                                 ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
+                                 meta.max_query_len, meta.query_start_loc_host,
+                                 gated_norm=(z, self.norm.weight, self.norm.eps))
         return self.out_proj(o.view(T, V))
 
 
