@@ -14,7 +14,7 @@ import torch
 from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
-from kernels.triton_gemv import SKINNY_MAX_M, gemv_triton
+from kernels.triton_gemv import SKINNY_MAX_M, NormedProjection, gemv_norm_triton, gemv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
 from kernels.triton_qkv_prologue import qkv_prologue_ref, qkv_prologue_triton
 from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
@@ -62,6 +62,12 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     return gemv_triton(x, weight, bias)
+
+
+def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                weight: torch.Tensor, bias: torch.Tensor | None, write_normed: bool) -> NormedProjection:
+    """The residual-add RMSNorm inside a skinny projection (where ``skinny_linear_applies``)."""
+    return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed)
 
 
 def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,

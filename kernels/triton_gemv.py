@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
+from kernels.triton_norm import rms_norm_ref
 
 SKINNY_MAX_M = 16
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -36,10 +38,18 @@ def gemv_ref(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = 
 def _gemv_kernel(
     x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr,
     M, N, K, k_split, x_s0,
+    r_ptr, r_s0, nw_ptr, res_out_ptr, normed_ptr, eps,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
+    WRITE_BLOCK: tl.constexpr = 16,
 ):
-    """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split)."""
+    """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split).
+
+    NORM (no split): x is first ``rms_norm(x (+ r)) * nw``. The 1/rms factor is a per-row scalar, so the K loop
+    multiplies by ``(x + r) * nw`` while it sums the squares and the accumulator is scaled once at the end: no
+    pass over x before the weights stream. Each program then writes its slice of the new residual (HAS_RES) and
+    of the normed rows (WRITE_NORMED)."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -52,6 +62,9 @@ def _gemv_kernel(
     k_hi = tl.minimum(k_lo + k_split, K)
     w_ptrs = w_ptr + rows_n[:, None] * K + (k_lo + offs_k)[None, :]
     x_ptrs = x_ptr + rows_m[:, None] * x_s0 + (k_lo + offs_k)[None, :]
+    r_ptrs = r_ptr + rows_m[:, None] * r_s0 + (k_lo + offs_k)[None, :]
+    nw_ptrs = nw_ptr + k_lo + offs_k
+    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)  # summed across lanes once, after the loop
     if USE_DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
@@ -64,6 +77,21 @@ def _gemv_kernel(
             k_mask = (k + offs_k < K)[None, :]
             w = tl.load(w_ptrs, mask=k_mask, other=0.0)
             x = tl.load(x_ptrs, mask=k_mask, other=0.0)
+        if NORM:
+            xs = x.to(tl.float32)
+            if HAS_RES:  # the sum rounded to the activation dtype first, as the torch add does
+                if EVEN_K:
+                    r = tl.load(r_ptrs)
+                else:
+                    r = tl.load(r_ptrs, mask=k_mask, other=0.0)
+                xs = (xs + r.to(tl.float32)).to(x.dtype).to(tl.float32)
+            squares += xs * xs
+            nw = tl.load(nw_ptrs, mask=k + offs_k < K, other=0.0).to(tl.float32)
+            x = xs * nw[None, :]  # fp32 for the FMA path, rounded once for the tensor cores
+            if USE_DOT and not DOT_FP32:
+                x = x.to(w.dtype)
+            r_ptrs += BLOCK_K
+            nw_ptrs += BLOCK_K
         if DOT_FP32:
             acc = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
         elif USE_DOT:
@@ -78,10 +106,27 @@ def _gemv_kernel(
     if SPLIT:
         tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], acc, mask=out_mask)
     else:
+        if NORM:
+            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
+            acc = acc * rstd[None, :]
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
         y = acc.to(y_ptr.dtype.element_ty)
         tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], y, mask=out_mask)
+    if NORM and (HAS_RES or WRITE_NORMED):
+        offs_c = tl.arange(0, WRITE_BLOCK)
+        for c in range(pid_n * WRITE_BLOCK, K, tl.num_programs(0) * WRITE_BLOCK):
+            c_mask = (offs_m < M)[:, None] & (c + offs_c < K)[None, :]
+            at = offs_m[:, None] * K + (c + offs_c)[None, :]
+            xc = tl.load(x_ptr + rows_m[:, None] * x_s0 + (c + offs_c)[None, :], mask=c_mask, other=0.0)
+            if HAS_RES:
+                rc = tl.load(r_ptr + rows_m[:, None] * r_s0 + (c + offs_c)[None, :], mask=c_mask, other=0.0)
+                xc = (xc.to(tl.float32) + rc.to(tl.float32)).to(xc.dtype)
+                tl.store(res_out_ptr + at, xc, mask=c_mask)
+            if WRITE_NORMED:
+                nwc = tl.load(nw_ptr + c + offs_c, mask=c + offs_c < K, other=0.0).to(tl.float32)
+                tl.store(normed_ptr + at, (xc.to(tl.float32) * rstd[:, None] * nwc[None, :]).to(xc.dtype),
+                         mask=c_mask)
 
 
 @_jit
@@ -127,23 +172,27 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132,
             "num_warps": 4, "num_stages": stages, "use_dot": use_dot}
 
 
+def _check_operands(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
+        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    if x.shape[0] > SKINNY_MAX_M:
+        raise ValueError(f"M = {x.shape[0]} exceeds SKINNY_MAX_M = {SKINNY_MAX_M}")
+    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
+        raise ValueError(f"x and weight must share a dtype in {_DTYPES}, got {x.dtype} and {weight.dtype}")
+    if not weight.is_contiguous():
+        raise ValueError("weight must be contiguous ([N, K] row-major)")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ValueError(f"bias shape {tuple(bias.shape)} != ({weight.shape[0]},)")
+
+
 def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, use_dot: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic."""
-    if x.dim() != 2 or weight.dim() != 2 or x.shape[1] != weight.shape[1]:
-        raise ValueError(f"need x [M, K] and weight [N, K], got {tuple(x.shape)} and {tuple(weight.shape)}")
+    _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
-    if m > SKINNY_MAX_M:
-        raise ValueError(f"M = {m} exceeds SKINNY_MAX_M = {SKINNY_MAX_M}")
-    if x.dtype not in _DTYPES or weight.dtype != x.dtype:
-        raise ValueError(f"x and weight must share a dtype in {_DTYPES}, got {x.dtype} and {weight.dtype}")
-    if not weight.is_contiguous():
-        raise ValueError("weight must be contiguous ([N, K] row-major)")
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias shape {tuple(bias.shape)} != ({n},)")
     if m == 0 or n == 0 or k == 0:
         return gemv_ref(x, weight, bias)
     x = x if x.stride(1) == 1 else x.contiguous()
@@ -160,6 +209,7 @@ def gemv_triton(
     b = bias if bias is not None else y
     _gemv_kernel[(triton.cdiv(n, bn), splits)](
         x, weight, b, y, ws, m, n, k, k_split, x.stride(0),
+        x, 0, x, y, y, 0.0,
         HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=cfg["use_dot"],
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
@@ -169,6 +219,71 @@ def gemv_triton(
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
             ws, b, y, n, m * n, SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4)
     return y
+
+
+@dataclass(slots=True)
+class NormedProjection:
+    """What ``gemv_norm_triton`` returns: ``y`` the projection of the normed rows, ``residual`` the new residual
+    (x + residual; x itself without one), ``normed`` the normed rows (when asked for)."""
+
+    y: torch.Tensor
+    residual: torch.Tensor
+    normed: torch.Tensor | None = None
+
+
+def gemv_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                  weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  write_normed: bool = False) -> NormedProjection:
+    """The oracle: the residual-add RMSNorm (``rms_norm_ref``), then the projection."""
+    if residual is None:
+        normed, new_residual = rms_norm_ref(x, norm_weight, eps), x
+    else:
+        normed, new_residual = rms_norm_ref(x, norm_weight, eps, residual)
+    return NormedProjection(gemv_ref(normed, weight, bias), new_residual, normed if write_normed else None)
+
+
+def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                     weight: torch.Tensor, bias: torch.Tensor | None = None, write_normed: bool = False, *,
+                     block_n: int | None = None, block_k: int | None = None,
+                     num_warps: int | None = None) -> NormedProjection:
+    """``gemv_norm_ref`` in one launch: the residual-add RMSNorm in the GEMV's K loop (no K split). At decode
+    batch sizes this replaces a norm kernel a layer."""
+    _check_operands(x, weight, bias)
+    (m, k), n = x.shape, weight.shape[0]
+    if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
+        raise ValueError(f"norm weight {tuple(norm_weight.shape)} / residual shape do not match x {tuple(x.shape)}")
+    if m == 0 or n == 0 or k == 0:
+        return gemv_norm_ref(x, residual, norm_weight, eps, weight, bias, write_normed)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    r = x if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
+    sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
+    cfg = gemv_norm_config(m, n, k, x.dtype, sms)
+    bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
+    grid_n = triton.cdiv(n, bn)
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = NormedProjection(y, x if residual is None else torch.empty_like(x),
+                           torch.empty_like(x) if write_normed else None)
+    write_block = max(16, min(2048 // cfg["block_m"], triton.next_power_of_2(triton.cdiv(k, grid_n))))
+    _gemv_kernel[(grid_n, 1)](
+        x, weight, bias if bias is not None else y, y, y, m, n, k, k, x.stride(0),
+        r, r.stride(0), norm_weight, out.residual, out.normed if write_normed else y, eps,
+        HAS_BIAS=bias is not None, SPLIT=False, USE_DOT=cfg["use_dot"],
+        DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
+        BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
+        num_stages=cfg["num_stages"], NORM=True, HAS_RES=residual is not None, WRITE_NORMED=write_normed,
+        WRITE_BLOCK=write_block,
+    )
+    return out
+
+
+def gemv_norm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132) -> dict[str, int | bool]:
+    """``gemv_config`` without the K split (the norm needs a row's every square in one program). At M = 1 a
+    projection of >= 1,024 rows takes [8, 1 KiB] tiles: with the norm's loads in the K loop, 8 weight rows a
+    program beat the plain GEMV's 2 on an H200 (5120-12352 x 2048; results/gemv-norm-tune-h200.json)."""
+    cfg = {**gemv_config(m, n, k, dtype, num_sms), "split_k": 1}
+    if m == 1 and n >= 1024 and not cfg["use_dot"]:
+        cfg["block_n"], cfg["block_k"] = 8, min(512, max(1, triton.next_power_of_2(k)))
+    return cfg
 
 
 def bench_gemv(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, iters: int = 50,

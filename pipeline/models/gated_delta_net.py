@@ -71,12 +71,19 @@ class GatedDeltaNet(nn.Module):
         return [StateSlotSpec((self.conv_dim, self.conv_kernel_size - 1), dtype),
                 StateSlotSpec((self.num_v_heads, self.head_k_dim, self.head_v_dim), torch.float32)]
 
+    @property
+    def input_proj(self) -> MergedLinear:
+        return self.in_proj
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        return self.forward_projected(self.in_proj(x), ctx)
+
+    def forward_projected(self, proj: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``forward`` from the fused input projection on."""
         meta = ctx.attention
-        T = x.shape[0]
+        T = proj.shape[0]
         C, V, HV = self.conv_dim, self.value_dim, self.num_v_heads
         conv_states, ssm_states = ctx.caches[self.state_index], ctx.caches[self.state_index + 1]
-        proj = self.in_proj(x)
         mixed = gdn.causal_conv1d_varlen(proj[:, :C], self.conv1d.weight.view(C, self.conv_kernel_size), None,
                                          conv_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
                                          meta.max_query_len)

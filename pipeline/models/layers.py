@@ -3,6 +3,8 @@ with a fused gate/up projection, and paged attention with a fused qkv projection
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -134,6 +136,27 @@ class MergedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}"
 
 
+NORM_IN_PROJECTION = os.environ.get("CONVEYOR_NORM_IN_PROJECTION", "1") != "0"
+
+
+def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: MergedLinear,
+                 keep_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(proj(norm(x + residual)), x + residual, the normed rows or None)``; without a residual (the first
+    layer) x is the residual. One decode row on the GPU runs the norm inside the projection's GEMV
+    (``gemv_norm_triton``): a norm kernel fewer a layer, 1-3 us each at batch 1 on an H200
+    (bench/results/gemv-norm-tune-h200.json). Above one row the separate norm did as well or better there.
+    ``CONVEYOR_NORM_IN_PROJECTION=0`` (read at import) keeps the norm separate, for A/B runs."""
+    if (NORM_IN_PROJECTION and x.shape[0] == 1 and proj.packed is None
+            and dispatch.skinny_linear_applies(x, proj.weight)):
+        out = dispatch.norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, keep_normed)
+        return out.y, out.residual, out.normed
+    if residual is None:
+        residual, normed = x, norm(x)
+    else:
+        normed, residual = norm(x, residual)
+    return proj(normed), residual, normed if keep_normed else None
+
+
 class Embedding(nn.Module):
     """Token embedding with an uninitialized weight (weights are always loaded)."""
 
@@ -153,6 +176,8 @@ def Linear(in_features: int, out_features: int, bias: bool = False, dtype=None, 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
 
+    reuses_input = False  # forward_projected needs only the projection, not x (SparseMoeBlock's does)
+
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu",
                  dtype=None, device=None) -> None:
         super().__init__()
@@ -162,9 +187,16 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
 
+    @property
+    def input_proj(self) -> MergedLinear:
+        return self.gate_up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if dispatch.use_triton(x.device):
+        return self.forward_projected(self.gate_up_proj(x), x)
+
+    def forward_projected(self, gate_up: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        """The rest of ``forward`` after the input projection (``x`` unused: the signature of every block's)."""
+        if dispatch.use_triton(gate_up.device):
             return self.down_proj(dispatch.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
@@ -213,18 +245,25 @@ class PagedAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
+    @property
+    def input_proj(self) -> MergedLinear:
+        return self.qkv_proj
+
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Reads the step's rope (cos/sin [T, 1, rotary_dim]) and attention plan
         from ``ctx``, which the model filled once for all layers, and writes this step's K/V into its cache."""
+        return self.forward_projected(self.qkv_proj(x), ctx)
+
+    def forward_projected(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``forward`` from the fused qkv projection on."""
         kv_cache = ctx.kv_cache(self.cache_index)  # [2, NB, BS, KVH, D]
         meta, plan = ctx.attention, ctx.attention_plan
         cos, sin = ctx.rope
-        T = x.shape[0]
+        T = qkv.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)
         qk_end = self.q_size + self.kv_size
         v_end = qk_end + self.kv_size
-        gpu = dispatch.use_triton(x.device)
+        gpu = dispatch.use_triton(qkv.device)
         if gpu:  # norms, rope and the KV write in one kernel
             q = qkv[:, : self.q_size].view(T, H, D)
             k = qkv[:, self.q_size : qk_end].view(T, KVH, D)

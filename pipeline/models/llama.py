@@ -22,6 +22,7 @@ from pipeline.models.layers import (
     RMSNorm,
     can_prepack,
     linear,
+    norm_project,
     packed_linear,
     prepack_weight,
 )
@@ -62,14 +63,11 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        qkv, residual, _ = norm_project(self.input_layernorm, x, residual, self.self_attn.input_proj)
+        x = self.self_attn.forward_projected(qkv, ctx)
+        projected, residual, normed = norm_project(self.post_attention_layernorm, x, residual, self.mlp.input_proj,
+                                                   keep_normed=self.mlp.reuses_input)
+        return self.mlp.forward_projected(projected, normed), residual
 
 
 class LlamaModel(nn.Module):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from kernels.moe import fused_moe, route_topk
-from pipeline.models.layers import GatedMLP, Linear
+from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 
 
 _EXPERT_RE = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -105,10 +105,21 @@ class SparseMoeBlock(nn.Module):
         self._loaded: set[str] = set()  # HF name suffixes loaded so far (see missing_weights)
 
     # ---- forward, in steps ----
+    reuses_input = True  # the experts read x after the router projection (see forward_projected)
+
+    @property
+    def input_proj(self) -> MergedLinear:
+        """The router: the projection a fused norm may run in (``pipeline.models.layers.norm_project``)."""
+        return self.gate
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids); with the shared expert
         folded in, [T, k + 1], its slot (id ``num_experts``) last. The same on every block."""
-        return route_topk(self.gate(x)[:, :self.router_rows], self.top_k, self.norm_topk_prob, self.shared_expert_id)
+        return self.route_logits(self.gate(x))
+
+    def route_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``route`` from the router's output."""
+        return route_topk(logits[:, :self.router_rows], self.top_k, self.norm_topk_prob, self.shared_expert_id)
 
     def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
@@ -123,7 +134,11 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
-        topk_weights, topk_ids = self.route(x)
+        return self.forward_projected(self.gate(x), x)
+
+    def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` given the router's output for x."""
+        topk_weights, topk_ids = self.route_logits(logits)
         y = self.combine(self.experts(x, topk_weights, topk_ids))
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -22,7 +22,7 @@ from torch import nn
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import CacheSpec, ForwardContext, PagedKVSpec
 from pipeline.models.gated_delta_net import GatedDeltaNet, split_qwen3_next_projections
-from pipeline.models.layers import GatedMLP, PagedAttention, RMSNorm
+from pipeline.models.layers import GatedMLP, PagedAttention, RMSNorm, norm_project
 from pipeline.models.llama import _FUSED
 from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer, make_sparse_moe_block
 
@@ -72,14 +72,12 @@ class HybridDecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual = x
-            x = self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.linear_attn(x, ctx) if self.linear_attn is not None else self.self_attn(x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        mixer = self.linear_attn if self.linear_attn is not None else self.self_attn
+        projected, residual, _ = norm_project(self.input_layernorm, x, residual, mixer.input_proj)
+        x = mixer.forward_projected(projected, ctx)
+        projected, residual, normed = norm_project(self.post_attention_layernorm, x, residual, self.mlp.input_proj,
+                                                   keep_normed=self.mlp.reuses_input)
+        return self.mlp.forward_projected(projected, normed), residual
 
 
 class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):

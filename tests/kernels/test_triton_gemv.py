@@ -125,3 +125,51 @@ def test_gpu_gemv_bf16_real_shapes(m, n, k):
     graph.replay()
     torch.cuda.synchronize()
     close(graph_out, gemv_ref(x, weight, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", [1, 3, 16])
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("norm_dtype", ["same", "fp32"])
+def test_gemv_norm_matches_norm_then_gemv(dtype, m, residual, norm_dtype):
+    """The residual-add RMSNorm inside the GEMV (``gemv_norm_triton``) against the norm then the projection:
+    the output, the new residual and the normed rows (an fp32 norm weight is a zero-centred norm's 1 + w)."""
+    from kernels.triton_gemv import gemv_norm_ref, gemv_norm_triton
+
+    n, k = 70, 200  # K ragged against every block size
+    x, weight, bias = operands(m, n, k, dtype, bias=residual)
+    r = randn(m, k, dtype=dtype, seed=7) if residual else None
+    norm_weight = (1 + 0.3 * randn(k, seed=8)).to(dtype if norm_dtype == "same" else torch.float32)
+    out = gemv_norm_triton(x, r, norm_weight, 1e-6, weight, bias, write_normed=True)
+    ref = gemv_norm_ref(x, r, norm_weight, 1e-6, weight, bias, write_normed=True)
+    close(out.y, ref.y)
+    close(out.residual, ref.residual)
+    close(out.normed, ref.normed)
+    assert out.residual is x if r is None else out.residual.data_ptr() not in (x.data_ptr(), r.data_ptr())
+
+
+@pytest.mark.parametrize("block_n,block_k", [(1, 16), (8, 64), (2, 256)])
+def test_gemv_norm_every_program_writes_its_slice(block_n, block_k):
+    """The new residual and the normed rows are written in slices by the programs (70 programs of one row, or 9, or
+    35 for K = 300): every element is written, whatever the grid."""
+    from kernels.triton_gemv import gemv_norm_ref, gemv_norm_triton
+
+    x, weight, _ = operands(2, 70, 300, torch.float32, bias=False)
+    r = randn(2, 300, seed=3)
+    norm_weight = 1 + 0.3 * randn(300, seed=4)
+    out = gemv_norm_triton(x, r, norm_weight, 1e-5, weight, None, True, block_n=block_n, block_k=block_k)
+    ref = gemv_norm_ref(x, r, norm_weight, 1e-5, weight, None, True)
+    assert torch.equal(out.residual, ref.residual)
+    close(out.normed, ref.normed)
+    close(out.y, ref.y)
+
+
+def test_gemv_norm_config_has_no_k_split():
+    from kernels.triton_gemv import gemv_norm_config
+
+    for m, n, k in [(1, 128, 2048), (1, 12352, 2048), (4, 9216, 2048), (16, 64, 8192)]:
+        cfg = gemv_norm_config(m, n, k, torch.bfloat16)
+        assert cfg["split_k"] == 1
+        assert (cfg["block_n"], cfg["block_k"]) == ((8, 512) if m == 1 and n >= 1024 else
+                                                    (gemv_config(m, n, k, torch.bfloat16)["block_n"],
+                                                     gemv_config(m, n, k, torch.bfloat16)["block_k"]))

@@ -36,3 +36,38 @@ def test_triton_path_equals_torch_path(model_type, monkeypatch):
     for ours_seq, ref_seq in zip(triton_run.decode_logits, torch_run.decode_logits):
         for ours, ref in zip(ours_seq, ref_seq):
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_5_moe_text"])
+def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, monkeypatch):
+    """bf16, one sequence: every decode step runs each layer's two residual-add norms inside the projection that
+    follows them (``gemv_norm_triton``; the MoE router also hands the normed rows to the experts). Against the same
+    GPU path with the norm as its own kernel: the same greedy tokens, logits within bf16 rounding."""
+    if not dispatch.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton under the interpreter (the model runs on CPU tensors)")
+    from kernels.triton_gemv import NormedProjection, gemv_triton
+    from kernels.triton_norm import rms_norm_triton
+
+    hf = make_tiny_hf_model(model_type, **({} if model_type == "qwen3_5_moe_text" else {"num_hidden_layers": 2}))
+    model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.bfloat16, prepack=False)
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    fused_calls = []
+    fused = dispatch.norm_linear
+    monkeypatch.setattr(dispatch, "norm_linear", lambda *a: fused_calls.append(a[-1]) or fused(*a))
+    prompt = [list(range(100, 107))]
+    fused_run = run_paged(model, prompt, max_new_tokens=3)
+
+    def separate(x, residual, norm_weight, eps, weight, bias, write_normed):
+        normed, new_residual = rms_norm_triton(x, norm_weight, eps, residual) if residual is not None else (
+            rms_norm_triton(x, norm_weight, eps), x)
+        return NormedProjection(gemv_triton(normed, weight, bias), new_residual, normed if write_normed else None)
+
+    monkeypatch.setattr(dispatch, "norm_linear", separate)
+    separate_run = run_paged(model, prompt, max_new_tokens=3)
+    layers = len(model.model.layers)
+    assert len(fused_calls) == 2 * layers * 2  # two norms a layer, two single-row decode steps (after the prefill)
+    assert any(fused_calls) == (model_type != "qwen3")  # the normed rows are kept for the experts only
+    assert fused_run.generated == separate_run.generated
+    for ours, ref in zip(fused_run.decode_logits[0], separate_run.decode_logits[0]):
+        scale = ref.float().abs().max().item()
+        torch.testing.assert_close(ours.float(), ref.float(), atol=0.05 * scale, rtol=0.05)
