@@ -95,6 +95,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     if device.type == "cuda" and config.cuda_graphs:
         say(f"capturing CUDA graphs for decode batches up to {config.cuda_graph_max_batch}")
         runner.capture_decode_graphs(config.cuda_graph_max_batch, max_model_len)
+    elif device.type == "cuda":
+        runner.fix_decode_partition(config.cuda_graph_max_batch, max_model_len)
     limits = ModelLimits(
         max_model_len=max_model_len,
         vocab_size=arch.vocab_size,

@@ -30,6 +30,16 @@ def graph_batch_sizes(max_batch: int) -> list[int]:
     return sizes
 
 
+def decode_plan(rows: int, max_batch: int, num_kv_heads: int, max_model_len: int,
+                num_sms: int) -> TritonAttentionPlan:
+    """The attention launch plan of a decode step of ``rows`` sequences: the one the graph that serves it (the
+    smallest captured size that holds it) is captured with. Eager decode steps use it too, so a sequence's keys are
+    split, and their partial sums combined, the same way with graphs or without; the step's own heuristic would
+    split by the step's longest context and sum in another order (graphs against eager diverged on bf16 ties)."""
+    size = next((s for s in graph_batch_sizes(max_batch) if s >= rows), rows)
+    return TritonAttentionPlan(num_splits=decode_num_splits(size, num_kv_heads, max_model_len, num_sms))
+
+
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -83,7 +93,7 @@ class DecodeGraphs:
         self.seq_lens.fill_(self.max_query_len)  # every captured row's context holds its q tokens
         for q in range(self.max_query_len, 0, -1):
             for size in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool
-                plan = TritonAttentionPlan(num_splits=decode_num_splits(size, num_kv_heads, max_model_len, sms))
+                plan = decode_plan(size, self.max_batch, num_kv_heads, max_model_len, sms)
                 context = ForwardContext(self._meta(size, q, plan, max_model_len), self.caches,
                                          state_slots=self.state_slots[:size])
                 args = (self.input_ids[:size * q], self.positions[:size * q], context)

@@ -19,7 +19,7 @@ import torch
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
 from pipeline.models.forward_context import (ForwardContext, PagedKVSpec, allocate_caches, bytes_per_block,
                                              bytes_per_state_slot)
-from pipeline.runner.cuda_graphs import DecodeGraphs
+from pipeline.runner.cuda_graphs import DecodeGraphs, decode_plan
 from pipeline.runner.host_staging import HostStaging
 from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
 from pipeline.runner.sampling_batch import SamplingBatch
@@ -58,6 +58,7 @@ class ModelRunner:
         self.num_state_slots = max_num_seqs + 1 if bytes_per_state_slot(self.cache_specs) else 0  # + the null slot
         self.caches: list[torch.Tensor] = []
         self.graphs: DecodeGraphs | None = None
+        self.decode_partition: tuple[int, int, int] | None = None  # (max_batch, max_model_len, SMs): fix_decode_partition
         self.sampler = Sampler()
         self.staging = HostStaging()  # this runner's reused host buffers (only its launches touch them)
 
@@ -121,12 +122,22 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()
 
+    def fix_decode_partition(self, max_batch: int, max_model_len: int) -> None:
+        """Eager decode steps on the GPU take the attention plan their CUDA graph would (``decode_plan``), whether or
+        not graphs are captured: the same tokens give the same logits either way."""
+        self.decode_partition = (max_batch, max_model_len,
+                                 torch.cuda.get_device_properties(self.device).multi_processor_count)
+
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, max_query_len: int = 1) -> None:
+        self.fix_decode_partition(max_batch, max_model_len)
         self.graphs = DecodeGraphs(self.model, self.caches, max_batch=max_batch,
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    max_model_len=max_model_len,
-                                   num_kv_heads=next(s.num_kv_heads for s in self.cache_specs if isinstance(s, PagedKVSpec)),
+                                   num_kv_heads=self._num_kv_heads(),
                                    device=self.device, max_query_len=max_query_len)
+
+    def _num_kv_heads(self) -> int:
+        return next(s.num_kv_heads for s in self.cache_specs if isinstance(s, PagedKVSpec))
 
     def execute(self, plan: StepPlan) -> SamplerOutput:
         """Run a step and wait for its results (tests and tools; the engine launches and fetches apart)."""
@@ -165,6 +176,10 @@ class ModelRunner:
         qsl_host = batch.query_start_loc.tolist()
         lens_host = batch.seq_lens.tolist()
         max_query_len = max(qsl_host[i + 1] - qsl_host[i] for i in range(len(lens_host)))
+        kernel_plan = None
+        if max_query_len == 1 and self.decode_partition is not None and self.device.type == "cuda":
+            max_batch, max_model_len, sms = self.decode_partition
+            kernel_plan = decode_plan(len(lens_host), max_batch, self._num_kv_heads(), max_model_len, sms)
         meta = AttentionMetadata(
             slot_mapping=self._to_device(batch.slot_mapping),
             query_start_loc=self._to_device(batch.query_start_loc),
@@ -175,6 +190,7 @@ class ModelRunner:
             max_query_len=max_query_len,
             max_seq_len=max(lens_host),
             is_decode_only=max_query_len == 1,
+            kernel_plan=kernel_plan,
         )
         context = ForwardContext(meta, self.caches, state_slots=self._to_device(batch.state_slots))
         return DeviceBatch(batch, False, self._to_device(batch.input_ids), self._to_device(batch.positions),

@@ -2,7 +2,8 @@
 import pytest
 
 from pipeline.request import SamplingParams
-from pipeline.runner.cuda_graphs import graph_batch_sizes
+from kernels.triton_paged_attention import decode_num_splits
+from pipeline.runner.cuda_graphs import decode_plan, graph_batch_sizes
 from tests.conftest import run_async
 from tests.engine_utils import collect, config_for
 
@@ -13,6 +14,15 @@ def test_graph_batch_sizes_cover_every_batch(max_num_seqs, expected):
     sizes = graph_batch_sizes(max_num_seqs)
     assert sizes == expected
     assert all(any(s >= b for s in sizes) for b in range(1, max_num_seqs + 1))
+
+
+@pytest.mark.parametrize("rows,graph_size", [(1, 1), (3, 4), (5, 8), (9, 12), (12, 12), (13, 13)])
+def test_an_eager_decode_step_splits_keys_as_its_graph_does(rows, graph_size):
+    """The split count of an eager decode step is its graph's (padded size, longest possible context), not the
+    step's own heuristic (its rows, its longest context), so graphs and eager sum a sequence's keys alike."""
+    plan = decode_plan(rows, max_batch=12, num_kv_heads=2, max_model_len=40960, num_sms=132)
+    assert plan.num_splits == decode_num_splits(graph_size, 2, 40960, 132)
+    assert decode_num_splits(1, 2, 40960, 132) != decode_num_splits(1, 2, 75, 132)  # what the heuristic would differ by
 
 
 @pytest.mark.gpu
