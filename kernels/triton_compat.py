@@ -3,8 +3,20 @@ references work) and `jit` leaves the kernel functions undecorated; they are nev
 
 `jit(do_not_specialize=[...])` names integer arguments that change from step to step (sequence counts, block
 table widths, slot counts): Triton otherwise compiles a variant per value class (1, a multiple of 16, other),
-and a serving step that first meets a new class waits a second for the compiler."""
+and a serving step that first meets a new class waits a second for the compiler.
+
+Programmatic dependent launch (PDL, Hopper and later): a decode step is a chain of a few hundred small kernels, and
+each one otherwise starts only after the one before has drained: launch, the first DRAM round trip and the tail of
+every kernel leave the memory system idle. A kernel launched with ``pdl_launch(t)`` (``PDL=True`` and Triton's
+``launch_pdl``) lets the next kernel start as soon as its own programs are all running (``gdc_launch_dependents``),
+and it starts the same way: it may read what no kernel writes (its weights) at once, then ``gdc_wait``s for the
+kernel before it to finish before it reads an activation or writes anything. Every program of such a kernel waits,
+unconditionally, before it writes or exits, so 'the kernel before finished' means 'every kernel before finished'.
+``CONVEYOR_PDL=0`` turns it off (read once, at the first launch on a device)."""
 from __future__ import annotations
+
+import functools
+import os
 
 try:
     import triton
@@ -16,3 +28,26 @@ except ImportError:
 
     def jit(fn=None, **_options):  # type: ignore[no-redef]
         return fn if fn is not None else (lambda f: f)
+
+try:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # no triton, or one without grid dependency control: PDL stays off
+    gdc_launch_dependents = gdc_wait = None
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    import torch
+
+    return (gdc_wait is not None and not INTERPRET and os.environ.get("CONVEYOR_PDL", "1") != "0"
+            and torch.cuda.get_device_capability(device_index)[0] >= 9)
+
+
+def pdl_launch(t) -> dict[str, bool]:
+    """Launch keywords for a kernel with a ``PDL`` constexpr, for tensor ``t``'s device: ``{}`` (PDL off: the
+    kernel's default ``PDL=False`` and an ordinary launch) unless the device supports dependent launch."""
+    if not t.is_cuda or not _pdl_supported(t.device.index or 0):
+        return {}
+    return {"PDL": True, "launch_pdl": True}

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
@@ -52,10 +53,13 @@ def _recurrent_kernel(
     scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot,
     stride_oh, stride_ss, stride_sh, stride_sk, stride_zt, stride_zh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, NORM: tl.constexpr, PROD_DTYPE: tl.constexpr,
+    L2NORM: tl.constexpr, NORM: tl.constexpr, PROD_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """NORM (BV covers DV): each token's output goes through the gated RMSNorm (``rms_norm_gated_ref``'s rounding)
     before it is stored."""
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(qsl_ptr + b)
@@ -148,7 +152,7 @@ def gated_delta_rule_recurrent_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), *z_strides,
         GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
-        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps,
+        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps, **pdl_launch(q),
     )
     return o
 

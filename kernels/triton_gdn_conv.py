@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn import check_varlen, pow2
@@ -85,7 +86,11 @@ def _conv_update_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, C,
     stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
     K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     t = tl.load(qsl_ptr + b)
     if tl.load(qsl_ptr + b + 1) - t <= 0:  # an empty row keeps its state
@@ -150,7 +155,7 @@ def causal_conv1d_varlen_triton(
     if max_query_len is not None and max_query_len <= 1:
         _conv_update_kernel[(B, triton.cdiv(C, block_c))](
             x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, C, *strides,
-            **common, BLOCK_C=block_c, num_warps=2)
+            **common, BLOCK_C=block_c, num_warps=2, **pdl_launch(x))
         return y
     # short tiles (K-1 must fit in one) of 512 B rows: the best of an H200 sweep over 8-64 tokens x 64-512 channels
     # x 4/8 warps on 16 prompts of 512 tokens at the Qwen3.5-35B-A3B width (206 us against 345 for 64 x 128)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.moe import check_kernel_inputs
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -66,9 +67,12 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int]
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
     TOP_K, H, I, x_s0, expert_offset, n_local,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns."""
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
@@ -108,12 +112,15 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
-    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
     [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
     flight; the sum over experts happens once, in a fixed order (deterministic)."""
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_j = tl.arange(0, K_PAD)
@@ -165,13 +172,14 @@ def fused_moe_decode_triton(
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
+    pdl = pdl_launch(x)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
         x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1,
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **pdl,
     )
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
         act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
-        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, **pdl,
     )
     return y

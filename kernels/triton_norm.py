@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -36,11 +37,14 @@ def _rms_norm_kernel(
     inner, n_cols, eps,
     x_s0, x_s1, r_s0, r_s1,
     HAS_RESIDUAL: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    BLOCK_N: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """One program per row; row = (i, j) of a [A, B, N] view, so strided 3-D views need no copy.
 
     The outputs are contiguous: row ``i * inner + j`` starts at ``row * n_cols``."""
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     row = tl.program_id(0).to(tl.int64)
     i = row // inner
     j = row % inner
@@ -102,6 +106,6 @@ def rms_norm_triton(
         x_s0, x_s1, r_s0, r_s1,
         HAS_RESIDUAL=residual is not None,
         BLOCK_N=block,
-        num_warps=_num_warps(block),
+        num_warps=_num_warps(block), **pdl_launch(x),
     )
     return out if residual is None else (out, new_residual)

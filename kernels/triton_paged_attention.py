@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 
@@ -125,8 +126,11 @@ def _decode_split_kernel(
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh, stride_gb, stride_gh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -176,9 +180,12 @@ def _decode_split_kernel(
 @_jit(do_not_specialize=['num_splits'])
 def _decode_reduce_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine one (sequence, head)'s split partials: weights 2^(lse_j - max lse); empty splits weigh 0."""
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, S_PAD)
@@ -307,12 +314,13 @@ def paged_decode_attention_triton(
         out.stride(0), out.stride(1), *g_strides,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2,
+        num_stages=2, **pdl_launch(query),
     )
     if not direct:
         _decode_reduce_kernel[(B, H)](
             part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides,
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=_pow2(splits, 2), GATED=gate is not None, num_warps=4,
+            **pdl_launch(query),
         )
     return out
 

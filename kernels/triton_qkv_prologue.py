@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_kv_cache import write_kv_padded_ref
@@ -36,8 +37,12 @@ def _prologue_kernel(
     n_q_heads, head_dim, half, eps,
     q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, cs_s0, cs_s1, c_slot, c_head,
     HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T, H + KVH): one head of one token per program; k-head programs also move v."""
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     is_q = head < n_q_heads
@@ -111,5 +116,5 @@ def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), cos.stride(-1), flat.stride(1), flat.stride(2),
         HAS_NORM=has_norm, IS_NEOX=is_neox_style, BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
-        BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2,
+        BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2, **pdl_launch(q),
     )

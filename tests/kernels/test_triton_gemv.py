@@ -173,3 +173,45 @@ def test_gemv_norm_config_has_no_k_split():
         assert (cfg["block_n"], cfg["block_k"]) == ((8, 512) if m == 1 and n >= 1024 else
                                                     (gemv_config(m, n, k, torch.bfloat16)["block_n"],
                                                      gemv_config(m, n, k, torch.bfloat16)["block_k"]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k,block_k,split_k", [(1, 70, 200, 256, 1), (1, 70, 200, 64, 1), (3, 9, 300, 64, 2),
+                                                   (1, 33, 1000, 64, 4)])
+def test_gemv_prefetched_first_tile(dtype, m, n, k, block_k, split_k):
+    """PREFETCH (on under PDL) loads each program's first W tile before the loop and starts the loop one tile
+    later: one whole-row tile, several tiles, a ragged last tile, K splits (every split's own first tile)."""
+    x, weight, bias = operands(m, n, k, dtype, bias=True)
+    out = gemv_triton(x, weight, bias, block_n=4, block_k=block_k, split_k=split_k, use_dot=False, prefetch=True)
+    close(out, gemv_ref(x, weight, bias))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+@pytest.mark.parametrize("block_k", [256, 64])
+def test_gemv_norm_prefetched_first_tile(residual, block_k):
+    from kernels.triton_gemv import gemv_norm_ref, gemv_norm_triton
+
+    x, weight, _ = operands(1, 70, 200, torch.bfloat16, bias=False)
+    r = randn(1, 200, dtype=torch.bfloat16, seed=7) if residual else None
+    norm_weight = 1 + 0.3 * randn(200, seed=8)
+    out = gemv_norm_triton(x, r, norm_weight.bfloat16(), 1e-6, weight, None, True, block_n=8, block_k=block_k,
+                           prefetch=True)
+    ref = gemv_norm_ref(x, r, norm_weight.bfloat16(), 1e-6, weight, None, True)
+    close(out.y, ref.y)
+    close(out.normed, ref.normed)
+    close(out.residual, ref.residual)
+
+
+def test_gemv_pdl_config_takes_whole_rows_at_one_row():
+    """Under PDL a single-row GEMV takes whole rows of W in one tile (up to 32 KiB: 8 rows of 2,048 bf16, 4 of
+    4,096), so every weight byte of a program is in flight before it waits; longer rows and M > 1 keep the tiles."""
+    from kernels.triton_gemv import gemv_norm_config
+
+    cfg = gemv_config(1, 5120, 2048, torch.bfloat16, pdl=True)
+    assert (cfg["block_n"], cfg["block_k"], cfg["split_k"]) == (8, 2048, 1)
+    assert (gemv_config(1, 2048, 4096, torch.bfloat16, pdl=True)["block_n"],
+            gemv_config(1, 2048, 4096, torch.bfloat16, pdl=True)["block_k"]) == (4, 4096)
+    assert gemv_config(1, 2048, 32768, torch.bfloat16, pdl=True) == gemv_config(1, 2048, 32768, torch.bfloat16)
+    assert gemv_config(4, 2048, 2048, torch.bfloat16, pdl=True) == gemv_config(4, 2048, 2048, torch.bfloat16)
+    norm = gemv_norm_config(1, 5120, 2048, torch.bfloat16, pdl=True)
+    assert (norm["block_n"], norm["block_k"], norm["split_k"]) == (8, 2048, 1)
