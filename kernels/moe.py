@@ -25,6 +25,9 @@ more the slots are grouped by expert (``group_by_expert``, host-sync free) and r
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -166,13 +169,29 @@ def group_by_expert(
     return sorted_slots[:p], block_expert, padded_end[-1].to(torch.int32)
 
 
+# Under PDL the decode experts may load weight tiles before they wait (``kernels/triton_moe_decode.py``): the down
+# kernel for the ids the routing wrote, the gate/up kernel for the expert it picks from the router's logits (a
+# ``RouteHint``). Off until a same-machine benchmark shows it pays: CONVEYOR_MOE_PREFETCH=1 turns it on.
+PREFETCH_EXPERTS = os.environ.get("CONVEYOR_MOE_PREFETCH", "0") == "1"
+
+
+@dataclass(frozen=True, slots=True)
+class RouteHint:
+    """What the routing was computed from (``route_topk``'s arguments): lets a decode expert kernel pick its expert
+    before the routing's ids are readable. A hint only: the ids stay what the output is computed from."""
+
+    router_logits: torch.Tensor  # [T, E (+1 shared gate column)]
+    top_k: int
+    shared_expert_id: int | None = None
+
+
 DECODE_SLOTS = 128  # fused_moe takes the grouping-free decode kernels up to this many token slots (T * k);
 # at 16 tokens x 8 experts they still beat the grouped GEMMs on an H100 (0.29 vs 0.35 ms a layer)
 
 
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_offset: int = 0, num_local_experts: int | None = None,
+    expert_offset: int = 0, num_local_experts: int | None = None, route_hint: RouteHint | None = None,
 ) -> torch.Tensor:
     """The MoE expert compute: Triton kernels where ``dispatch.use_triton(x.device)`` (the GEMV-like decode kernels
     of ``kernels/triton_moe_decode.py`` when ``T * k <= DECODE_SLOTS``, else the grouped GEMMs of
@@ -183,7 +202,8 @@ def fused_moe(
         if topk_ids.numel() <= DECODE_SLOTS:
             from kernels.triton_moe_decode import fused_moe_decode_triton
 
-            return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
+            return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts,
+                                           route_hint=route_hint)
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import moe
 from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
@@ -30,12 +31,18 @@ MAX_TOP_K = 32
 def _route_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
     RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, TRIGGER_AFTER_WAIT: tl.constexpr = False,
 ):
-    """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K."""
+    """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K.
+    TRIGGER_AFTER_WAIT: the expert kernel after this one starts only once the router's logits are final, so it may
+    read them before its own wait (``kernels.moe.PREFETCH_EXPERTS``)."""
     if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+        if TRIGGER_AFTER_WAIT:
+            gdc_wait()
+            gdc_launch_dependents()
+        else:
+            gdc_launch_dependents()
+            gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
@@ -88,6 +95,6 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
         shared_expert_id if shared else 0, RENORMALIZE=bool(renormalize), SHARED=shared,
         E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
         # one warp keeps the 2k + 2 reductions in shuffles: fastest on an H200 for E 128..512 at T 1..4096
-        num_warps=1 if e <= 512 else 4, **pdl_launch(router_logits),
+        num_warps=1 if e <= 512 else 4, TRIGGER_AFTER_WAIT=moe.PREFETCH_EXPERTS, **pdl_launch(router_logits),
     )
     return weights, ids

@@ -31,7 +31,7 @@ import re
 import torch
 from torch import nn
 
-from kernels.moe import fused_moe, route_topk
+from kernels.moe import RouteHint, fused_moe, route_topk
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 
 
@@ -121,11 +121,14 @@ class SparseMoeBlock(nn.Module):
         """``route`` from the router's output."""
         return route_topk(logits[:, :self.router_rows], self.top_k, self.norm_topk_prob, self.shared_expert_id)
 
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                route_hint: RouteHint | None = None) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
         elsewhere get zeros here), so the full output is the sum of every holder's partial. The folded shared
-        expert is local expert ``num_local_experts`` of the block that holds it."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked)
+        expert is local expert ``num_local_experts`` of the block that holds it. ``route_hint``: the logits the
+        routing came from, when this rank computed it (decode kernels may pick their experts early)."""
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked,
+                         route_hint)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split
@@ -138,8 +141,10 @@ class SparseMoeBlock(nn.Module):
 
     def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``forward`` given the router's output for x."""
-        topk_weights, topk_ids = self.route_logits(logits)
-        y = self.combine(self.experts(x, topk_weights, topk_ids))
+        logits = logits[:, :self.router_rows]
+        topk_weights, topk_ids = route_topk(logits, self.top_k, self.norm_topk_prob, self.shared_expert_id)
+        hint = RouteHint(logits, self.top_k, self.shared_expert_id)
+        y = self.combine(self.experts(x, topk_weights, topk_ids, hint))
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y

@@ -128,7 +128,7 @@ def test_fused_moe_dispatch_by_slot_count(monkeypatch, t, expected):
     calls = []
     monkeypatch.setattr(kernels.dispatch, "use_triton", lambda device: True)
     monkeypatch.setattr(kernels.triton_moe_decode, "fused_moe_decode_triton",
-                        lambda *a: calls.append("decode") or fused_moe_ref(*a))
+                        lambda *a, route_hint=None: calls.append("decode") or fused_moe_ref(*a))
     monkeypatch.setattr(kernels.triton_moe, "fused_moe_triton", lambda *a: calls.append("grouped") or fused_moe_ref(*a))
     x = randn(t, H, seed=10)
     w13, w2 = weights()
@@ -152,3 +152,90 @@ def test_decode_config_down_tile_fits_the_register_budget(t, top_k):
         from kernels.triton_moe_decode import DECODE_CONFIGS
 
         assert (gate_up, (bn, bk, warps)) == next((g, d) for b, g, d in DECODE_CONFIGS[8] if t <= b)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("offset,n_local", [(0, E), (2, 4)])
+def test_decode_prefetched_down_tile(t, offset, n_local):
+    """The down kernel's first weight tile loaded before the wait (on with PDL, forced here): the same output as
+    the reference, over all experts and over a local subset (slots routed elsewhere load nothing early either)."""
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(t, H, seed=6)
+    w13, w2 = weights()
+    tw, ids = routing(t)
+    w13_local, w2_local = w13[offset:offset + n_local].contiguous(), w2[offset:offset + n_local].contiguous()
+    y = fused_moe_decode_triton(x, w13_local, w2_local, tw, ids, offset, n_local, prefetch=True,
+                                down_config=(16, 16, 2))
+    torch.testing.assert_close(y, fused_moe_ref(x, w13_local, w2_local, tw, ids, offset, n_local),
+                               atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+def test_decode_early_tile_of_other_experts_is_discarded():
+    """What the early read sees (a routing not finished yet: other experts) never reaches the output: the ids read
+    after the wait differ, so the tile is loaded again."""
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(2, H, seed=6)
+    w13, w2 = weights()
+    tw, ids = routing(2)
+    stale = (ids + 1) % E
+    y = fused_moe_decode_triton(x, w13, w2, tw, ids, prefetch=True, _early_ids=stale, down_config=(16, 16, 2))
+    torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)
+
+
+def hinted_routing(t: int, n_experts: int, top_k: int, shared: bool, seed: int = 3):
+    """Router logits (ties included: bf16-rounded, one pair equal on purpose) and the routing of them."""
+    logits = randn(t, n_experts + shared, seed=seed).bfloat16().float()
+    logits[:, 1] = logits[:, 0]  # a tie: the lower id ranks first
+    tw, ids = moe.route_topk(logits, top_k, True, n_experts if shared else None)
+    return logits, tw, ids
+
+
+if triton is not None:
+    from kernels.triton_compat import jit as _jit, tl
+    from kernels.triton_moe_decode import _routed_expert
+
+    @_jit
+    def _guess_kernel(logits_ptr, out_ptr, l_s0, l_s1, E, ROUTE_K, WIDTH, shared_id, E_PAD: tl.constexpr,
+                      RANK_CHUNK: tl.constexpr):
+        slot = tl.program_id(0)
+        tok = (slot // WIDTH).to(tl.int64)
+        tl.store(out_ptr + slot, _routed_expert(logits_ptr, tok, slot % WIDTH, l_s0, l_s1, E, ROUTE_K, shared_id,
+                                                E_PAD, RANK_CHUNK))
+
+
+@needs_triton
+@pytest.mark.parametrize("n_experts,top_k,shared,chunk", [(8, 2, False, 8), (8, 3, True, 4), (13, 4, False, 4),
+                                                          (40, 8, True, 32)])
+def test_gate_up_kernel_picks_the_routings_expert(n_experts, top_k, shared, chunk):
+    """``_routed_expert`` (what the gate/up kernel guesses before its wait) names the expert the routing kernel
+    writes for every slot: rank by logit, ties to the lower id, the shared expert after the routed ones."""
+    logits, _, ids = hinted_routing(3, n_experts, top_k, shared)
+    width = top_k + shared
+    guesses = torch.empty(3 * width, dtype=torch.int32, device=DEVICE)
+    e_pad = triton.next_power_of_2(n_experts)
+    _guess_kernel[(3 * width,)](logits, guesses, logits.stride(0), logits.stride(1), n_experts, top_k, width,
+                                n_experts, E_PAD=e_pad, RANK_CHUNK=min(chunk, e_pad))
+    assert guesses.tolist() == ids.reshape(-1).tolist()
+
+
+@needs_triton
+@pytest.mark.parametrize("shared", [False, True])
+@pytest.mark.parametrize("agree", [True, False])
+def test_decode_with_route_hint(shared, agree):
+    """With a route hint the gate/up kernel loads its guessed expert's first tiles before the wait; the output
+    is the reference's either way: a hint that names other experts (``agree`` False) only costs a reload."""
+    from kernels.triton_moe_decode import fused_moe_decode_triton
+
+    x = randn(2, H, seed=6)
+    w13, w2 = weights()
+    n_routed = E - 1 if shared else E
+    logits, tw, ids = hinted_routing(2, n_routed, K, shared)
+    hint_logits = logits if agree else -logits
+    hint = moe.RouteHint(hint_logits, K, n_routed if shared else None)
+    y = fused_moe_decode_triton(x, w13, w2, tw, ids, route_hint=hint, prefetch=True,
+                                gate_up_config=(16, 16, 2), down_config=(16, 16, 2))
+    torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)
