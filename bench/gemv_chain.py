@@ -1,0 +1,139 @@
+"""A model's single-row decode projections chained as in a decode step, under each launch choice; JSON out.
+
+    python3 bench/gemv_chain.py --out $OUT/gemv_chain.json [--shape qwen3.5-35b-a3b qwen3-30b-a3b]
+
+Every layer's projections at batch 1 (the mixer's input projection with the residual-add norm inside it, the
+output projection, the router with the norm inside and the normed rows written), each reading the one before's
+output, one weight set per layer (past L2), replayed from one CUDA graph: what ``gemv_config`` /
+``gemv_norm_config`` choose under programmatic dependent launch, measured in the chain the choice is for. Variants:
+
+* ``plain``: no dependent launch, the tiles chosen without it;
+* ``pdl_whole_rows``: the default under PDL (a program's whole rows of W loaded before it waits);
+* ``pdl_tiles_first``: PDL with the tiles chosen without it, the first tile loaded before the wait;
+* ``pdl_tiles``: PDL with those tiles, nothing loaded before the wait;
+* ``pdl_whole_rows_half``: whole rows, half as many a program (twice the programs, half the registers);
+* ``pdl_whole_rows_8warps``: whole rows over 8 warps (half the registers a thread, more programs resident).
+
+The attention, MoE and recurrent kernels between the projections are left out: this isolates the projections.
+Outputs are checked against the plain variant's (close, not equal: tiles change the order of the sums).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import kernels.triton_gemv as tg  # noqa: E402
+
+# per layer kind: (name, N, K, with the norm inside (and the normed rows written))
+LAYERS = {
+    "qwen3-30b-a3b": [("attention", 48, [("qkv", 5120, 2048, "norm"), ("o", 2048, 4096, "plain"),
+                                         ("router", 128, 2048, "norm_keep")])],
+    "qwen3.5-35b-a3b": [
+        ("gated_deltanet", 36, [("in_proj", 12352, 2048, "norm"), ("out", 2048, 4096, "plain"),
+                                ("router", 264, 2048, "norm_keep")]),
+        ("attention", 12, [("qkv_gate", 9216, 2048, "norm"), ("o", 2048, 4096, "plain"),
+                           ("router", 264, 2048, "norm_keep")]),
+    ],
+}
+VARIANTS = ("plain", "pdl_whole_rows", "pdl_tiles_first", "pdl_tiles", "pdl_whole_rows_half", "pdl_whole_rows_8warps")
+
+
+def tiles(variant: str, n: int, k: int, norm: bool) -> dict:
+    """Launch keywords of one projection under ``variant``."""
+    if variant in ("plain", "pdl_whole_rows"):
+        return {}
+    if variant == "pdl_whole_rows_8warps":
+        return {"num_warps": 8}
+    if variant == "pdl_whole_rows_half":
+        cfg = (tg.gemv_norm_config if norm else tg.gemv_config)(1, n, k, torch.bfloat16, pdl=True)
+        return {"block_n": max(1, cfg["block_n"] // 2), "block_k": cfg["block_k"]}
+    cfg = (tg.gemv_norm_config if norm else tg.gemv_config)(1, n, k, torch.bfloat16, pdl=False)
+    return {"block_n": cfg["block_n"], "block_k": cfg["block_k"], "prefetch": variant == "pdl_tiles_first"}
+
+
+def build(shape: str, gen: torch.Generator) -> list[tuple[str, int, int, str, torch.Tensor, torch.Tensor]]:
+    dev = torch.device("cuda")
+    calls = []
+    for _, count, projections in LAYERS[shape]:
+        for _ in range(count):
+            for name, n, k, kind in projections:
+                w = (torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(torch.bfloat16)
+                nw = (1 + 0.1 * torch.randn(k, device=dev, generator=gen)).to(torch.bfloat16)
+                calls.append((name, n, k, kind, w, nw))
+    return calls
+
+
+def chain(calls, variant: str, x0: torch.Tensor, r0: torch.Tensor) -> torch.Tensor:
+    """The step's projections in order; each reads the previous output (the hidden size's first columns)."""
+    hidden, residual, mixer_out = x0, r0, x0
+    for name, n, k, kind, w, nw in calls:
+        kw = tiles(variant, n, k, kind != "plain")
+        if kind == "plain":
+            hidden = tg.gemv_triton(mixer_out[:, :k], w, **kw)
+        else:
+            out = tg.gemv_norm_triton(hidden, residual, nw, 1e-6, w, None, kind == "norm_keep", **kw)
+            residual = out.residual
+            mixer_out = out.y if kind == "norm" else mixer_out
+            if kind == "norm_keep":
+                hidden = out.normed
+    return hidden
+
+
+def run_variant(calls, variant: str, x0: torch.Tensor, r0: torch.Tensor) -> tuple[float, torch.Tensor]:
+    pdl_on = tg.pdl_launch
+    if variant == "plain":
+        tg.pdl_launch = lambda t: {}
+    try:
+        chain(calls, variant, x0, r0)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain(calls, variant, x0, r0)
+        times = []
+        for _ in range(7):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2], out.clone()
+    finally:
+        tg.pdl_launch = pdl_on
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", nargs="*", default=sorted(LAYERS), choices=sorted(LAYERS))
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "gemv_chain.json"))
+    a = ap.parse_args()
+    report: dict = {"device": torch.cuda.get_device_name(0), "shapes": {}}
+    for shape in a.shape:
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        calls = build(shape, gen)
+        weight_bytes = sum(c[4].numel() * 2 for c in calls)
+        x0 = torch.randn(1, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+        r0 = torch.randn(1, 2048, device="cuda", generator=gen).to(torch.bfloat16)
+        rows, reference = {}, None
+        for variant in VARIANTS:
+            ms, out = run_variant(calls, variant, x0, r0)
+            reference = out if reference is None else reference
+            err = (out.float() - reference.float()).abs().max().item()
+            rows[variant] = {"ms": ms, "GBps": weight_bytes / ms / 1e6, "max_abs_diff_vs_plain": err}
+            print(shape, variant, rows[variant], flush=True)
+        report["shapes"][shape] = {"weight_bytes": weight_bytes, "projections": len(calls), "variants": rows}
+        del calls
+        torch.cuda.empty_cache()
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print("wrote", a.out)
+
+
+if __name__ == "__main__":
+    main()
