@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# B1 and the decode-step profile (batch 1/16/64/256, top kernels at batch 1) of both MoE shapes under each launch
+# choice, one machine, one device call: ordinary launches (CONVEYOR_PDL=0), dependent launch (the default), and
+# dependent launch with the MoE experts' early weight tiles (CONVEYOR_MOE_PREFETCH=1). JSON per run under $OUT.
+#   . bench/device_setup.sh && bash bench/launch_ab.sh <commit> [shape ...]
+set -u
+commit=${1:?commit}
+shift
+shapes=${*:-qwen3-30b-a3b qwen3.5-35b-a3b}
+skip="correctness graphs verify kernels serve peer off moe"
+for shape in $shapes; do
+  for variant in pdl-off pdl prefetch; do
+    case $variant in
+      pdl-off) flags=(CONVEYOR_PDL=0) ;;
+      pdl) flags=() ;;
+      prefetch) flags=(CONVEYOR_MOE_PREFETCH=1) ;;
+    esac
+    env "${flags[@]}" python3 bench/gpu.py --shape "$shape" --skip $skip --commit "$commit" \
+      --out "${OUT:-/tmp}/launch-ab-$shape-$variant.json" 2>&1 | tail -1
+  done
+done
+python3 - "${OUT:-/tmp}" $shapes <<'PY'
+import json, os, sys
+out, shapes = sys.argv[1], sys.argv[2:]
+for shape in shapes:
+    for variant in ("pdl-off", "pdl", "prefetch"):
+        path = os.path.join(out, f"launch-ab-{shape}-{variant}.json")
+        if not os.path.exists(path):
+            print(shape, variant, "missing")
+            continue
+        d = json.load(open(path))
+        b1, steps = d.get("b1", {}), d.get("steps", {})
+        replay = {k: round(v["graph_replay_ms"], 3) for k, v in steps.items() if isinstance(v, dict) and "graph_replay_ms" in v}
+        print(shape, variant, round(b1.get("tok_s", 0), 1), round(b1.get("frac_of_limit", 0), 3), replay, d.get("errors"))
+PY
