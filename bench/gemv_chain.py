@@ -3,8 +3,8 @@
     python3 bench/gemv_chain.py --out $OUT/gemv_chain.json [--shape qwen3.5-35b-a3b qwen3-30b-a3b]
 
 Every layer's projections at batch 1 (the mixer's input projection with the residual-add norm inside it, the
-output projection, the router with the norm inside and the normed rows written), each reading the one before's
-output, one weight set per layer (past L2), replayed from one CUDA graph: what ``gemv_config`` /
+output projection, the router with the norm inside and the normed rows written), then the lm_head, each reading
+the one before's output, one weight set per layer (past L2), replayed from one CUDA graph: what ``gemv_config`` /
 ``gemv_norm_config`` choose under programmatic dependent launch, measured in the chain the choice is for. Variants:
 
 * ``plain``: no dependent launch, the tiles chosen without it;
@@ -33,12 +33,14 @@ import kernels.triton_gemv as tg  # noqa: E402
 # per layer kind: (name, N, K, with the norm inside (and the normed rows written))
 LAYERS = {
     "qwen3-30b-a3b": [("attention", 48, [("qkv", 5120, 2048, "norm"), ("o", 2048, 4096, "plain"),
-                                         ("router", 128, 2048, "norm_keep")])],
+                                         ("router", 128, 2048, "norm_keep")]),
+                      ("head", 1, [("lm_head", 151936, 2048, "head")])],
     "qwen3.5-35b-a3b": [
         ("gated_deltanet", 36, [("in_proj", 12352, 2048, "norm"), ("out", 2048, 4096, "plain"),
                                 ("router", 264, 2048, "norm_keep")]),
         ("attention", 12, [("qkv_gate", 9216, 2048, "norm"), ("o", 2048, 4096, "plain"),
                            ("router", 264, 2048, "norm_keep")]),
+        ("head", 1, [("lm_head", 248320, 2048, "head")]),
     ],
 }
 VARIANTS = ("plain", "pdl_whole_rows", "pdl_tiles_first", "pdl_tiles", "pdl_whole_rows_half", "pdl_whole_rows_8warps")
@@ -73,8 +75,10 @@ def chain(calls, variant: str, x0: torch.Tensor, r0: torch.Tensor) -> torch.Tens
     """The step's projections in order; each reads the previous output (the hidden size's first columns)."""
     hidden, residual, mixer_out = x0, r0, x0
     for name, n, k, kind, w, nw in calls:
-        kw = tiles(variant, n, k, kind != "plain")
-        if kind == "plain":
+        kw = tiles(variant, n, k, kind not in ("plain", "head"))
+        if kind == "head":  # the logits of the last hidden row (the final norm is its own kernel)
+            tg.gemv_triton(hidden, w, **kw)
+        elif kind == "plain":
             hidden = tg.gemv_triton(mixer_out[:, :k], w, **kw)
         else:
             out = tg.gemv_norm_triton(hidden, residual, nw, 1e-6, w, None, kind == "norm_keep", **kw)
