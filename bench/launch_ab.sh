@@ -1,29 +1,32 @@
 #!/usr/bin/env bash
 # B1 and the decode-step profile (batch 1/16/64/256, top kernels at batch 1) of both MoE shapes under each launch
-# choice, one machine, one device call: ordinary launches (CONVEYOR_PDL=0), dependent launch (the default), and
-# dependent launch with the MoE experts' early weight tiles (CONVEYOR_MOE_PREFETCH=1). JSON per run under $OUT.
-#   . bench/device_setup.sh && bash bench/launch_ab.sh <commit> [shape ...]
+# choice, one machine, one device call: ordinary launches (pdl-off: CONVEYOR_PDL=0), dependent launch (pdl, the
+# default), with the MoE experts' early weight tiles (prefetch: CONVEYOR_MOE_PREFETCH=1), with the qkv prologue
+# inside the decode attention (prologue: CONVEYOR_PROLOGUE_IN_ATTENTION=1). JSON per run under $OUT.
+#   . bench/device_setup.sh && VARIANTS="pdl-off pdl prefetch prologue" bash bench/launch_ab.sh <commit> [shape ...]
 set -u
 commit=${1:?commit}
 shift
 shapes=${*:-qwen3-30b-a3b qwen3.5-35b-a3b}
 skip="correctness graphs verify kernels serve peer off moe"
 for shape in $shapes; do
-  for variant in pdl-off pdl prefetch; do
+  for variant in ${VARIANTS:-pdl-off pdl prefetch prologue}; do
     case $variant in
       pdl-off) flags=(CONVEYOR_PDL=0) ;;
       pdl) flags=() ;;
       prefetch) flags=(CONVEYOR_MOE_PREFETCH=1) ;;
+      prologue) flags=(CONVEYOR_PROLOGUE_IN_ATTENTION=1) ;;
+      both) flags=(CONVEYOR_MOE_PREFETCH=1 CONVEYOR_PROLOGUE_IN_ATTENTION=1) ;;
     esac
     env "${flags[@]}" python3 bench/gpu.py --shape "$shape" --skip $skip --commit "$commit" \
       --out "${OUT:-/tmp}/launch-ab-$shape-$variant.json" 2>&1 | tail -1
   done
 done
-python3 - "${OUT:-/tmp}" $shapes <<'PY'
+python3 - "${OUT:-/tmp}" "${VARIANTS:-pdl-off pdl prefetch prologue}" $shapes <<'PY'
 import json, os, sys
-out, shapes = sys.argv[1], sys.argv[2:]
+out, variants, shapes = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 for shape in shapes:
-    for variant in ("pdl-off", "pdl", "prefetch"):
+    for variant in variants:
         path = os.path.join(out, f"launch-ab-{shape}-{variant}.json")
         if not os.path.exists(path):
             print(shape, variant, "missing")

@@ -14,10 +14,16 @@ from pipeline.models.registry import build_model
 from tests.model_utils import arch_of, make_tiny_hf_model, run_paged
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "llama", "qwen3_5_moe_text"])
-def test_triton_path_equals_torch_path(model_type, monkeypatch):
+@pytest.mark.parametrize("model_type,prologue_inside", [("qwen3", False), ("llama", False), ("qwen3_5_moe_text", False),
+                                                        ("qwen3", True), ("qwen3_5_moe_text", True)])
+def test_triton_path_equals_torch_path(model_type, prologue_inside, monkeypatch):
+    """``prologue_inside``: decode steps norm, rotate and write q/k/v inside the decode attention kernel
+    (``layers.PROLOGUE_IN_ATTENTION``; Qwen3's q/k norms, Qwen3.5's zero-centred norms, partial rotary, gate)."""
     if not dispatch.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton under the interpreter (the model runs on CPU tensors)")
+    from pipeline.models import layers as model_layers
+
+    monkeypatch.setattr(model_layers, "PROLOGUE_IN_ATTENTION", prologue_inside)
     layers = {} if model_type == "qwen3_5_moe_text" else {"num_hidden_layers": 1}  # hybrid: 3 GDN + attention
     hf = make_tiny_hf_model(model_type, **layers)
     model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.float32, prepack=False)
@@ -28,9 +34,14 @@ def test_triton_path_equals_torch_path(model_type, monkeypatch):
     recurrent = gdn_triton.gated_delta_rule_recurrent_triton
     monkeypatch.setattr(gdn_triton, "gated_delta_rule_recurrent_triton",
                         lambda *a, **kw: normed.append("gated_norm" in kw) or recurrent(*a, **kw))
+    inside = []
+    decode_attention = model_layers.paged_decode_attention_triton
+    monkeypatch.setattr(model_layers, "paged_decode_attention_triton",
+                        lambda *a: inside.append(a[-1] is not None) or decode_attention(*a))
     triton_run = run_paged(model, prompts, max_new_tokens=3, chunks=2)
     assert triton_run.generated == torch_run.generated
     assert any(normed) == (model_type == "qwen3_5_moe_text")
+    assert (len(inside) > 0 and all(inside)) == prologue_inside  # every decode step's attention, when on
     for ours, ref in zip(triton_run.prompt_logits, torch_run.prompt_logits):
         torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
     for ours_seq, ref_seq in zip(triton_run.decode_logits, torch_run.decode_logits):
