@@ -14,12 +14,8 @@ from collections.abc import Callable
 import torch
 
 from kernels.paged_attention import paged_attention_ref
-from kernels.triton_paged_attention import (
-    TritonAttentionPlan,
-    decode_num_splits,
-    paged_decode_attention_triton,
-    paged_prefill_attention_triton,
-)
+from kernels.triton_decode_attention import decode_num_splits, paged_decode_attention_triton
+from kernels.triton_paged_attention import TritonAttentionPlan, paged_prefill_attention_triton
 from pipeline.models.attention import build_attention_metadata
 
 

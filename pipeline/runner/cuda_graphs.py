@@ -16,7 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_paged_attention import TritonAttentionPlan, decode_num_splits
+from kernels.triton_decode_attention import decode_num_splits
+from kernels.triton_paged_attention import TritonAttentionPlan
 from pipeline.models.attention import AttentionMetadata
 from pipeline.models.forward_context import ForwardContext
 from pipeline.runner.step_plan import ForwardBatch

@@ -2,7 +2,7 @@
 import pytest
 
 from pipeline.request import SamplingParams
-from kernels.triton_paged_attention import decode_num_splits
+from kernels.triton_decode_attention import decode_num_splits
 from pipeline.runner.cuda_graphs import decode_plan, graph_batch_sizes
 from tests.conftest import run_async
 from tests.engine_utils import collect, config_for
