@@ -18,17 +18,20 @@ def test_pdl_is_off_on_the_cpu_and_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-@pytest.mark.parametrize("prefetch_experts", [False, True])
-def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(
-        model_type, prefetch_experts, monkeypatch):
+@pytest.mark.parametrize("early", ["none", "experts", "prologue"])
+def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(model_type, early, monkeypatch):
+    """``early``: also the MoE experts' early weight tiles (``moe.PREFETCH_EXPERTS``), or the qkv prologue inside the
+    decode attention (``layers.PROLOGUE_IN_ATTENTION``)."""
     from kernels import moe
+    from pipeline.models import layers
     from pipeline.runner.model_runner import ModelRunner
     from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
     from tests.model_utils import SMOLLM2_VOCAB, conveyor_from_hf, make_tiny_hf_model
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("dependent launch needs Hopper or later")
-    monkeypatch.setattr(moe, "PREFETCH_EXPERTS", prefetch_experts)
+    monkeypatch.setattr(moe, "PREFETCH_EXPERTS", early == "experts")
+    monkeypatch.setattr(layers, "PROLOGUE_IN_ATTENTION", early == "prologue")
     device = torch.device("cuda")
 
     def decode_logits(pdl: bool, replays: int) -> list[torch.Tensor]:
