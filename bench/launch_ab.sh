@@ -2,22 +2,23 @@
 # B1 and the decode-step profile (batch 1/16/64/256, top kernels at batch 1) of both MoE shapes under each launch
 # choice, one machine, one device call: ordinary launches (pdl-off: CONVEYOR_PDL=0), dependent launch (pdl, the
 # default), with the MoE experts' early weight tiles (prefetch: CONVEYOR_MOE_PREFETCH=1), with the qkv prologue
-# inside the decode attention (prologue: CONVEYOR_PROLOGUE_IN_ATTENTION=1); OFF too for pdl-off and pdl. JSON per
-# run under $OUT.
-#   . bench/device_setup.sh && VARIANTS="pdl-off pdl prefetch prologue" bash bench/launch_ab.sh <commit> [shape ...]
+# inside the decode attention (prologue: CONVEYOR_PROLOGUE_IN_ATTENTION=1), with no routing kernel at decode
+# (routed: CONVEYOR_ROUTE_IN_EXPERTS=1), all three (all); OFF too for pdl-off and pdl. JSON per run under $OUT.
+#   . bench/device_setup.sh && VARIANTS="pdl prefetch" bash bench/launch_ab.sh <commit> [shape ...]
 set -u
 commit=${1:?commit}
 shift
 shapes=${*:-qwen3-30b-a3b qwen3.5-35b-a3b}
 skip="correctness graphs verify kernels serve peer moe"  # OFF too: a batch's steps must not lose to PDL
 for shape in $shapes; do
-  for variant in ${VARIANTS:-pdl-off pdl prefetch prologue}; do
+  for variant in ${VARIANTS:-pdl-off pdl prefetch prologue routed}; do
     case $variant in
       pdl-off) flags=(CONVEYOR_PDL=0) ;;
       pdl) flags=() ;;
       prefetch) flags=(CONVEYOR_MOE_PREFETCH=1) ;;
       prologue) flags=(CONVEYOR_PROLOGUE_IN_ATTENTION=1) ;;
-      both) flags=(CONVEYOR_MOE_PREFETCH=1 CONVEYOR_PROLOGUE_IN_ATTENTION=1) ;;
+      routed) flags=(CONVEYOR_ROUTE_IN_EXPERTS=1) ;;
+      all) flags=(CONVEYOR_MOE_PREFETCH=1 CONVEYOR_PROLOGUE_IN_ATTENTION=1 CONVEYOR_ROUTE_IN_EXPERTS=1) ;;
     esac
     off=""
     case $variant in pdl-off|pdl) ;; *) off="off" ;; esac  # OFF for the launch A/B, not for each option
@@ -25,7 +26,7 @@ for shape in $shapes; do
       --out "${OUT:-/tmp}/launch-ab-$shape-$variant.json" 2>&1 | tail -1
   done
 done
-python3 - "${OUT:-/tmp}" "${VARIANTS:-pdl-off pdl prefetch prologue}" $shapes <<'PY'
+python3 - "${OUT:-/tmp}" "${VARIANTS:-pdl-off pdl prefetch prologue routed}" $shapes <<'PY'
 import json, os, sys
 out, variants, shapes = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 for shape in shapes:
@@ -36,7 +37,8 @@ for shape in shapes:
             continue
         d = json.load(open(path))
         b1, steps = d.get("b1", {}), d.get("steps", {})
-        replay = {k: round(v["graph_replay_ms"], 3) for k, v in steps.items() if isinstance(v, dict) and "graph_replay_ms" in v}
+        replay = {k: round(v["graph_replay_ms"], 3) for k, v in steps.items()
+                  if isinstance(v, dict) and "graph_replay_ms" in v}
         off = d.get("off", {})
         print(shape, variant, round(b1.get("tok_s", 0), 1), round(b1.get("frac_of_limit", 0), 3), replay,
               "OFF", round(off.get("output_tok_s", 0)), d.get("errors"))

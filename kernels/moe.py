@@ -173,6 +173,9 @@ def group_by_expert(
 # kernel for the ids the routing wrote, the gate/up kernel for the expert it picks from the router's logits (a
 # ``RouteHint``). Off until a same-machine benchmark shows it pays: CONVEYOR_MOE_PREFETCH=1 turns it on.
 PREFETCH_EXPERTS = os.environ.get("CONVEYOR_MOE_PREFETCH", "0") == "1"
+# One rank holding every expert may skip the routing kernel at decode: the expert kernels route from the logits
+# themselves (``fused_moe_routed``). Off until a same-machine benchmark shows it pays: CONVEYOR_ROUTE_IN_EXPERTS=1.
+ROUTE_IN_EXPERTS = os.environ.get("CONVEYOR_ROUTE_IN_EXPERTS", "0") == "1"
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,3 +211,18 @@ def fused_moe(
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
+
+
+def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route: RouteHint,
+                     renormalize: bool) -> torch.Tensor | None:
+    """``route_topk`` then ``fused_moe`` over every expert (the caller holds them all) in the decode kernels
+    alone, each routing from the logits itself (``kernels/triton_moe_decode.py``), where that path applies:
+    ``ROUTE_IN_EXPERTS``, Triton, a decode-sized batch. None elsewhere: the caller routes, then calls ``fused_moe``."""
+    from kernels.dispatch import use_triton
+
+    slots = x.shape[0] * (route.top_k + (route.shared_expert_id is not None))
+    if not (ROUTE_IN_EXPERTS and use_triton(x.device) and 0 < slots <= DECODE_SLOTS):
+        return None
+    from kernels.triton_moe_decode import fused_moe_decode_routed_triton
+
+    return fused_moe_decode_routed_triton(x, w13, w2, route, renormalize)

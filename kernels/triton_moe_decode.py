@@ -15,7 +15,7 @@ row:
 
 Under PDL, with ``kernels.moe.PREFETCH_EXPERTS`` (off by default until measured), both kernels load their first
 weight tiles before they wait for the kernel before: the gate/up kernel for the expert it picks from the router's
-logits itself (``_routed_expert``, the routing kernel's rule), the down kernel for the ids the routing wrote two
+logits itself (``routed_expert``, the routing kernel's rule), the down kernel for the ids the routing wrote two
 kernels back. Each checks the ids after the wait and loads again where they differ: the early read is a guess,
 never an input.
 
@@ -35,6 +35,7 @@ from kernels.moe import RouteHint, check_kernel_inputs
 from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
+from kernels.triton_moe_routing import routed_expert, token_routing
 
 # By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps) of gate/up,
 # (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from H200 sweeps (bench/moe_tune.py). The down kernel
@@ -71,39 +72,22 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int]
 
 
 @_jit
-def _routed_expert(logits_ptr, tok, j, l_s0, l_s1, E, ROUTE_K, shared_id, E_PAD: tl.constexpr,
-                   RANK_CHUNK: tl.constexpr):
-    """The expert of slot j of a token from its router logits, as ``_route_topk_kernel`` picks it: the expert of
-    rank j by logit (ties to the lower id); slots past the routed top-k hold the shared expert."""
-    offs = tl.arange(0, E_PAD)
-    valid = offs < E
-    row = logits_ptr + tok * l_s0
-    a = tl.load(row + offs * l_s1, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    rank = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c in tl.static_range(0, E_PAD, RANK_CHUNK):  # experts c..c+RANK_CHUNK-1 against every expert
-        offs_c = c + tl.arange(0, RANK_CHUNK)
-        b = tl.load(row + offs_c * l_s1, mask=offs_c < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-        ahead = (b[None, :] > a[:, None]) | ((b[None, :] == a[:, None]) & (offs_c[None, :] < offs[:, None]))
-        rank += tl.sum((ahead & (offs_c < E)[None, :]).to(tl.int32), axis=1)
-    routed = tl.min(tl.where(valid & (rank == j), offs, E_PAD), axis=0)
-    return tl.where(j < ROUTE_K, routed, shared_id)
-
-
-@_jit
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
     TOP_K, H, I, x_s0, expert_offset, n_local,
     logits_ptr, l_s0, l_s1, E, ROUTE_K, shared_id,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
     TRIGGER_AFTER_WAIT: tl.constexpr = False, SPECULATE: tl.constexpr = False, E_PAD: tl.constexpr = 16,
-    RANK_CHUNK: tl.constexpr = 16,
+    RANK_CHUNK: tl.constexpr = 16, ROUTED: tl.constexpr = False,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
 
     SPECULATE (with PDL): the router's logits were written two kernels back, and the routing kernel between lets
     this one start only after its own wait: the program picks its slot's expert from the logits itself, as the
     routing does, and loads that expert's first weight tiles before the wait. The routing's id read after the
-    wait decides: the early tiles are used only if it names the same expert."""
+    wait decides: the early tiles are used only if it names the same expert.
+
+    ROUTED: there is no routing kernel; each program routes its slot from the logits itself, after the wait."""
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     tok = (slot // TOP_K).to(tl.int64)
@@ -113,7 +97,7 @@ def _decode_gate_up_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     up_offset = tl.cast(I, tl.int64) * H
     if SPECULATE:
-        guess = _routed_expert(logits_ptr, tok, slot % TOP_K, l_s0, l_s1, E, ROUTE_K, shared_id, E_PAD,
+        guess = routed_expert(logits_ptr, tok, slot % TOP_K, l_s0, l_s1, E, ROUTE_K, shared_id, E_PAD,
                                RANK_CHUNK).to(tl.int64) - expert_offset
         guess_local = (guess >= 0) & (guess < n_local)
         early_ptrs = w13_ptr + tl.where(guess_local, guess, 0) * 2 * I * H + rows[:, None] * H + offs_k[None, :]
@@ -127,7 +111,11 @@ def _decode_gate_up_kernel(
         else:
             gdc_launch_dependents()
             gdc_wait()
-    e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
+    if ROUTED:
+        e = routed_expert(logits_ptr, tok, slot % TOP_K, l_s0, l_s1, E, ROUTE_K, shared_id, E_PAD,
+                          RANK_CHUNK).to(tl.int64) - expert_offset
+    else:
+        e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
     h_ptrs = h_ptr + slot.to(tl.int64) * I + offs_n
     if (e >= 0) & (e < n_local):
         x_ptrs = x_ptr + tok * x_s0 + offs_k
@@ -186,8 +174,10 @@ def _w2_tile(w2_ptr, e, rows, offs_k, H, I):
 def _decode_down_kernel(
     h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr, early_ids_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
+    logits_ptr, l_s0, l_s1, E, ROUTE_K, shared_id,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False,
+    PREFETCH: tl.constexpr = False, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
+    SHARED: tl.constexpr = False, E_PAD: tl.constexpr = 16, RANK_CHUNK: tl.constexpr = 16,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
@@ -197,7 +187,10 @@ def _decode_down_kernel(
     PREFETCH (with PDL): the routing ran two kernels back, and the gate/up kernel between lets this one start only
     after its own wait (TRIGGER_AFTER_WAIT), so the routing has finished: the first weight tile of the chosen
     experts is loaded before the wait. The ids are read again after it and the early tile is used only if they
-    are the same, so the output never depends on when the early read happened."""
+    are the same, so the output never depends on when the early read happened.
+
+    ROUTED: no routing kernel ran; the program routes its token from the logits (``token_routing``), which the
+    router wrote two kernels back: early for the tile, again after the wait for the ids and weights it uses."""
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_j = tl.arange(0, K_PAD)
@@ -207,14 +200,22 @@ def _decode_down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
     if PREFETCH:  # the first weight tile of the experts the routing chose, loaded before the wait (see above)
-        ids_early = tl.load(early_ids_ptr + slots, mask=offs_j < TOP_K, other=0, cache_modifier=".cg")
+        if ROUTED:
+            ids_early, _ = token_routing(logits_ptr, tok, l_s0, l_s1, E, ROUTE_K, shared_id, RENORMALIZE, SHARED,
+                                         K_PAD, E_PAD, RANK_CHUNK)
+        else:
+            ids_early = tl.load(early_ids_ptr + slots, mask=offs_j < TOP_K, other=0, cache_modifier=".cg")
         e_early, local_early = _local_experts(ids_early, offs_j, TOP_K, expert_offset, n_local)
         w_early = tl.load(_w2_tile(w2_ptr, e_early, rows, offs_k, H, I),
                           mask=local_early[:, None, None] & (offs_k < I)[None, None, :], other=0.0)
     if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
         gdc_launch_dependents()
         gdc_wait()
-    ids = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0)
+    if ROUTED:
+        ids, routed_weights = token_routing(logits_ptr, tok, l_s0, l_s1, E, ROUTE_K, shared_id, RENORMALIZE, SHARED,
+                                            K_PAD, E_PAD, RANK_CHUNK)
+    else:
+        ids = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0)
     e, local = _local_experts(ids, offs_j, TOP_K, expert_offset, n_local)
     a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
     w_ptrs = _w2_tile(w2_ptr, e, rows, offs_k, H, I)
@@ -235,7 +236,10 @@ def _decode_down_kernel(
         acc += wt * at[:, None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
+    if ROUTED:
+        rw = tl.where(local, routed_weights, 0.0)
+    else:
+        rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
     y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
     tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
 
@@ -262,35 +266,73 @@ def fused_moe_decode_triton(
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    default_gate_up, default_down = decode_config(t, top_k)
-    bn1, bk1, warps1 = _check_config(gate_up_config or default_gate_up)
-    bn2, bk2, warps2 = _check_config(down_config or default_down)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    n_slots = t * top_k
     ids = topk_ids.reshape(-1).contiguous()
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    early_ids = ids if _early_ids is None else _early_ids.reshape(-1).contiguous()
+    early = bool(pdl_launch(x)) and moe.PREFETCH_EXPERTS if prefetch is None else prefetch
+    return _launch(x, w13, w2, ids, tw, early_ids, top_k, expert_offset, n_local, route_hint, early,
+                   speculate=early and route_hint is not None, routed=False, renormalize=False,
+                   configs=(gate_up_config, down_config))
+
+
+def fused_moe_decode_routed_triton(
+    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route: RouteHint, renormalize: bool, *,
+    gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
+    prefetch: bool | None = None,
+) -> torch.Tensor:
+    """``route_topk`` then ``fused_moe_decode_triton`` over every expert (one rank holds them all), without the
+    routing kernel: each expert program routes its slot or token from ``route.router_logits`` itself, exactly as
+    the routing kernel would (``kernels/triton_moe_routing.py``: ``routed_expert``, ``token_routing``)."""
+    logits = route.router_logits
+    t, h = x.shape
+    shared = route.shared_expert_id is not None
+    width = route.top_k + shared
+    if logits.shape[0] != t:
+        raise ValueError(f"router logits {tuple(logits.shape)} do not fit x {tuple(x.shape)}")
+    dummy_weights = torch.empty(t, width, dtype=torch.float32, device=x.device)  # never read: shapes for checks
+    dummy_ids = torch.zeros(t, width, dtype=torch.int32, device=x.device)
+    _, _, n_local, _, _ = check_kernel_inputs(x, w13, w2, dummy_weights, dummy_ids, None)
+    if t == 0 or h == 0:
+        return torch.zeros(t, h, dtype=x.dtype, device=x.device)
+    early = bool(pdl_launch(x)) and moe.PREFETCH_EXPERTS if prefetch is None else prefetch
+    ids = dummy_ids.reshape(-1)
+    return _launch(x, w13, w2, ids, ids, ids, width, 0, n_local, route, early, speculate=False, routed=True,
+                   renormalize=renormalize, configs=(gate_up_config, down_config))
+
+
+def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
+            early_ids: torch.Tensor, top_k: int, expert_offset: int, n_local: int, route: RouteHint | None,
+            early: bool, *, speculate: bool, routed: bool, renormalize: bool,
+            configs: tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]) -> torch.Tensor:
+    """The two kernels over T tokens of ``top_k`` slots (the routed top-k, + 1 with a shared expert)."""
+    t, h = x.shape
+    inter = w2.shape[2]
+    default_gate_up, default_down = decode_config(t, top_k)
+    bn1, bk1, warps1 = _check_config(configs[0] or default_gate_up)
+    bn2, bk2, warps2 = _check_config(configs[1] or default_down)
+    x = x if x.stride(1) == 1 else x.contiguous()
+    n_slots = t * top_k
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
     pdl = pdl_launch(x)
-    early = bool(pdl) and moe.PREFETCH_EXPERTS if prefetch is None else prefetch
-    speculate = early and route_hint is not None
-    if speculate:
-        logits, n_routed = route_hint.router_logits, route_hint.router_logits.shape[1]
-        n_routed -= route_hint.shared_expert_id is not None
-        hint = (logits, logits.stride(0), logits.stride(1), n_routed, route_hint.top_k,
-                route_hint.shared_expert_id or 0)
+    if route is not None:
+        logits, n_routed = route.router_logits, route.router_logits.shape[1]
+        n_routed -= route.shared_expert_id is not None
+        route_args = (logits, logits.stride(0), logits.stride(1), n_routed, route.top_k,
+                      0 if route.shared_expert_id is None else route.shared_expert_id)
         e_pad = triton.next_power_of_2(n_routed)
     else:
-        hint, e_pad = (x, 0, 0, 0, 0, 0), 16
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
+        route_args, e_pad = (x, 0, 0, 0, 0, 0), 16
+    rank_chunk = min(32, e_pad)
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
-        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local, *hint,
+        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local, *route_args,
         BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, TRIGGER_AFTER_WAIT=early, SPECULATE=speculate, E_PAD=e_pad,
-        RANK_CHUNK=min(32, e_pad), **pdl,
+        RANK_CHUNK=rank_chunk, ROUTED=routed, **pdl,
     )
-    early_ids = ids if _early_ids is None else _early_ids.reshape(-1).contiguous()
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
-        act, w2, ids, tw, y, early_ids, top_k, h, inter, y.stride(0), expert_offset, n_local,
+        act, w2, ids, tw, y, early_ids, top_k, h, inter, y.stride(0), expert_offset, n_local, *route_args,
         K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, PREFETCH=early,
-        **pdl,
+        ROUTED=routed, RENORMALIZE=renormalize, SHARED=routed and route.shared_expert_id is not None, E_PAD=e_pad,
+        RANK_CHUNK=rank_chunk, **pdl,
     )
     return y

@@ -31,7 +31,7 @@ import re
 import torch
 from torch import nn
 
-from kernels.moe import RouteHint, fused_moe, route_topk
+from kernels.moe import RouteHint, fused_moe, fused_moe_routed, route_topk
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 
 
@@ -142,9 +142,13 @@ class SparseMoeBlock(nn.Module):
     def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``forward`` given the router's output for x."""
         logits = logits[:, :self.router_rows]
-        topk_weights, topk_ids = route_topk(logits, self.top_k, self.norm_topk_prob, self.shared_expert_id)
         hint = RouteHint(logits, self.top_k, self.shared_expert_id)
-        y = self.combine(self.experts(x, topk_weights, topk_ids, hint))
+        y = None
+        if self.expert_offset == 0 and self.num_local_experts == self.num_experts:  # one rank: no dispatch
+            y = fused_moe_routed(x, self.w13, self.w2, hint, self.norm_topk_prob)
+        if y is None:
+            topk_weights, topk_ids = route_topk(logits, self.top_k, self.norm_topk_prob, self.shared_expert_id)
+            y = self.combine(self.experts(x, topk_weights, topk_ids, hint))
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y

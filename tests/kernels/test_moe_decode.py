@@ -196,22 +196,33 @@ def hinted_routing(t: int, n_experts: int, top_k: int, shared: bool, seed: int =
 
 if triton is not None:
     from kernels.triton_compat import jit as _jit, tl
-    from kernels.triton_moe_decode import _routed_expert
+    from kernels.triton_moe_routing import routed_expert, token_routing
 
     @_jit
     def _guess_kernel(logits_ptr, out_ptr, l_s0, l_s1, E, ROUTE_K, WIDTH, shared_id, E_PAD: tl.constexpr,
                       RANK_CHUNK: tl.constexpr):
         slot = tl.program_id(0)
         tok = (slot // WIDTH).to(tl.int64)
-        tl.store(out_ptr + slot, _routed_expert(logits_ptr, tok, slot % WIDTH, l_s0, l_s1, E, ROUTE_K, shared_id,
-                                                E_PAD, RANK_CHUNK))
+        tl.store(out_ptr + slot, routed_expert(logits_ptr, tok, slot % WIDTH, l_s0, l_s1, E, ROUTE_K, shared_id,
+                                               E_PAD, RANK_CHUNK))
+
+    @_jit
+    def _token_routing_kernel(logits_ptr, ids_ptr, w_ptr, l_s0, l_s1, E, ROUTE_K, WIDTH, shared_id,
+                              RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, K_PAD: tl.constexpr,
+                              E_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64)
+        ids, w = token_routing(logits_ptr, tok, l_s0, l_s1, E, ROUTE_K, shared_id, RENORMALIZE, SHARED, K_PAD,
+                               E_PAD, RANK_CHUNK)
+        slots = tl.arange(0, K_PAD)
+        tl.store(ids_ptr + tok * WIDTH + slots, ids, mask=slots < WIDTH)
+        tl.store(w_ptr + tok * WIDTH + slots, w, mask=slots < WIDTH)
 
 
 @needs_triton
 @pytest.mark.parametrize("n_experts,top_k,shared,chunk", [(8, 2, False, 8), (8, 3, True, 4), (13, 4, False, 4),
                                                           (40, 8, True, 32)])
 def test_gate_up_kernel_picks_the_routings_expert(n_experts, top_k, shared, chunk):
-    """``_routed_expert`` (what the gate/up kernel guesses before its wait) names the expert the routing kernel
+    """``routed_expert`` (what the gate/up kernel guesses before its wait) names the expert the routing kernel
     writes for every slot: rank by logit, ties to the lower id, the shared expert after the routed ones."""
     logits, _, ids = hinted_routing(3, n_experts, top_k, shared)
     width = top_k + shared
@@ -238,4 +249,44 @@ def test_decode_with_route_hint(shared, agree):
     hint = moe.RouteHint(hint_logits, K, n_routed if shared else None)
     y = fused_moe_decode_triton(x, w13, w2, tw, ids, route_hint=hint, prefetch=True,
                                 gate_up_config=(16, 16, 2), down_config=(16, 16, 2))
+    torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.parametrize("n_experts,top_k,shared,renormalize", [(8, 2, False, True), (8, 3, True, False),
+                                                                (13, 4, False, False), (40, 8, True, True)])
+def test_token_routing_equals_the_routing_kernel(n_experts, top_k, shared, renormalize):
+    """``token_routing`` (how the down kernel routes its token without a routing kernel) gives the routing kernel's
+    ids and weights, shared slot included."""
+    logits = randn(3, n_experts + shared, seed=3).bfloat16().float()
+    logits[:, 1] = logits[:, 0]
+    tw, ids = moe.route_topk(logits, top_k, renormalize, n_experts if shared else None)
+    width = top_k + shared
+    got_ids = torch.empty(3, width, dtype=torch.int32, device=DEVICE)
+    got_w = torch.empty(3, width, dtype=torch.float32, device=DEVICE)
+    e_pad = triton.next_power_of_2(n_experts)
+    _token_routing_kernel[(3,)](logits, got_ids, got_w, logits.stride(0), logits.stride(1), n_experts, top_k, width,
+                                n_experts, RENORMALIZE=renormalize, SHARED=shared,
+                                K_PAD=triton.next_power_of_2(width), E_PAD=e_pad, RANK_CHUNK=min(32, e_pad))
+    assert got_ids.tolist() == ids.tolist()
+    torch.testing.assert_close(got_w, tw.float(), atol=1e-6, rtol=1e-6)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [1, 3])
+@pytest.mark.parametrize("shared,renormalize", [(False, True), (True, False), (True, True)])
+@pytest.mark.parametrize("prefetch", [False, True])
+def test_decode_routed_in_the_experts_equals_routing_then_experts(t, shared, renormalize, prefetch):
+    """``fused_moe_decode_routed_triton`` (no routing kernel: the expert programs route from the logits) against
+    the routing reference then the experts reference."""
+    from kernels.triton_moe_decode import fused_moe_decode_routed_triton
+
+    x = randn(t, H, seed=6)
+    w13, w2 = weights()
+    n_routed = E - 1 if shared else E
+    logits = randn(t, n_routed + shared, seed=9)
+    tw, ids = moe.route_topk_ref(logits, K, renormalize, n_routed if shared else None)
+    hint = moe.RouteHint(logits, K, n_routed if shared else None)
+    y = fused_moe_decode_routed_triton(x, w13, w2, hint, renormalize, prefetch=prefetch,
+                                       gate_up_config=(16, 16, 2), down_config=(16, 16, 2))
     torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)

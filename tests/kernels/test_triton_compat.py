@@ -18,10 +18,11 @@ def test_pdl_is_off_on_the_cpu_and_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-@pytest.mark.parametrize("early", ["none", "experts", "prologue"])
+@pytest.mark.parametrize("early", ["none", "experts", "prologue", "routed", "routed_experts"])
 def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(model_type, early, monkeypatch):
     """``early``: also the MoE experts' early weight tiles (``moe.PREFETCH_EXPERTS``), or the qkv prologue inside the
-    decode attention (``layers.PROLOGUE_IN_ATTENTION``)."""
+    decode attention (``layers.PROLOGUE_IN_ATTENTION``), or no routing kernel (``moe.ROUTE_IN_EXPERTS``), alone or
+    with the early tiles."""
     from kernels import moe
     from pipeline.models import layers
     from pipeline.runner.model_runner import ModelRunner
@@ -30,7 +31,8 @@ def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_la
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("dependent launch needs Hopper or later")
-    monkeypatch.setattr(moe, "PREFETCH_EXPERTS", early == "experts")
+    monkeypatch.setattr(moe, "PREFETCH_EXPERTS", early in ("experts", "routed_experts"))
+    monkeypatch.setattr(moe, "ROUTE_IN_EXPERTS", early.startswith("routed"))
     monkeypatch.setattr(layers, "PROLOGUE_IN_ATTENTION", early == "prologue")
     device = torch.device("cuda")
 

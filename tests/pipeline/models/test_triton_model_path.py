@@ -49,6 +49,35 @@ def test_triton_path_equals_torch_path(model_type, prologue_inside, monkeypatch)
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
+def test_routing_inside_the_expert_kernels_equals_torch_path(model_type, monkeypatch):
+    """``moe.ROUTE_IN_EXPERTS``: decode-sized steps run no routing kernel (the expert kernels route from the logits); the
+    same tokens and logits as the torch path (fp32), the shared expert folded in for Qwen3.5."""
+    if not dispatch.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs triton under the interpreter (the model runs on CPU tensors)")
+    from kernels import moe, triton_moe_decode, triton_moe_routing
+
+    hf = make_tiny_hf_model(model_type, **({} if model_type == "qwen3_5_moe_text" else {"num_hidden_layers": 2}))
+    model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.float32, prepack=False)
+    prompts = [list(range(100, 109)), list(range(300, 304))]
+    torch_run = run_paged(model, prompts, max_new_tokens=3, chunks=2)
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(moe, "ROUTE_IN_EXPERTS", True)
+    kernel_routes, expert_routes = [], []
+    route = triton_moe_routing.route_topk_triton
+    monkeypatch.setattr(triton_moe_routing, "route_topk_triton",
+                        lambda logits, *a: kernel_routes.append(logits.shape[0]) or route(logits, *a))
+    routed = triton_moe_decode.fused_moe_decode_routed_triton
+    monkeypatch.setattr(triton_moe_decode, "fused_moe_decode_routed_triton",
+                        lambda x, *a: expert_routes.append(x.shape[0]) or routed(x, *a))
+    triton_run = run_paged(model, prompts, max_new_tokens=3, chunks=2)
+    assert triton_run.generated == torch_run.generated
+    assert kernel_routes == [] and 1 in expert_routes  # every step is decode-sized here: no routing kernel ran
+    for ours_seq, ref_seq in zip(triton_run.decode_logits, torch_run.decode_logits):
+        for ours, ref in zip(ours_seq, ref_seq):
+            torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_5_moe_text"])
 def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, monkeypatch):
     """bf16, one sequence: every decode step runs each layer's two residual-add norms inside the projection that
