@@ -3,7 +3,8 @@
 # choice, one machine, one device call: ordinary launches (pdl-off: CONVEYOR_PDL=0), dependent launch (pdl, the
 # default), with the MoE experts' early weight tiles (prefetch: CONVEYOR_MOE_PREFETCH=1), with the qkv prologue
 # inside the decode attention (prologue: CONVEYOR_PROLOGUE_IN_ATTENTION=1), with no routing kernel at decode
-# (routed: CONVEYOR_ROUTE_IN_EXPERTS=1), all three (all); OFF too for pdl-off and pdl. JSON per run under $OUT.
+# (routed: CONVEYOR_ROUTE_IN_EXPERTS=1), with the GDN conv inside the delta-rule kernel (conv, Qwen3.5 only:
+# CONVEYOR_CONV_IN_DELTA_RULE=1), all of them (all); OFF too for pdl-off and pdl. JSON per run under $OUT.
 #   . bench/device_setup.sh && VARIANTS="pdl prefetch" bash bench/launch_ab.sh <commit> [shape ...]
 set -u
 commit=${1:?commit}
@@ -18,10 +19,13 @@ for shape in $shapes; do
       prefetch) flags=(CONVEYOR_MOE_PREFETCH=1) ;;
       prologue) flags=(CONVEYOR_PROLOGUE_IN_ATTENTION=1) ;;
       routed) flags=(CONVEYOR_ROUTE_IN_EXPERTS=1) ;;
-      all) flags=(CONVEYOR_MOE_PREFETCH=1 CONVEYOR_PROLOGUE_IN_ATTENTION=1 CONVEYOR_ROUTE_IN_EXPERTS=1) ;;
+      conv) flags=(CONVEYOR_CONV_IN_DELTA_RULE=1) ;;
+      all) flags=(CONVEYOR_MOE_PREFETCH=1 CONVEYOR_PROLOGUE_IN_ATTENTION=1 CONVEYOR_ROUTE_IN_EXPERTS=1
+                  CONVEYOR_CONV_IN_DELTA_RULE=1) ;;
     esac
     off=""
     case $variant in pdl-off|pdl) ;; *) off="off" ;; esac  # OFF for the launch A/B, not for each option
+    if [ "$variant" = conv ] && [ "$shape" != qwen3.5-35b-a3b ]; then continue; fi  # no Gated DeltaNet there
     env "${flags[@]}" python3 bench/gpu.py --shape "$shape" --skip $skip $off --commit "$commit" \
       --out "${OUT:-/tmp}/launch-ab-$shape-$variant.json" 2>&1 | tail -1
   done

@@ -230,6 +230,35 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     return rms_norm_gated(o.reshape(T * HV, Dv), z.reshape(T * HV, Dv), weight, eps).view(T, HV, Dv)
 
 
+
+def decode_conv_and_gated_delta_rule(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
+                                     num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
+                                     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
+                                     ssm_states: torch.Tensor, state_slots: torch.Tensor,
+                                     query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
+                                     gated_norm: tuple[torch.Tensor, torch.Tensor, float]) -> torch.Tensor:
+    """A decode step (one token a row) of ``causal_conv1d_varlen`` over the projection's conv channels ``x`` [T, C]
+    then ``gated_delta_rule`` with its gated norm, in one kernel on the GPU (the recurrent kernel's ``conv``),
+    the two references elsewhere."""
+    T = x.shape[0]
+    kd = num_k_heads * head_k_dim
+    if dispatch.use_triton(x.device):
+        from kernels.triton_gdn import gated_delta_rule_recurrent_triton
+
+        q = x[:, :kd].unflatten(1, (num_k_heads, head_k_dim))
+        k = x[:, kd:2 * kd].unflatten(1, (num_k_heads, head_k_dim))
+        v = x[:, 2 * kd:].unflatten(1, (num_v_heads, head_v_dim))
+        return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
+                                                 query_start_loc, has_initial_state, gated_norm=gated_norm,
+                                                 conv=(x, conv_weight, conv_states))
+    mixed = causal_conv1d_varlen_ref(x, conv_weight, None, conv_states, state_slots, query_start_loc,
+                                     has_initial_state)
+    q = mixed[:, :kd].view(T, num_k_heads, head_k_dim)
+    k = mixed[:, kd:2 * kd].view(T, num_k_heads, head_k_dim)
+    v = mixed[:, 2 * kd:].view(T, num_v_heads, head_v_dim)
+    return gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots, query_start_loc,
+                            has_initial_state, 1, gated_norm=gated_norm)
+
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if dispatch.use_triton(x.device):
         from kernels.triton_gdn import rms_norm_gated_triton

@@ -18,13 +18,13 @@ def test_pdl_is_off_on_the_cpu_and_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-@pytest.mark.parametrize("early", ["none", "experts", "prologue", "routed", "routed_experts"])
+@pytest.mark.parametrize("early", ["none", "experts", "prologue", "routed", "routed_experts", "conv"])
 def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(model_type, early, monkeypatch):
     """``early``: also the MoE experts' early weight tiles (``moe.PREFETCH_EXPERTS``), or the qkv prologue inside the
     decode attention (``layers.PROLOGUE_IN_ATTENTION``), or no routing kernel (``moe.ROUTE_IN_EXPERTS``), alone or
-    with the early tiles."""
+    with the early tiles, or the GDN conv inside the delta-rule kernel (``gated_delta_net.CONV_IN_DELTA_RULE``)."""
     from kernels import moe
-    from pipeline.models import layers
+    from pipeline.models import gated_delta_net, layers
     from pipeline.runner.model_runner import ModelRunner
     from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
     from tests.model_utils import SMOLLM2_VOCAB, conveyor_from_hf, make_tiny_hf_model
@@ -34,6 +34,7 @@ def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_la
     monkeypatch.setattr(moe, "PREFETCH_EXPERTS", early in ("experts", "routed_experts"))
     monkeypatch.setattr(moe, "ROUTE_IN_EXPERTS", early.startswith("routed"))
     monkeypatch.setattr(layers, "PROLOGUE_IN_ATTENTION", early == "prologue")
+    monkeypatch.setattr(gated_delta_net, "CONV_IN_DELTA_RULE", early == "conv")
     device = torch.device("cuda")
 
     def decode_logits(pdl: bool, replays: int) -> list[torch.Tensor]:
