@@ -12,8 +12,8 @@ from torch import nn
 from kernels import dispatch
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import paged_attention_ref
-from kernels.triton_norm import rms_norm_ref
 from kernels.triton_decode_attention import DecodePrologue, paged_decode_attention_triton
+from kernels.triton_norm import rms_norm_ref
 from kernels.triton_paged_attention import paged_attention_triton
 from pipeline.models.forward_context import ForwardContext
 from pipeline.models.rope import apply_rotary_emb_
