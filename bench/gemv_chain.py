@@ -29,6 +29,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import kernels.triton_gemv as tg  # noqa: E402
+from kernels.bench_attention import cuda_time_ms  # noqa: E402
 
 # per layer kind: (name, N, K, with the norm inside (and the normed rows written))
 LAYERS = {
@@ -99,15 +100,7 @@ def run_variant(calls, variant: str, x0: torch.Tensor, r0: torch.Tensor) -> tupl
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             out = chain(calls, variant, x0, r0)
-        times = []
-        for _ in range(7):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end))
-        return sorted(times)[len(times) // 2], out.clone()
+        return cuda_time_ms(graph.replay, iters=7, warmup=1), out.clone()
     finally:
         tg.pdl_launch = pdl_on
 

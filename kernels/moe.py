@@ -69,9 +69,10 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, num_local_experts: int | None) -> tuple[int, int, int, int, int]:
-    """The Triton paths' contract on shapes, dtypes and layout -> (T, H, local experts, I, k)."""
+def check_expert_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                         num_local_experts: int | None) -> tuple[int, int, int, int]:
+    """The Triton paths' contract on x and the expert weights' shapes, dtypes and layout -> (T, H, local experts,
+    I)."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -82,13 +83,20 @@ def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         raise ValueError(f"inconsistent shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if num_local_experts is not None and num_local_experts != n_local:
         raise ValueError(f"num_local_experts = {num_local_experts} but w13 holds {n_local} experts")
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
-                         f"{tuple(topk_ids.shape)}")
     if x.dtype not in KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"x, w13 and w2 must share a dtype in {KERNEL_DTYPES}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("w13 and w2 must be contiguous")
+    return t, h, n_local, inter
+
+
+def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, num_local_experts: int | None) -> tuple[int, int, int, int, int]:
+    """``check_expert_weights`` and the routing's shapes -> (T, H, local experts, I, k)."""
+    t, h, n_local, inter = check_expert_weights(x, w13, w2, num_local_experts)
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
+                         f"{tuple(topk_ids.shape)}")
     return t, h, n_local, inter, topk_ids.shape[1]
 
 

@@ -34,7 +34,7 @@ try:
 except ImportError:  # no triton, or one without grid dependency control: PDL stays off
     gdc_launch_dependents = gdc_wait = None
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs the kernels (CPU tests)
 
 
 @functools.cache

@@ -25,15 +25,14 @@ tf32 tensor cores for 16-bit models, exact fp32 ("ieee", slow) for fp32 inputs a
 
 from __future__ import annotations
 
-import os
 
 import torch
 
+from kernels.triton_compat import INTERPRET  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_paged_attention import find_sequence
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 BT = 64  # tokens per chunk (the four 16-row blocks of the inverse assume 64)
 # q/k l2norm: x * rsqrt(sum(x^2) + 1e-6), the eps of kernels.gdn.l2norm (a literal in the kernels)
 

@@ -21,17 +21,16 @@ Decode-sized batches take the GEMV-like kernels of ``kernels/triton_moe_decode.p
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 
 from kernels.moe import check_kernel_inputs, group_by_expert
 from kernels.triton_moe_grouping import MAX_EXPERTS, MAX_SLOTS, group_by_expert_triton
+from kernels.triton_compat import INTERPRET  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 
 
 @_jit(do_not_specialize=['N'])

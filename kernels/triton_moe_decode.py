@@ -31,7 +31,7 @@ from __future__ import annotations
 import torch
 
 from kernels import moe
-from kernels.moe import RouteHint, check_kernel_inputs
+from kernels.moe import RouteHint, check_expert_weights, check_kernel_inputs
 from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
@@ -283,20 +283,15 @@ def fused_moe_decode_routed_triton(
     """``route_topk`` then ``fused_moe_decode_triton`` over every expert (one rank holds them all), without the
     routing kernel: each expert program routes its slot or token from ``route.router_logits`` itself, exactly as
     the routing kernel would (``kernels/triton_moe_routing.py``: ``routed_expert``, ``token_routing``)."""
-    logits = route.router_logits
-    t, h = x.shape
-    shared = route.shared_expert_id is not None
-    width = route.top_k + shared
-    if logits.shape[0] != t:
-        raise ValueError(f"router logits {tuple(logits.shape)} do not fit x {tuple(x.shape)}")
-    dummy_weights = torch.empty(t, width, dtype=torch.float32, device=x.device)  # never read: shapes for checks
-    dummy_ids = torch.zeros(t, width, dtype=torch.int32, device=x.device)
-    _, _, n_local, _, _ = check_kernel_inputs(x, w13, w2, dummy_weights, dummy_ids, None)
+    t, h, n_local, _ = check_expert_weights(x, w13, w2, None)
+    if route.router_logits.shape[0] != t:
+        raise ValueError(f"router logits {tuple(route.router_logits.shape)} do not fit x {tuple(x.shape)}")
     if t == 0 or h == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     early = bool(pdl_launch(x)) and moe.PREFETCH_EXPERTS if prefetch is None else prefetch
-    ids = dummy_ids.reshape(-1)
-    return _launch(x, w13, w2, ids, ids, ids, width, 0, n_local, route, early, speculate=False, routed=True,
+    width = route.top_k + (route.shared_expert_id is not None)
+    # no ids or weights tensors: the kernels route themselves and never read those pointers (x stands in)
+    return _launch(x, w13, w2, x, x, x, width, 0, n_local, route, early, speculate=False, routed=True,
                    renormalize=renormalize, configs=(gate_up_config, down_config))
 
 

@@ -18,16 +18,15 @@ the torch reference's plan) is ignored, since the launch choices are a little ho
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
 
+from kernels.triton_compat import INTERPRET  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 LOG2E = 1.4426950408889634
 
 
