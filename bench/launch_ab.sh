@@ -1,27 +1,22 @@
 #!/usr/bin/env bash
 # B1 and the decode-step profile (batch 1/16/64/256, top kernels at batch 1) of both MoE shapes under each launch
 # choice, one machine, one device call: ordinary launches (pdl-off: CONVEYOR_PDL=0), dependent launch (pdl, the
-# default), with the MoE experts' early weight tiles (prefetch: CONVEYOR_MOE_PREFETCH=1), with the qkv prologue
-# inside the decode attention (prologue: CONVEYOR_PROLOGUE_IN_ATTENTION=1), with no routing kernel at decode
-# (routed: CONVEYOR_ROUTE_IN_EXPERTS=1), with the GDN conv inside the delta-rule kernel (conv, Qwen3.5 only:
-# CONVEYOR_CONV_IN_DELTA_RULE=1), all of them (all); OFF too for pdl-off and pdl. JSON per run under $OUT.
-#   . bench/device_setup.sh && VARIANTS="pdl prefetch" bash bench/launch_ab.sh <commit> [shape ...]
+# default), with L2 weight hints (l2: CONVEYOR_L2_HINTS=1), with the GDN conv inside the delta-rule kernel (conv,
+# Qwen3.5 only: CONVEYOR_CONV_IN_DELTA_RULE=1), both (all); OFF too for pdl-off and pdl. JSON per run under $OUT.
+#   . bench/device_setup.sh && VARIANTS="pdl l2" bash bench/launch_ab.sh <commit> [shape ...]
 set -u
 commit=${1:?commit}
 shift
 shapes=${*:-qwen3-30b-a3b qwen3.5-35b-a3b}
 skip="correctness graphs verify kernels serve peer moe"  # OFF too: a batch's steps must not lose to PDL
 for shape in $shapes; do
-  for variant in ${VARIANTS:-pdl-off pdl prefetch prologue routed}; do
+  for variant in ${VARIANTS:-pdl-off pdl l2}; do
     case $variant in
       pdl-off) flags=(CONVEYOR_PDL=0) ;;
       pdl) flags=() ;;
-      prefetch) flags=(CONVEYOR_MOE_PREFETCH=1) ;;
-      prologue) flags=(CONVEYOR_PROLOGUE_IN_ATTENTION=1) ;;
-      routed) flags=(CONVEYOR_ROUTE_IN_EXPERTS=1) ;;
+      l2) flags=(CONVEYOR_L2_HINTS=1) ;;
       conv) flags=(CONVEYOR_CONV_IN_DELTA_RULE=1) ;;
-      all) flags=(CONVEYOR_MOE_PREFETCH=1 CONVEYOR_PROLOGUE_IN_ATTENTION=1 CONVEYOR_ROUTE_IN_EXPERTS=1
-                  CONVEYOR_CONV_IN_DELTA_RULE=1) ;;
+      all) flags=(CONVEYOR_L2_HINTS=1 CONVEYOR_CONV_IN_DELTA_RULE=1) ;;
     esac
     off=""
     case $variant in pdl-off|pdl) ;; *) off="off" ;; esac  # OFF for the launch A/B, not for each option
@@ -30,7 +25,7 @@ for shape in $shapes; do
       --out "${OUT:-/tmp}/launch-ab-$shape-$variant.json" 2>&1 | tail -1
   done
 done
-python3 - "${OUT:-/tmp}" "${VARIANTS:-pdl-off pdl prefetch prologue routed}" $shapes <<'PY'
+python3 - "${OUT:-/tmp}" "${VARIANTS:-pdl-off pdl l2}" $shapes <<'PY'
 import json, os, sys
 out, variants, shapes = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 for shape in shapes:

@@ -204,17 +204,20 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
                      A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor,
                      query_start_loc: torch.Tensor, has_initial_state: torch.Tensor, max_query_len: int,
                      query_start_loc_host: list[int] | None = None,
-                     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
+                     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+                     l2_hint: torch.Tensor | None = None) -> torch.Tensor:
     """``gated_delta_rule_varlen_ref`` (q/k l2-normalised) on the raw gate inputs. On the GPU both kernels compute
     the gates themselves (no torch op before them): steps whose rows hold at most RECURRENT_MAX_QUERY tokens take
     the token-by-token kernel (CUDA-graph capturable: it reads the row bounds on the device); longer prompt chunks
     take the chunked kernels, which size their grids from the host copy. ``gated_norm`` ``(z [T, HV, Dv], weight,
-    eps)``: o is ``rms_norm_gated`` per value head, inside the token-by-token kernel (one launch, not two)."""
+    eps)``: o is ``rms_norm_gated`` per value head, inside the token-by-token kernel (one launch, not two).
+    ``l2_hint``: a weight the token-by-token kernel asks L2 for (the output projection, read next)."""
     if dispatch.use_triton(q.device) and (max_query_len <= RECURRENT_MAX_QUERY or query_start_loc_host is None):
         from kernels.triton_gdn import gated_delta_rule_recurrent_triton
 
         return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
-                                                 query_start_loc, has_initial_state, gated_norm=gated_norm)
+                                                 query_start_loc, has_initial_state, gated_norm=gated_norm,
+                                                 l2_hint=l2_hint)
     if dispatch.use_triton(q.device):
         from kernels.triton_gdn import gated_delta_rule_chunked_triton
 

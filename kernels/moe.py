@@ -25,9 +25,6 @@ more the slots are grouped by expert (``group_by_expert``, host-sync free) and r
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -69,10 +66,9 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_expert_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                         num_local_experts: int | None) -> tuple[int, int, int, int]:
-    """The Triton paths' contract on x and the expert weights' shapes, dtypes and layout -> (T, H, local experts,
-    I)."""
+def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, num_local_experts: int | None) -> tuple[int, int, int, int, int]:
+    """The Triton paths' contract on shapes, dtypes and layout -> (T, H, local experts, I, k)."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -83,20 +79,13 @@ def check_expert_weights(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"inconsistent shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if num_local_experts is not None and num_local_experts != n_local:
         raise ValueError(f"num_local_experts = {num_local_experts} but w13 holds {n_local} experts")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
+                         f"{tuple(topk_ids.shape)}")
     if x.dtype not in KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"x, w13 and w2 must share a dtype in {KERNEL_DTYPES}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("w13 and w2 must be contiguous")
-    return t, h, n_local, inter
-
-
-def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, num_local_experts: int | None) -> tuple[int, int, int, int, int]:
-    """``check_expert_weights`` and the routing's shapes -> (T, H, local experts, I, k)."""
-    t, h, n_local, inter = check_expert_weights(x, w13, w2, num_local_experts)
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
-                         f"{tuple(topk_ids.shape)}")
     return t, h, n_local, inter, topk_ids.shape[1]
 
 
@@ -177,36 +166,18 @@ def group_by_expert(
     return sorted_slots[:p], block_expert, padded_end[-1].to(torch.int32)
 
 
-# Under PDL the decode experts may load weight tiles before they wait (``kernels/triton_moe_decode.py``): the down
-# kernel for the ids the routing wrote, the gate/up kernel for the expert it picks from the router's logits (a
-# ``RouteHint``). Off until a same-machine benchmark shows it pays: CONVEYOR_MOE_PREFETCH=1 turns it on.
-PREFETCH_EXPERTS = os.environ.get("CONVEYOR_MOE_PREFETCH", "0") == "1"
-# One rank holding every expert may skip the routing kernel at decode: the expert kernels route from the logits
-# themselves (``fused_moe_routed``). Off until a same-machine benchmark shows it pays: CONVEYOR_ROUTE_IN_EXPERTS=1.
-ROUTE_IN_EXPERTS = os.environ.get("CONVEYOR_ROUTE_IN_EXPERTS", "0") == "1"
-
-
-@dataclass(frozen=True, slots=True)
-class RouteHint:
-    """What the routing was computed from (``route_topk``'s arguments): lets a decode expert kernel pick its expert
-    before the routing's ids are readable. A hint only: the ids stay what the output is computed from."""
-
-    router_logits: torch.Tensor  # [T, E (+1 shared gate column)]
-    top_k: int
-    shared_expert_id: int | None = None
-
-
 DECODE_SLOTS = 128  # fused_moe takes the grouping-free decode kernels up to this many token slots (T * k);
 # at 16 tokens x 8 experts they still beat the grouped GEMMs on an H100 (0.29 vs 0.35 ms a layer)
 
 
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_offset: int = 0, num_local_experts: int | None = None, route_hint: RouteHint | None = None,
+    expert_offset: int = 0, num_local_experts: int | None = None, l2_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The MoE expert compute: Triton kernels where ``dispatch.use_triton(x.device)`` (the GEMV-like decode kernels
     of ``kernels/triton_moe_decode.py`` when ``T * k <= DECODE_SLOTS``, else the grouped GEMMs of
-    ``kernels/triton_moe.py``), else ``fused_moe_ref``."""
+    ``kernels/triton_moe.py``), else ``fused_moe_ref``. ``l2_hint``: a weight the step reads next, which the decode
+    kernels ask L2 for when L2 hints are on (``kernels/triton_compat.py``)."""
     from kernels.dispatch import use_triton
 
     if use_triton(x.device):
@@ -214,23 +185,8 @@ def fused_moe(
             from kernels.triton_moe_decode import fused_moe_decode_triton
 
             return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts,
-                                           route_hint=route_hint)
+                                           l2_hint=l2_hint)
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
-
-
-def fused_moe_routed(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route: RouteHint,
-                     renormalize: bool) -> torch.Tensor | None:
-    """``route_topk`` then ``fused_moe`` over every expert (the caller holds them all) in the decode kernels
-    alone, each routing from the logits itself (``kernels/triton_moe_decode.py``), where that path applies:
-    ``ROUTE_IN_EXPERTS``, Triton, a decode-sized batch. None elsewhere: the caller routes, then calls ``fused_moe``."""
-    from kernels.dispatch import use_triton
-
-    slots = x.shape[0] * (route.top_k + (route.shared_expert_id is not None))
-    if not (ROUTE_IN_EXPERTS and use_triton(x.device) and 0 < slots <= DECODE_SLOTS):
-        return None
-    from kernels.triton_moe_decode import fused_moe_decode_routed_triton
-
-    return fused_moe_decode_routed_triton(x, w13, w2, route, renormalize)

@@ -23,7 +23,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import (L2_HINT_LANES, gdc_launch_dependents, gdc_wait, hint_span, l2_hints, pdl_launch,
+                                   prefetch_l2)
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
@@ -79,6 +80,7 @@ def _recurrent_kernel(
     cx_ptr=None, cw_ptr=None, cs_ptr=None, tickets_ptr=None, stride_cxt=0, stride_cwc=0, stride_cwk=0,
     stride_css=0, stride_csc=0, stride_csk=0, key_dim=0, num_k_heads=0,
     CONV: tl.constexpr = False, CONV_K: tl.constexpr = 4, KM1_PAD: tl.constexpr = 4,
+    hint_ptr=None, hint_bytes=0, L2_HINT: tl.constexpr = False,
 ):
     """NORM (BV covers DV): each token's output goes through the gated RMSNorm (``rms_norm_gated_ref``'s rounding)
     before it is stored.
@@ -87,7 +89,13 @@ def _recurrent_kernel(
     conv, computed here (``conv_token_channels``) instead of by the conv kernel. A program writes its v channels'
     new window itself; the q/k channels of a key head are read by its GROUP value heads' programs, and the last of
     them to take a ticket (an atomic count per row and key head, set back to 0 by that program) writes their new
-    window, once every reader has read the old one."""
+    window, once every reader has read the old one.
+
+    L2_HINT: before the wait, the programs ask L2 for ``hint_bytes`` at ``hint_ptr`` (the output projection)."""
+    if L2_HINT:
+        part = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
+        prefetch_l2(hint_ptr, hint_bytes, part, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2),
+                    L2_HINT_LANES)
     if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
         gdc_launch_dependents()
         gdc_wait()
@@ -177,7 +185,7 @@ def gated_delta_rule_recurrent_triton(
     dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    conv: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, l2_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gated_delta_rule_varlen_ref``, token by token: o [T, HV, Dv] in v's dtype, the state
     of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph: with a/b columns of the
@@ -186,7 +194,8 @@ def gated_delta_rule_recurrent_triton(
     kernel (a program then holds a head's whole [Dk, Dv] state). ``conv`` ``(x [T, C], weight [C, K],
     conv_states)``, with ``gated_norm`` and at most one token a row: q, k and v are the conv's SiLU outputs of
     x's channels (q, k of every key head, then v), computed in this kernel with the conv window update
-    (``causal_conv1d_varlen_ref``'s); q/k/v passed in only give the shapes."""
+    (``causal_conv1d_varlen_ref``'s); q/k/v passed in only give the shapes. ``l2_hint``: a weight the kernel asks
+    L2 for when L2 hints are on (``kernels/triton_compat.py``)."""
     q, k, v, a, b, A_log, dt_bias, init = _gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
                                                     query_start_loc, has_initial_state)
     T, HK, dk = q.shape
@@ -208,6 +217,9 @@ def gated_delta_rule_recurrent_triton(
     if B == 0 or T == 0:
         return o
     fused = _conv_args(conv, q, v, HK, B, gated_norm is not None) if conv is not None else {}
+    hint_ptr, hint_bytes = hint_span(l2_hint if l2_hints(q) else None, q)
+    if hint_bytes:
+        fused.update(hint_ptr=hint_ptr, hint_bytes=hint_bytes, L2_HINT=True)
     _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
         q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, z, norm_w, eps, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),

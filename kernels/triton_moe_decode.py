@@ -13,12 +13,6 @@ row:
    along I (the contiguous dim of w2) times the slot's routing weight, summed in fp32 and stored once in x's
    dtype: the combine is fused, so no ``[T*k, H]`` buffer, sum or cast kernel follows.
 
-Under PDL, with ``kernels.moe.PREFETCH_EXPERTS`` (off by default until measured), both kernels load their first
-weight tiles before they wait for the kernel before: the gate/up kernel for the expert it picks from the router's
-logits itself (``routed_expert``, the routing kernel's rule), the down kernel for the ids the routing wrote two
-kernels back. Each checks the ids after the wait and loads again where they differ: the early read is a guess,
-never an input.
-
 No ``tl.dot`` (one row per program), so the interpreter runs it in any dtype. Grids depend only on T, k, H, I and
 the block sizes, and nothing reads back to the host: CUDA-graph capturable. The intermediate stays fp32, so in
 16-bit this path can differ from ``fused_moe_triton`` (which rounds ``h`` to x's dtype) by a few ulps.
@@ -30,12 +24,11 @@ from __future__ import annotations
 
 import torch
 
-from kernels import moe
-from kernels.moe import RouteHint, check_expert_weights, check_kernel_inputs
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.moe import check_kernel_inputs
+from kernels.triton_compat import (L2_HINT_LANES, gdc_launch_dependents, gdc_wait, hint_span, l2_hints, pdl_launch,
+                                   prefetch_l2)
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_moe_routing import routed_expert, token_routing
 
 # By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps) of gate/up,
 # (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from H200 sweeps (bench/moe_tune.py). The down kernel
@@ -74,69 +67,33 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int]
 @_jit
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
-    TOP_K, H, I, x_s0, expert_offset, n_local,
-    logits_ptr, l_s0, l_s1, E, ROUTE_K, shared_id,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    TRIGGER_AFTER_WAIT: tl.constexpr = False, SPECULATE: tl.constexpr = False, E_PAD: tl.constexpr = 16,
-    RANK_CHUNK: tl.constexpr = 16, ROUTED: tl.constexpr = False,
+    TOP_K, H, I, x_s0, expert_offset, n_local, w2_ptr, w2_expert_bytes,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, L2_HINT: tl.constexpr = False,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
-
-    SPECULATE (with PDL): the router's logits were written two kernels back, and the routing kernel between lets
-    this one start only after its own wait: the program picks its slot's expert from the logits itself, as the
-    routing does, and loads that expert's first weight tiles before the wait. The routing's id read after the
-    wait decides: the early tiles are used only if it names the same expert.
-
-    ROUTED: there is no routing kernel; each program routes its slot from the logits itself, after the wait."""
+    L2_HINT: the programs of a slot first ask L2 for its expert's down projection (``prefetch_l2``), which the
+    down kernel reads next."""
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    tok = (slot // TOP_K).to(tl.int64)
+    e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
-    rows = tl.minimum(offs_n, I - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
-    offs_k = tl.arange(0, BLOCK_K)
-    up_offset = tl.cast(I, tl.int64) * H
-    if SPECULATE:
-        guess = routed_expert(logits_ptr, tok, slot % TOP_K, l_s0, l_s1, E, ROUTE_K, shared_id, E_PAD,
-                               RANK_CHUNK).to(tl.int64) - expert_offset
-        guess_local = (guess >= 0) & (guess < n_local)
-        early_ptrs = w13_ptr + tl.where(guess_local, guess, 0) * 2 * I * H + rows[:, None] * H + offs_k[None, :]
-        early_mask = (offs_k < H)[None, :] & guess_local
-        g_early = tl.load(early_ptrs, mask=early_mask, other=0.0)
-        u_early = tl.load(early_ptrs + up_offset, mask=early_mask, other=0.0)
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        if TRIGGER_AFTER_WAIT:  # the down kernel may then read the routing (finished) before its own wait
-            gdc_wait()
-            gdc_launch_dependents()
-        else:
-            gdc_launch_dependents()
-            gdc_wait()
-    if ROUTED:
-        e = routed_expert(logits_ptr, tok, slot % TOP_K, l_s0, l_s1, E, ROUTE_K, shared_id, E_PAD,
-                          RANK_CHUNK).to(tl.int64) - expert_offset
-    else:
-        e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
     h_ptrs = h_ptr + slot.to(tl.int64) * I + offs_n
     if (e >= 0) & (e < n_local):
+        if L2_HINT:
+            prefetch_l2(w2_ptr + e * H * I, w2_expert_bytes, pid_n, tl.num_programs(1), L2_HINT_LANES)
+        tok = (slot // TOP_K).to(tl.int64)
+        rows = tl.minimum(offs_n, I - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
+        offs_k = tl.arange(0, BLOCK_K)
         x_ptrs = x_ptr + tok * x_s0 + offs_k
         g_ptrs = w13_ptr + e * 2 * I * H + rows[:, None] * H + offs_k[None, :]
-        u_ptrs = g_ptrs + up_offset
+        u_ptrs = g_ptrs + tl.cast(I, tl.int64) * H
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        k_start = 0
-        if SPECULATE:  # the first tiles: the early ones when the routing chose the guessed expert
-            moved = e != guess
-            k_mask = offs_k < H
-            xt = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            gt = tl.where(moved, tl.load(g_ptrs, mask=k_mask[None, :] & moved, other=0.0), g_early).to(tl.float32)
-            ut = tl.where(moved, tl.load(u_ptrs, mask=k_mask[None, :] & moved, other=0.0), u_early).to(tl.float32)
-            acc_g += gt * xt[None, :]
-            acc_u += ut * xt[None, :]
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
-            k_start = BLOCK_K
-        for k0 in range(k_start, H, BLOCK_K):
+        for k0 in range(0, H, BLOCK_K):
             k_mask = k0 + offs_k < H
             xt = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             gt = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
@@ -157,89 +114,44 @@ def _decode_gate_up_kernel(
 
 
 @_jit
-def _local_experts(ids, offs_j, TOP_K, expert_offset, n_local):
-    """(local expert index, whether the slot is local): slots routed to another rank's experts add nothing."""
-    e = ids.to(tl.int64) - expert_offset
-    local = (offs_j < TOP_K) & (e >= 0) & (e < n_local)
-    return tl.where(local, e, 0), local
-
-
-@_jit
-def _w2_tile(w2_ptr, e, rows, offs_k, H, I):
-    """Pointers to the [slots, BLOCK_N rows, BLOCK_K] tile of w2 at column 0 of each slot's expert."""
-    return w2_ptr + (e * H * I)[:, None, None] + (rows * I)[None, :, None] + offs_k[None, None, :]
-
-
-@_jit
 def _decode_down_kernel(
-    h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr, early_ids_ptr,
+    h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
-    logits_ptr, l_s0, l_s1, E, ROUTE_K, shared_id,
+    hint_ptr, hint_bytes,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    PREFETCH: tl.constexpr = False, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
-    SHARED: tl.constexpr = False, E_PAD: tl.constexpr = 16, RANK_CHUNK: tl.constexpr = 16,
+    L2_HINT: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
     [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
-    flight; the sum over experts happens once, in a fixed order (deterministic).
-
-    PREFETCH (with PDL): the routing ran two kernels back, and the gate/up kernel between lets this one start only
-    after its own wait (TRIGGER_AFTER_WAIT), so the routing has finished: the first weight tile of the chosen
-    experts is loaded before the wait. The ids are read again after it and the early tile is used only if they
-    are the same, so the output never depends on when the early read happened.
-
-    ROUTED: no routing kernel ran; the program routes its token from the logits (``token_routing``), which the
-    router wrote two kernels back: early for the tile, again after the wait for the ids and weights it uses."""
+    flight; the sum over experts happens once, in a fixed order (deterministic). L2_HINT: before the wait, the
+    programs ask L2 for ``hint_bytes`` at ``hint_ptr`` (the next layer's input projection)."""
+    if L2_HINT:
+        prefetch_l2(hint_ptr, hint_bytes, tl.program_id(1), tl.num_programs(1), L2_HINT_LANES)
+    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
+        gdc_launch_dependents()
+        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_j = tl.arange(0, K_PAD)
     slots = tok * TOP_K + offs_j
+    e = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0).to(tl.int64) - expert_offset
+    local = (offs_j < TOP_K) & (e >= 0) & (e < n_local)  # slots routed to another rank's experts add nothing
+    e = tl.where(local, e, 0)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
     offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    if PREFETCH:  # the first weight tile of the experts the routing chose, loaded before the wait (see above)
-        if ROUTED:
-            ids_early, _ = token_routing(logits_ptr, tok, l_s0, l_s1, E, ROUTE_K, shared_id, RENORMALIZE, SHARED,
-                                         K_PAD, E_PAD, RANK_CHUNK)
-        else:
-            ids_early = tl.load(early_ids_ptr + slots, mask=offs_j < TOP_K, other=0, cache_modifier=".cg")
-        e_early, local_early = _local_experts(ids_early, offs_j, TOP_K, expert_offset, n_local)
-        w_early = tl.load(_w2_tile(w2_ptr, e_early, rows, offs_k, H, I),
-                          mask=local_early[:, None, None] & (offs_k < I)[None, None, :], other=0.0)
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
-    if ROUTED:
-        ids, routed_weights = token_routing(logits_ptr, tok, l_s0, l_s1, E, ROUTE_K, shared_id, RENORMALIZE, SHARED,
-                                            K_PAD, E_PAD, RANK_CHUNK)
-    else:
-        ids = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0)
-    e, local = _local_experts(ids, offs_j, TOP_K, expert_offset, n_local)
     a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
-    w_ptrs = _w2_tile(w2_ptr, e, rows, offs_k, H, I)
-    k_start = 0
-    if PREFETCH:  # the early tile counts only if the routing read after the wait is the one it was loaded for
-        moved = tl.sum((ids != ids_early).to(tl.int32), axis=0) != 0
-        w_mask = local[:, None, None] & (offs_k < I)[None, None, :] & moved
-        wt = tl.where(moved, tl.load(w_ptrs, mask=w_mask, other=0.0), w_early).to(tl.float32)
-        at = tl.load(a_ptrs, mask=local[:, None] & (offs_k < I)[None, :], other=0.0).to(tl.float32)
-        acc += wt * at[:, None, :]
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-        k_start = BLOCK_K
-    for k0 in range(k_start, I, BLOCK_K):
+    w_ptrs = w2_ptr + (e * H * I)[:, None, None] + (rows * I)[None, :, None] + offs_k[None, None, :]
+    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in range(0, I, BLOCK_K):
         k_mask = k0 + offs_k < I
         at = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         wt = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
         acc += wt * at[:, None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    if ROUTED:
-        rw = tl.where(local, routed_weights, 0.0)
-    else:
-        rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
+    rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
     y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
     tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
 
@@ -255,79 +167,35 @@ def fused_moe_decode_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_offset: int = 0, num_local_experts: int | None = None, *,
     gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
-    route_hint: RouteHint | None = None, prefetch: bool | None = None, _early_ids: torch.Tensor | None = None,
+    l2_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.moe.fused_moe_ref``; meant for small ``T * k`` (decode). ``gate_up_config``
     ``(BLOCK_N over I, BLOCK_K over H, num_warps)`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
-    num_warps)`` override the table (``decode_config``; powers of two). ``prefetch`` overrides
-    ``moe.PREFETCH_EXPERTS`` (weight tiles loaded before the wait: on only with PDL unless forced, as tests do);
-    with a ``route_hint`` the gate/up kernel also picks its expert early. ``_early_ids`` (tests): what the down
-    kernel's early read sees instead of the ids, as a routing not yet finished would show it."""
+    num_warps)`` override the table (``decode_config``; powers of two). With L2 hints on (``l2_hints``), the gate/up
+    kernel asks L2 for the routed experts' down projections and the down kernel for ``l2_hint`` (a weight the
+    step reads next)."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    early_ids = ids if _early_ids is None else _early_ids.reshape(-1).contiguous()
-    early = bool(pdl_launch(x)) and moe.PREFETCH_EXPERTS if prefetch is None else prefetch
-    return _launch(x, w13, w2, ids, tw, early_ids, top_k, expert_offset, n_local, route_hint, early,
-                   speculate=early and route_hint is not None, routed=False, renormalize=False,
-                   configs=(gate_up_config, down_config))
-
-
-def fused_moe_decode_routed_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, route: RouteHint, renormalize: bool, *,
-    gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
-    prefetch: bool | None = None,
-) -> torch.Tensor:
-    """``route_topk`` then ``fused_moe_decode_triton`` over every expert (one rank holds them all), without the
-    routing kernel: each expert program routes its slot or token from ``route.router_logits`` itself, exactly as
-    the routing kernel would (``kernels/triton_moe_routing.py``: ``routed_expert``, ``token_routing``)."""
-    t, h, n_local, _ = check_expert_weights(x, w13, w2, None)
-    if route.router_logits.shape[0] != t:
-        raise ValueError(f"router logits {tuple(route.router_logits.shape)} do not fit x {tuple(x.shape)}")
-    if t == 0 or h == 0:
-        return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    early = bool(pdl_launch(x)) and moe.PREFETCH_EXPERTS if prefetch is None else prefetch
-    width = route.top_k + (route.shared_expert_id is not None)
-    # no ids or weights tensors: the kernels route themselves and never read those pointers (x stands in)
-    return _launch(x, w13, w2, x, x, x, width, 0, n_local, route, early, speculate=False, routed=True,
-                   renormalize=renormalize, configs=(gate_up_config, down_config))
-
-
-def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, ids: torch.Tensor, tw: torch.Tensor,
-            early_ids: torch.Tensor, top_k: int, expert_offset: int, n_local: int, route: RouteHint | None,
-            early: bool, *, speculate: bool, routed: bool, renormalize: bool,
-            configs: tuple[tuple[int, int, int] | None, tuple[int, int, int] | None]) -> torch.Tensor:
-    """The two kernels over T tokens of ``top_k`` slots (the routed top-k, + 1 with a shared expert)."""
-    t, h = x.shape
-    inter = w2.shape[2]
     default_gate_up, default_down = decode_config(t, top_k)
-    bn1, bk1, warps1 = _check_config(configs[0] or default_gate_up)
-    bn2, bk2, warps2 = _check_config(configs[1] or default_down)
+    bn1, bk1, warps1 = _check_config(gate_up_config or default_gate_up)
+    bn2, bk2, warps2 = _check_config(down_config or default_down)
     x = x if x.stride(1) == 1 else x.contiguous()
     n_slots = t * top_k
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
-    y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
     pdl = pdl_launch(x)
-    if route is not None:
-        logits, n_routed = route.router_logits, route.router_logits.shape[1]
-        n_routed -= route.shared_expert_id is not None
-        route_args = (logits, logits.stride(0), logits.stride(1), n_routed, route.top_k,
-                      0 if route.shared_expert_id is None else route.shared_expert_id)
-        e_pad = triton.next_power_of_2(n_routed)
-    else:
-        route_args, e_pad = (x, 0, 0, 0, 0, 0), 16
-    rank_chunk = min(32, e_pad)
+    y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
+    hints = l2_hints(x)
+    hint_ptr, hint_bytes = hint_span(l2_hint if hints else None, x)
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
-        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local, *route_args,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, TRIGGER_AFTER_WAIT=early, SPECULATE=speculate, E_PAD=e_pad,
-        RANK_CHUNK=rank_chunk, ROUTED=routed, **pdl,
+        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local, w2, h * inter * w2.element_size(),
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, L2_HINT=hints, **pdl,
     )
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
-        act, w2, ids, tw, y, early_ids, top_k, h, inter, y.stride(0), expert_offset, n_local, *route_args,
-        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, PREFETCH=early,
-        ROUTED=routed, RENORMALIZE=renormalize, SHARED=routed and route.shared_expert_id is not None, E_PAD=e_pad,
-        RANK_CHUNK=rank_chunk, **pdl,
+        act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local, hint_ptr, hint_bytes,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
+        L2_HINT=hint_bytes > 0, **pdl,
     )
     return y

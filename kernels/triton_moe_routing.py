@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from kernels import moe
 from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
@@ -31,18 +30,12 @@ MAX_TOP_K = 32
 def _route_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
     RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    PDL: tl.constexpr = False, TRIGGER_AFTER_WAIT: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
-    """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K.
-    TRIGGER_AFTER_WAIT: the expert kernel after this one starts only once the router's logits are final, so it may
-    read them before its own wait (``kernels.moe.PREFETCH_EXPERTS``)."""
+    """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K."""
     if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        if TRIGGER_AFTER_WAIT:
-            gdc_wait()
-            gdc_launch_dependents()
-        else:
-            gdc_launch_dependents()
-            gdc_wait()
+        gdc_launch_dependents()
+        gdc_wait()
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
@@ -72,60 +65,6 @@ def _route_topk_kernel(
         tl.store(ids_ptr + tok * width + TOP_K, shared_id)
 
 
-@_jit
-def expert_ranks(row, a, offs, l_s1, E, E_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr):
-    """Each expert's place in the order ``_route_topk_kernel`` picks them (by logit, ties to the lower id): the
-    number of experts ahead of it. ``a``: the row's logits at ``offs`` (fp32, ``-inf`` past E); chunks of
-    RANK_CHUNK experts are re-read from ``row`` and compared against all of them at once."""
-    rank = tl.zeros((E_PAD,), dtype=tl.int32)
-    for c in tl.static_range(0, E_PAD, RANK_CHUNK):
-        offs_c = c + tl.arange(0, RANK_CHUNK)
-        b = tl.load(row + offs_c * l_s1, mask=offs_c < E, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-        ahead = (b[None, :] > a[:, None]) | ((b[None, :] == a[:, None]) & (offs_c[None, :] < offs[:, None]))
-        rank += tl.sum((ahead & (offs_c < E)[None, :]).to(tl.int32), axis=1)
-    return rank
-
-
-@_jit
-def routed_expert(logits_ptr, tok, j, l_s0, l_s1, E, ROUTE_K, shared_id, E_PAD: tl.constexpr,
-                  RANK_CHUNK: tl.constexpr):
-    """The expert of slot j of a token, as ``_route_topk_kernel`` writes it: the expert of rank j; slots past
-    the routed top-k hold the shared expert."""
-    offs = tl.arange(0, E_PAD)
-    valid = offs < E
-    row = logits_ptr + tok * l_s0
-    a = tl.load(row + offs * l_s1, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    rank = expert_ranks(row, a, offs, l_s1, E, E_PAD, RANK_CHUNK)
-    routed = tl.min(tl.where(valid & (rank == j), offs, E_PAD), axis=0)
-    return tl.where(j < ROUTE_K, routed, shared_id)
-
-
-@_jit
-def token_routing(logits_ptr, tok, l_s0, l_s1, E, ROUTE_K, shared_id, RENORMALIZE: tl.constexpr,
-                  SHARED: tl.constexpr, K_PAD: tl.constexpr, E_PAD: tl.constexpr, RANK_CHUNK: tl.constexpr):
-    """(ids int32 [K_PAD], weights fp32 [K_PAD]) of a token's slots, as ``_route_topk_kernel`` writes them:
-    softmax over the routed experts, the top-k by rank, renormalised when asked; slot ROUTE_K the shared expert
-    (its id and the sigmoid of its gate logit, the row's column E) with SHARED."""
-    offs = tl.arange(0, E_PAD)
-    valid = offs < E
-    row = logits_ptr + tok * l_s0
-    a = tl.load(row + offs * l_s1, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
-    rank = expert_ranks(row, a, offs, l_s1, E, E_PAD, RANK_CHUNK)
-    peak = tl.max(a, axis=0)
-    p = tl.where(valid, tl.exp(a - peak), 0.0)
-    slots = tl.arange(0, K_PAD)
-    chosen = (rank[None, :] == slots[:, None]) & valid[None, :] & (slots < ROUTE_K)[:, None]  # [K_PAD, E_PAD]
-    ids = tl.sum(tl.where(chosen, offs[None, :], 0), axis=1)
-    weights = tl.sum(tl.where(chosen, p[None, :], 0.0), axis=1) / tl.sum(p, axis=0)
-    if RENORMALIZE:
-        weights = weights / tl.sum(tl.where(slots < ROUTE_K, weights, 0.0), axis=0)
-    if SHARED:
-        gate = tl.load(row + E * l_s1, cache_modifier=".cg").to(tl.float32)
-        ids = tl.where(slots == ROUTE_K, shared_id, ids)
-        weights = tl.where(slots == ROUTE_K, 1.0 / (1.0 + tl.exp(-gate)), weights)
-    return ids, weights
-
-
 def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                       shared_expert_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``route_topk_ref`` except the ids are int32 (and ties go to the lower expert id):
@@ -149,6 +88,6 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
         shared_expert_id if shared else 0, RENORMALIZE=bool(renormalize), SHARED=shared,
         E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
         # one warp keeps the 2k + 2 reductions in shuffles: fastest on an H200 for E 128..512 at T 1..4096
-        num_warps=1 if e <= 512 else 4, TRIGGER_AFTER_WAIT=moe.PREFETCH_EXPERTS, **pdl_launch(router_logits),
+        num_warps=1 if e <= 512 else 4, **pdl_launch(router_logits),
     )
     return weights, ids

@@ -110,7 +110,7 @@ class GatedDeltaNet(nn.Module):
         o = gdn.gated_delta_rule(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log, self.dt_bias,
                                  ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
                                  meta.max_query_len, meta.query_start_loc_host,
-                                 gated_norm=(z, self.norm.weight, self.norm.eps))
+                                 gated_norm=(z, self.norm.weight, self.norm.eps), l2_hint=self.out_proj.weight)
         return self.out_proj(o.view(T, V))
 
 

@@ -12,7 +12,6 @@ from torch import nn
 from kernels import dispatch
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import paged_attention_ref
-from kernels.triton_decode_attention import DecodePrologue, paged_decode_attention_triton
 from kernels.triton_norm import rms_norm_ref
 from kernels.triton_paged_attention import paged_attention_triton
 from pipeline.models.forward_context import ForwardContext
@@ -203,11 +202,6 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-# A decode-only step may norm, rotate and write q/k/v inside the decode attention kernel (``DecodePrologue``), one
-# kernel a layer fewer; off until a same-machine benchmark shows it pays: CONVEYOR_PROLOGUE_IN_ATTENTION=1.
-PROLOGUE_IN_ATTENTION = os.environ.get("CONVEYOR_PROLOGUE_IN_ATTENTION", "0") == "1"
-
-
 class PagedAttention(nn.Module):
     """Fused qkv projection (+bias), optional per-head q/k RMSNorm, rope, KV write, paged attention, o_proj.
 
@@ -276,13 +270,9 @@ class PagedAttention(nn.Module):
             v = qkv[:, qk_end:v_end].view(T, KVH, D)
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
-            if PROLOGUE_IN_ATTENTION and meta.is_decode_only:
-                prologue = DecodePrologue(k, v, *norms, cos, sin, self.is_neox_style, meta.slot_mapping)
-                out = paged_decode_attention_triton(q, kv_cache, meta, self.scale, plan, gate, prologue)
-                return self.o_proj(out.reshape(T, self.q_size))
             dispatch.qkv_prologue(q, k, v, *norms, cos, sin, self.is_neox_style, kv_cache, meta.slot_mapping)
-            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
+            gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
+            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate, self.o_proj.weight)
             return self.o_proj(out.reshape(T, self.q_size))
         rotate = _rotate_ref
         if self.q_norm is None:

@@ -27,11 +27,12 @@ names), but their router keeps the gate row, so every rank's ``route`` gives the
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
-from kernels.moe import RouteHint, fused_moe, fused_moe_routed, route_topk
+from kernels.moe import fused_moe, route_topk
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 
 
@@ -103,6 +104,9 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
         self._loaded: set[str] = set()  # HF name suffixes loaded so far (see missing_weights)
+        # the weight the step streams after this block (the next layer's input projection), set by the model: the
+        # decode kernels may ask L2 for it early (``kernels/triton_compat.py``, L2 hints)
+        self.next_weight: Callable[[], torch.Tensor] | None = None
 
     # ---- forward, in steps ----
     reuses_input = True  # the experts read x after the router projection (see forward_projected)
@@ -121,14 +125,12 @@ class SparseMoeBlock(nn.Module):
         """``route`` from the router's output."""
         return route_topk(logits[:, :self.router_rows], self.top_k, self.norm_topk_prob, self.shared_expert_id)
 
-    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                route_hint: RouteHint | None = None) -> torch.Tensor:
+    def experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
         elsewhere get zeros here), so the full output is the sum of every holder's partial. The folded shared
-        expert is local expert ``num_local_experts`` of the block that holds it. ``route_hint``: the logits the
-        routing came from, when this rank computed it (decode kernels may pick their experts early)."""
+        expert is local expert ``num_local_experts`` of the block that holds it."""
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked,
-                         route_hint)
+                         self.next_weight() if self.next_weight is not None else None)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split
@@ -141,14 +143,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``forward`` given the router's output for x."""
-        logits = logits[:, :self.router_rows]
-        hint = RouteHint(logits, self.top_k, self.shared_expert_id)
-        y = None
-        if self.expert_offset == 0 and self.num_local_experts == self.num_experts:  # one rank: no dispatch
-            y = fused_moe_routed(x, self.w13, self.w2, hint, self.norm_topk_prob)
-        if y is None:
-            topk_weights, topk_ids = route_topk(logits, self.top_k, self.norm_topk_prob, self.shared_expert_id)
-            y = self.combine(self.experts(x, topk_weights, topk_ids, hint))
+        topk_weights, topk_ids = self.route_logits(logits)
+        y = self.combine(self.experts(x, topk_weights, topk_ids))
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y
