@@ -57,7 +57,7 @@ def pdl_launch(t) -> dict[str, bool]:
 # stream (the decode attention for the output projection, the MoE gate/up kernel for its experts' down
 # projections), so HBM works while the chain waits on small dependent reads. A hint changes no result.
 # ``CONVEYOR_L2_HINTS=1`` turns them on (off until a same-machine benchmark shows they pay).
-L2_HINT_LANES = 128
+L2_HINT_LANES = tl.constexpr(128) if tl is not None else 128  # bulk prefetches a program issues (one a thread)
 _L2_HINTS = os.environ.get("CONVEYOR_L2_HINTS", "0") == "1"
 
 
