@@ -37,9 +37,9 @@ LAYERS = {
                                          ("router", 128, 2048, "norm_keep")]),
                       ("head", 1, [("lm_head", 151936, 2048, "head")])],
     "qwen3.5-35b-a3b": [
-        ("gated_deltanet", 36, [("in_proj", 12352, 2048, "norm"), ("out", 2048, 4096, "plain"),
+        ("gated_deltanet", 30, [("in_proj", 12352, 2048, "norm"), ("out", 2048, 4096, "plain"),
                                 ("router", 264, 2048, "norm_keep")]),
-        ("attention", 12, [("qkv_gate", 9216, 2048, "norm"), ("o", 2048, 4096, "plain"),
+        ("attention", 10, [("qkv_gate", 9216, 2048, "norm"), ("o", 2048, 4096, "plain"),
                            ("router", 264, 2048, "norm_keep")]),
         ("head", 1, [("lm_head", 248320, 2048, "head")]),
     ],

@@ -1,31 +1,28 @@
 #!/usr/bin/env bash
 # B1 and the decode-step profile (batch 1/16/64/256, top kernels at batch 1) of both MoE shapes under each launch
 # choice, one machine, one device call: ordinary launches (pdl-off: CONVEYOR_PDL=0), dependent launch (pdl, the
-# default), with L2 weight hints (l2: CONVEYOR_L2_HINTS=1), with the GDN conv inside the delta-rule kernel (conv,
-# Qwen3.5 only: CONVEYOR_CONV_IN_DELTA_RULE=1), both (all); OFF too for pdl-off and pdl. JSON per run under $OUT.
-#   . bench/device_setup.sh && VARIANTS="pdl l2" bash bench/launch_ab.sh <commit> [shape ...]
+# default, and OFF for both), or any option given as NAME=VALUE[,NAME=VALUE] (an environment a run starts with).
+# JSON per run under $OUT.
+#   . bench/device_setup.sh && VARIANTS="pdl CONVEYOR_NORM_IN_PROJECTION=0" bash bench/launch_ab.sh <commit> [shape ...]
 set -u
 commit=${1:?commit}
 shift
 shapes=${*:-qwen3-30b-a3b qwen3.5-35b-a3b}
-skip="correctness graphs verify kernels serve peer moe"  # OFF too: a batch's steps must not lose to PDL
+variants=${VARIANTS:-pdl-off pdl}
+skip="correctness graphs verify kernels serve peer moe"  # "off" joins it for an option
 for shape in $shapes; do
-  for variant in ${VARIANTS:-pdl-off pdl l2}; do
+  for variant in $variants; do
     case $variant in
-      pdl-off) flags=(CONVEYOR_PDL=0) ;;
-      pdl) flags=() ;;
-      l2) flags=(CONVEYOR_L2_HINTS=1) ;;
-      conv) flags=(CONVEYOR_CONV_IN_DELTA_RULE=1) ;;
-      all) flags=(CONVEYOR_L2_HINTS=1 CONVEYOR_CONV_IN_DELTA_RULE=1) ;;
+      pdl-off) flags=(CONVEYOR_PDL=0); off="" ;;  # OFF too: a batch's steps must not lose to dependent launch
+      pdl) flags=(); off="" ;;
+      *=*) IFS=, read -r -a flags <<< "$variant"; off="off" ;;  # an option: B1 and the steps only
+      *) echo "unknown variant $variant"; exit 2 ;;
     esac
-    off=""
-    case $variant in pdl-off|pdl) ;; *) off="off" ;; esac  # OFF for the launch A/B, not for each option
-    if [ "$variant" = conv ] && [ "$shape" != qwen3.5-35b-a3b ]; then continue; fi  # no Gated DeltaNet there
     env "${flags[@]}" python3 bench/gpu.py --shape "$shape" --skip $skip $off --commit "$commit" \
       --out "${OUT:-/tmp}/launch-ab-$shape-$variant.json" 2>&1 | tail -1
   done
 done
-python3 - "${OUT:-/tmp}" "${VARIANTS:-pdl-off pdl l2}" $shapes <<'PY'
+python3 - "${OUT:-/tmp}" "$variants" $shapes <<'PY'
 import json, os, sys
 out, variants, shapes = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 for shape in shapes:

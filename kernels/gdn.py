@@ -204,20 +204,17 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
                      A_log: torch.Tensor, dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor,
                      query_start_loc: torch.Tensor, has_initial_state: torch.Tensor, max_query_len: int,
                      query_start_loc_host: list[int] | None = None,
-                     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
-                     l2_hint: torch.Tensor | None = None) -> torch.Tensor:
+                     gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> torch.Tensor:
     """``gated_delta_rule_varlen_ref`` (q/k l2-normalised) on the raw gate inputs. On the GPU both kernels compute
     the gates themselves (no torch op before them): steps whose rows hold at most RECURRENT_MAX_QUERY tokens take
     the token-by-token kernel (CUDA-graph capturable: it reads the row bounds on the device); longer prompt chunks
     take the chunked kernels, which size their grids from the host copy. ``gated_norm`` ``(z [T, HV, Dv], weight,
-    eps)``: o is ``rms_norm_gated`` per value head, inside the token-by-token kernel (one launch, not two).
-    ``l2_hint``: a weight the token-by-token kernel asks L2 for (the output projection, read next)."""
+    eps)``: o is ``rms_norm_gated`` per value head, inside the token-by-token kernel (one launch, not two)."""
     if dispatch.use_triton(q.device) and (max_query_len <= RECURRENT_MAX_QUERY or query_start_loc_host is None):
         from kernels.triton_gdn import gated_delta_rule_recurrent_triton
 
         return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
-                                                 query_start_loc, has_initial_state, gated_norm=gated_norm,
-                                                 l2_hint=l2_hint)
+                                                 query_start_loc, has_initial_state, gated_norm=gated_norm)
     if dispatch.use_triton(q.device):
         from kernels.triton_gdn import gated_delta_rule_chunked_triton
 
@@ -232,35 +229,6 @@ def gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch
     T, HV, Dv = o.shape
     return rms_norm_gated(o.reshape(T * HV, Dv), z.reshape(T * HV, Dv), weight, eps).view(T, HV, Dv)
 
-
-
-def decode_conv_and_gated_delta_rule(x: torch.Tensor, conv_weight: torch.Tensor, conv_states: torch.Tensor,
-                                     num_k_heads: int, head_k_dim: int, num_v_heads: int, head_v_dim: int,
-                                     a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                                     ssm_states: torch.Tensor, state_slots: torch.Tensor,
-                                     query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
-                                     gated_norm: tuple[torch.Tensor, torch.Tensor, float]) -> torch.Tensor:
-    """A decode step (one token a row) of ``causal_conv1d_varlen`` over the projection's conv channels ``x`` [T, C]
-    then ``gated_delta_rule`` with its gated norm, in one kernel on the GPU (the recurrent kernel's ``conv``),
-    the two references elsewhere."""
-    T = x.shape[0]
-    kd = num_k_heads * head_k_dim
-    if dispatch.use_triton(x.device):
-        from kernels.triton_gdn import gated_delta_rule_recurrent_triton
-
-        q = x[:, :kd].unflatten(1, (num_k_heads, head_k_dim))
-        k = x[:, kd:2 * kd].unflatten(1, (num_k_heads, head_k_dim))
-        v = x[:, 2 * kd:].unflatten(1, (num_v_heads, head_v_dim))
-        return gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
-                                                 query_start_loc, has_initial_state, gated_norm=gated_norm,
-                                                 conv=(x, conv_weight, conv_states))
-    mixed = causal_conv1d_varlen_ref(x, conv_weight, None, conv_states, state_slots, query_start_loc,
-                                     has_initial_state)
-    q = mixed[:, :kd].view(T, num_k_heads, head_k_dim)
-    k = mixed[:, kd:2 * kd].view(T, num_k_heads, head_k_dim)
-    v = mixed[:, 2 * kd:].view(T, num_v_heads, head_v_dim)
-    return gated_delta_rule(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots, query_start_loc,
-                            has_initial_state, 1, gated_norm=gated_norm)
 
 def rms_norm_gated(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if dispatch.use_triton(x.device):

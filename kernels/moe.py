@@ -172,20 +172,18 @@ DECODE_SLOTS = 128  # fused_moe takes the grouping-free decode kernels up to thi
 
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_offset: int = 0, num_local_experts: int | None = None, l2_hint: torch.Tensor | None = None,
+    expert_offset: int = 0, num_local_experts: int | None = None,
 ) -> torch.Tensor:
     """The MoE expert compute: Triton kernels where ``dispatch.use_triton(x.device)`` (the GEMV-like decode kernels
     of ``kernels/triton_moe_decode.py`` when ``T * k <= DECODE_SLOTS``, else the grouped GEMMs of
-    ``kernels/triton_moe.py``), else ``fused_moe_ref``. ``l2_hint``: a weight the step reads next, which the decode
-    kernels ask L2 for when L2 hints are on (``kernels/triton_compat.py``)."""
+    ``kernels/triton_moe.py``), else ``fused_moe_ref``."""
     from kernels.dispatch import use_triton
 
     if use_triton(x.device):
         if topk_ids.numel() <= DECODE_SLOTS:
             from kernels.triton_moe_decode import fused_moe_decode_triton
 
-            return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts,
-                                           l2_hint=l2_hint)
+            return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)

@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import (L2_HINT_LANES, gdc_launch_dependents, gdc_wait, hint_span, l2_hints, pdl_launch,
-                                   prefetch_l2)
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
@@ -41,12 +40,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    hint_ptr=None, hint_bytes=0, L2_HINT: tl.constexpr = False,
 ):
-    if L2_HINT:  # a weight the step reads next (the output projection) asked into L2 while attention waits on reads
-        part = (tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)) * tl.num_programs(2) + tl.program_id(2)
-        prefetch_l2(hint_ptr, hint_bytes, part, tl.num_programs(0) * tl.num_programs(1) * tl.num_programs(2),
-                    L2_HINT_LANES)
     if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
         gdc_launch_dependents()
         gdc_wait()
@@ -127,11 +121,9 @@ def paged_decode_attention_triton(
     scale: float,
     plan: TritonAttentionPlan | None = None,
     gate: torch.Tensor | None = None,  # [B, H, D], last dim contiguous
-    l2_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Decode-only batch, split-KV (flash-decoding) with a reduce kernel when there is more than one split.
-    ``gate``: the output is ``out * sigmoid(gate)`` (``output_gate``), applied where the output is stored.
-    ``l2_hint``: a weight the split kernel asks L2 for when L2 hints are on (``kernels/triton_compat.py``)."""
+    ``gate``: the output is ``out * sigmoid(gate)`` (``output_gate``), applied where the output is stored."""
     query, kvh, group, d = check_query(query, kv_cache_layer)
     if gate is not None and (gate.shape != query.shape or gate.stride(-1) != 1):
         raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
@@ -147,15 +139,13 @@ def paged_decode_attention_triton(
     fp32, precision = dtype_choices(kv_cache_layer)
     k, v = kv_cache_layer[0], kv_cache_layer[1]
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
-    hint_ptr, hint_bytes = hint_span(l2_hint if l2_hints(query) else None, query)
-    hint = dict(hint_ptr=hint_ptr, hint_bytes=hint_bytes, L2_HINT=True) if hint_bytes else {}
     _decode_split_kernel[(B, kvh, splits)](
         query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, g, scale * LOG2E, splits,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), *g_strides,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2, **hint, **pdl_launch(query),
+        num_stages=2, **pdl_launch(query),
     )
     if not direct:
         _decode_reduce_kernel[(B, H)](

@@ -25,8 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.moe import check_kernel_inputs
-from kernels.triton_compat import (L2_HINT_LANES, gdc_launch_dependents, gdc_wait, hint_span, l2_hints, pdl_launch,
-                                   prefetch_l2)
+from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -67,12 +66,10 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int]
 @_jit
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
-    TOP_K, H, I, x_s0, expert_offset, n_local, w2_ptr, w2_expert_bytes,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, L2_HINT: tl.constexpr = False,
+    TOP_K, H, I, x_s0, expert_offset, n_local,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
-    L2_HINT: the programs of a slot first ask L2 for its expert's down projection (``prefetch_l2``), which the
-    down kernel reads next."""
+    """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns."""
     if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
         gdc_launch_dependents()
         gdc_wait()
@@ -83,8 +80,6 @@ def _decode_gate_up_kernel(
     n_mask = offs_n < I
     h_ptrs = h_ptr + slot.to(tl.int64) * I + offs_n
     if (e >= 0) & (e < n_local):
-        if L2_HINT:
-            prefetch_l2(w2_ptr + e * H * I, w2_expert_bytes, pid_n, tl.num_programs(1), L2_HINT_LANES)
         tok = (slot // TOP_K).to(tl.int64)
         rows = tl.minimum(offs_n, I - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
         offs_k = tl.arange(0, BLOCK_K)
@@ -117,17 +112,12 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
-    hint_ptr, hint_bytes,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    L2_HINT: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
     [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
-    flight; the sum over experts happens once, in a fixed order (deterministic). L2_HINT: before the wait, the
-    programs ask L2 for ``hint_bytes`` at ``hint_ptr`` (the next layer's input projection)."""
-    if L2_HINT:
-        prefetch_l2(hint_ptr, hint_bytes, tl.program_id(1), tl.num_programs(1), L2_HINT_LANES)
+    flight; the sum over experts happens once, in a fixed order (deterministic)."""
     if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
         gdc_launch_dependents()
         gdc_wait()
@@ -167,13 +157,10 @@ def fused_moe_decode_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_offset: int = 0, num_local_experts: int | None = None, *,
     gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
-    l2_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.moe.fused_moe_ref``; meant for small ``T * k`` (decode). ``gate_up_config``
     ``(BLOCK_N over I, BLOCK_K over H, num_warps)`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
-    num_warps)`` override the table (``decode_config``; powers of two). With L2 hints on (``l2_hints``), the gate/up
-    kernel asks L2 for the routed experts' down projections and the down kernel for ``l2_hint`` (a weight the
-    step reads next)."""
+    num_warps)`` override the table (``decode_config``; powers of two)."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
@@ -187,15 +174,12 @@ def fused_moe_decode_triton(
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
     pdl = pdl_launch(x)
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
-    hints = l2_hints(x)
-    hint_ptr, hint_bytes = hint_span(l2_hint if hints else None, x)
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
-        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local, w2, h * inter * w2.element_size(),
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, L2_HINT=hints, **pdl,
+        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **pdl,
     )
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
-        act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local, hint_ptr, hint_bytes,
-        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2,
-        L2_HINT=hint_bytes > 0, **pdl,
+        act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, **pdl,
     )
     return y

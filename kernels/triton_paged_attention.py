@@ -226,14 +226,12 @@ def paged_attention_triton(
     scale: float,
     plan: TritonAttentionPlan | None = None,
     gate: torch.Tensor | None = None,  # [T, H, D]: Qwen3-Next's output gate
-    l2_hint: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [T, H, D]
     """Attention over the paged cache; with ``gate``, ``out * sigmoid(gate)`` rounded as torch does (fused into
-    the decode kernels' stores; after the prefill kernel, in torch). ``l2_hint``: a weight the decode kernel asks
-    L2 for (the output projection, read next) when L2 hints are on (``kernels/triton_compat.py``)."""
+    the decode kernels' stores; after the prefill kernel, in torch)."""
     if meta.is_decode_only:
         from kernels.triton_decode_attention import paged_decode_attention_triton  # that module builds on this one
 
-        return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan, gate, l2_hint)
+        return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan, gate)
     out = paged_prefill_attention_triton(query, kv_cache_layer, meta, scale, plan)
     return out if gate is None else out * torch.sigmoid(gate)

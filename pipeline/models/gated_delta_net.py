@@ -4,9 +4,8 @@ One fused input projection gives ``[qkv | z | b | a]`` (qkv: the conv channels, 
 of the value heads; z: the output gate; b, a: the per-value-head beta and decay inputs). The qkv channels run
 through a causal depthwise conv (its last K-1 inputs kept per sequence), q and k are l2-normalised in the kernel,
 and the delta rule advances an fp32 state [HV, Dk, Dv] per sequence; the output is normed per value head,
-gated by silu(z), and projected back. On a decode step the norm runs inside the delta-rule kernel. The conv
-window and the state live in two per-layer tensors indexed by each row's state slot (``ctx.state_slots``); the
-model's ``cache_specs`` declares them.
+gated by silu(z), and projected back. On a decode step the norm runs inside the delta-rule kernel. The conv window and the state live in two per-layer tensors indexed by
+each row's state slot (``ctx.state_slots``); the model's ``cache_specs`` declares them.
 
 Both HF layouts load into the one projection: Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
 ``in_proj_a``, and Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, whose rows are grouped per key head
@@ -14,19 +13,12 @@ Both HF layouts load into the one projection: Qwen3.5's ``in_proj_qkv`` / ``in_p
 """
 from __future__ import annotations
 
-import os
-
 import torch
 from torch import nn
 
-from kernels import dispatch, gdn
+from kernels import gdn
 from pipeline.models.forward_context import ForwardContext, StateSlotSpec
 from pipeline.models.layers import Linear, MergedLinear
-
-
-# A decode step may run the causal conv inside the delta-rule kernel (``gdn.decode_conv_and_gated_delta_rule``),
-# one kernel a layer fewer; off until a same-machine benchmark shows it pays: CONVEYOR_CONV_IN_DELTA_RULE=1.
-CONV_IN_DELTA_RULE = os.environ.get("CONVEYOR_CONV_IN_DELTA_RULE", "0") == "1"
 
 
 class _ConvWeight(nn.Module):
@@ -92,14 +84,6 @@ class GatedDeltaNet(nn.Module):
         T = proj.shape[0]
         C, V, HV = self.conv_dim, self.value_dim, self.num_v_heads
         conv_states, ssm_states = ctx.caches[self.state_index], ctx.caches[self.state_index + 1]
-        z = proj[:, C:C + V].view(T, HV, self.head_v_dim)
-        if CONV_IN_DELTA_RULE and meta.max_query_len == 1 and dispatch.use_triton(proj.device):
-            o = gdn.decode_conv_and_gated_delta_rule(
-                proj[:, :C], self.conv1d.weight.view(C, self.conv_kernel_size), conv_states, self.num_k_heads,
-                self.head_k_dim, HV, self.head_v_dim, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log,
-                self.dt_bias, ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
-                gated_norm=(z, self.norm.weight, self.norm.eps))
-            return self.out_proj(o.view(T, V))
         mixed = gdn.causal_conv1d_varlen(proj[:, :C], self.conv1d.weight.view(C, self.conv_kernel_size), None,
                                          conv_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
                                          meta.max_query_len)
@@ -107,10 +91,11 @@ class GatedDeltaNet(nn.Module):
         q = mixed[:, :kd].view(T, self.num_k_heads, self.head_k_dim)
         k = mixed[:, kd:2 * kd].view(T, self.num_k_heads, self.head_k_dim)
         v = mixed[:, 2 * kd:].view(T, HV, self.head_v_dim)
+        z = proj[:, C:C + V].view(T, HV, self.head_v_dim)
         o = gdn.gated_delta_rule(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log, self.dt_bias,
                                  ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
                                  meta.max_query_len, meta.query_start_loc_host,
-                                 gated_norm=(z, self.norm.weight, self.norm.eps), l2_hint=self.out_proj.weight)
+                                 gated_norm=(z, self.norm.weight, self.norm.eps))
         return self.out_proj(o.view(T, V))
 
 

@@ -272,7 +272,7 @@ class PagedAttention(nn.Module):
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             dispatch.qkv_prologue(q, k, v, *norms, cos, sin, self.is_neox_style, kv_cache, meta.slot_mapping)
             gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
-            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate, self.o_proj.weight)
+            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
             return self.o_proj(out.reshape(T, self.q_size))
         rotate = _rotate_ref
         if self.q_norm is None:

@@ -77,10 +77,6 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList([layer_cls(arch, i, dtype, device) for i in range(arch.num_layers)])
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps, dtype, device, arch.zero_centered_norm)
         self.rotary_emb = RotaryEmbedding.from_arch(arch, dtype=dtype, device=device)
-        for layer, following in zip(self.layers, list(self.layers)[1:]):
-            if hasattr(layer.mlp, "next_weight"):  # a sparse block may ask L2 for what the next layer reads first
-                mixer = getattr(following, "linear_attn", None) or following.self_attn
-                layer.mlp.next_weight = lambda mixer=mixer: mixer.input_proj.weight
 
 
 # HF name pieces fused into one parameter: suffix -> (fused suffix, shard index)

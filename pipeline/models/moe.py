@@ -27,7 +27,6 @@ names), but their router keeps the gate row, so every rank's ``route`` gives the
 from __future__ import annotations
 
 import re
-from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -104,9 +103,6 @@ class SparseMoeBlock(nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
         self._loaded: set[str] = set()  # HF name suffixes loaded so far (see missing_weights)
-        # the weight the step streams after this block (the next layer's input projection), set by the model: the
-        # decode kernels may ask L2 for it early (``kernels/triton_compat.py``, L2 hints)
-        self.next_weight: Callable[[], torch.Tensor] | None = None
 
     # ---- forward, in steps ----
     reuses_input = True  # the experts read x after the router projection (see forward_projected)
@@ -129,8 +125,7 @@ class SparseMoeBlock(nn.Module):
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
         elsewhere get zeros here), so the full output is the sum of every holder's partial. The folded shared
         expert is local expert ``num_local_experts`` of the block that holds it."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked,
-                         self.next_weight() if self.next_weight is not None else None)
+        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split

@@ -128,7 +128,7 @@ def test_fused_moe_dispatch_by_slot_count(monkeypatch, t, expected):
     calls = []
     monkeypatch.setattr(kernels.dispatch, "use_triton", lambda device: True)
     monkeypatch.setattr(kernels.triton_moe_decode, "fused_moe_decode_triton",
-                        lambda *a, **kw: calls.append("decode") or fused_moe_ref(*a))
+                        lambda *a: calls.append("decode") or fused_moe_ref(*a))
     monkeypatch.setattr(kernels.triton_moe, "fused_moe_triton", lambda *a: calls.append("grouped") or fused_moe_ref(*a))
     x = randn(t, H, seed=10)
     w13, w2 = weights()

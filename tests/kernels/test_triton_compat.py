@@ -16,46 +16,15 @@ def test_pdl_is_off_on_the_cpu_and_under_the_interpreter():
         assert triton_compat.pdl_launch(torch.zeros(1, device="cuda")) == {}
 
 
-def test_l2_hints_are_off_on_the_cpu_and_span_at_most_the_cap():
-    weight = torch.zeros(64, 8, dtype=torch.bfloat16)
-    assert not triton_compat.l2_hints(weight)
-    assert triton_compat.hint_span(None, weight) == (weight, 0)
-    assert triton_compat.hint_span(weight, None) == (weight, 64 * 8 * 2)
-    big = torch.empty(triton_compat.L2_HINT_MAX_BYTES + 64, dtype=torch.uint8)
-    assert triton_compat.hint_span(big, None)[1] == triton_compat.L2_HINT_MAX_BYTES
-    assert triton_compat.hint_span(torch.empty(23, dtype=torch.uint8), None)[1] == 16  # whole 16-byte units
-    with pytest.raises(ValueError, match="contiguous"):
-        triton_compat.hint_span(weight.t(), None)
-
-
-def test_a_sparse_block_hints_the_next_layers_input_projection():
-    from pipeline.models.registry import build_model
-    from tests.model_utils import arch_of, make_tiny_hf_model
-
-    for model_type in ("qwen3_moe", "qwen3_5_moe_text"):
-        hf = make_tiny_hf_model(model_type)
-        layers = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.float32, prepack=False).model.layers
-        for layer, following in zip(layers, list(layers)[1:]):
-            mixer = getattr(following, "linear_attn", None) or following.self_attn
-            assert layer.mlp.next_weight() is mixer.input_proj.weight
-        assert layers[-1].mlp.next_weight is None
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-@pytest.mark.parametrize("early", ["none", "conv", "l2"])
-def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(model_type, early, monkeypatch):
-    """``early``: also the GDN conv inside the delta-rule kernel (``gated_delta_net.CONV_IN_DELTA_RULE``), or the L2
-    weight hints (``triton_compat.l2_hints``)."""
-    from pipeline.models import gated_delta_net
+def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(model_type, monkeypatch):
     from pipeline.runner.model_runner import ModelRunner
     from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
     from tests.model_utils import SMOLLM2_VOCAB, conveyor_from_hf, make_tiny_hf_model
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("dependent launch needs Hopper or later")
-    monkeypatch.setattr(gated_delta_net, "CONV_IN_DELTA_RULE", early == "conv")
-    monkeypatch.setattr(triton_compat, "_L2_HINTS", early == "l2")
     device = torch.device("cuda")
 
     def decode_logits(pdl: bool, replays: int) -> list[torch.Tensor]:

@@ -154,57 +154,6 @@ def test_recurrent_with_gated_norm_equals_kernel_then_norm(dtype, w_dtype, dv):
         run(gated_delta_rule_recurrent_triton, inputs, slots, qsl, init, gated_norm=(z, weight[:-1], 1e-6))
 
 
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hk,hv", [(2, 4), (2, 2), (1, 4)])
-def test_recurrent_with_the_conv_inside_equals_conv_then_recurrent(dtype, hk, hv):
-    """``conv`` in the recurrent kernel (decode rows, a fresh row among them): the conv reference, then the kernel
-    with the gated norm, give the same output, the same states and the same conv windows; the key heads' shared
-    q/k windows are written once, by their last reader, whose ticket is back to zero afterwards."""
-    from kernels.triton_gdn import _TICKETS, gated_delta_rule_recurrent_triton
-
-    lens = [1, 1, 1]
-    slots, qsl, init = batch(lens, 6, seed=11, init=[True, False, True])
-    T, dk, dv, K = 3, 16, 32, 4
-    C = 2 * hk * dk + hv * dv
-    inputs = gdn_inputs(T, hk, hv, dk, dv, dtype, seed=12, num_slots=6, fused=True)
-    gen = torch.Generator().manual_seed(13)
-    proj = torch.randn(T, C + 5, generator=gen).to(device=DEVICE, dtype=dtype)
-    x = proj[:, :C]  # the projection's conv channels: row-strided
-    weight = (torch.randn(C, K, generator=gen) * 0.5).to(device=DEVICE, dtype=dtype)
-    conv_states = torch.randn(6, C, K - 1, generator=gen).to(device=DEVICE, dtype=dtype)
-    z = torch.randn(T, hv, dv, generator=gen).to(device=DEVICE, dtype=dtype)
-    norm_w = (torch.rand(dv, generator=gen) + 0.5).to(device=DEVICE, dtype=dtype)
-
-    ref_conv_states = conv_states.clone()
-    conv_states_before = conv_states.clone()
-    mixed = causal_conv1d_varlen_ref(x, weight, None, ref_conv_states, slots, qsl, init)
-    ref_inputs = dict(inputs, q=mixed[:, :hk * dk].unflatten(1, (hk, dk)),
-                      k=mixed[:, hk * dk:2 * hk * dk].unflatten(1, (hk, dk)),
-                      v=mixed[:, 2 * hk * dk:].unflatten(1, (hv, dv)))
-    ref_o, ref_states = run(gated_delta_rule_recurrent_triton, ref_inputs, slots, qsl, init,
-                            gated_norm=(z, norm_w, 1e-6))
-    raw = dict(inputs, q=x[:, :hk * dk].unflatten(1, (hk, dk)), k=x[:, hk * dk:2 * hk * dk].unflatten(1, (hk, dk)),
-               v=x[:, 2 * hk * dk:].unflatten(1, (hv, dv)))
-    o, states = run(gated_delta_rule_recurrent_triton, raw, slots, qsl, init, gated_norm=(z, norm_w, 1e-6),
-                    conv=(x, weight, conv_states))
-    torch.testing.assert_close(o, ref_o, **tol(dtype))
-    torch.testing.assert_close(states, ref_states, **state_tol(dtype))
-    assert torch.equal(conv_states, ref_conv_states)
-    assert not _TICKETS[torch.device(DEVICE)][-1].any()
-    if DEVICE == "cpu":  # the entry point's reference branch (no Triton on CPU tensors) agrees
-        from kernels.gdn import decode_conv_and_gated_delta_rule
-
-        ref_states2, ref_conv2 = inputs["ssm_states"].clone(), ref_conv_states.clone()
-        ref_conv2.copy_(conv_states_before)
-        o2 = decode_conv_and_gated_delta_rule(x, weight, ref_conv2, hk, dk, hv, dv, inputs["a"], inputs["b"],
-                                              inputs["A_log"], inputs["dt_bias"], ref_states2, slots, qsl, init,
-                                              gated_norm=(z, norm_w, 1e-6))
-        torch.testing.assert_close(o2, ref_o, **tol(dtype))
-        assert torch.equal(ref_conv2, ref_conv_states)
-    with pytest.raises(ValueError, match="fused conv"):
-        run(gated_delta_rule_recurrent_triton, raw, slots, qsl, init, conv=(x, weight, conv_states))
-
 @pytest.mark.parametrize("n", [1, 2, 3, 8])
 def test_decode_batch_equals_each_sequence_alone(n):
     """Decode (one token a sequence): conv + recurrent on the batch equal, bit for bit, the same kernels on each

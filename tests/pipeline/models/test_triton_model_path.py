@@ -38,32 +38,6 @@ def test_triton_path_equals_torch_path(model_type, monkeypatch):
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-def test_conv_inside_the_delta_rule_kernel_equals_torch_path(monkeypatch):
-    """``gated_delta_net.CONV_IN_DELTA_RULE``: decode steps run the causal conv inside the delta-rule kernel; the
-    same tokens and logits as the torch path (fp32), prefill chunks still through the conv kernel."""
-    if not dispatch.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs triton under the interpreter (the model runs on CPU tensors)")
-    from kernels import gdn
-    from pipeline.models import gated_delta_net
-
-    hf = make_tiny_hf_model("qwen3_5_moe_text")
-    model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.float32, prepack=False)
-    prompts = [list(range(100, 109)), list(range(300, 304))]
-    torch_run = run_paged(model, prompts, max_new_tokens=3, chunks=2)
-    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
-    monkeypatch.setattr(gated_delta_net, "CONV_IN_DELTA_RULE", True)
-    fused_rows = []
-    fused = gdn.decode_conv_and_gated_delta_rule
-    monkeypatch.setattr(gdn, "decode_conv_and_gated_delta_rule", lambda x, *a, **kw: fused_rows.append(x.shape[0])
-                        or fused(x, *a, **kw))
-    triton_run = run_paged(model, prompts, max_new_tokens=3, chunks=2)
-    assert triton_run.generated == torch_run.generated
-    assert fused_rows  # the decode steps took it
-    for ours_seq, ref_seq in zip(triton_run.decode_logits, torch_run.decode_logits):
-        for ours, ref in zip(ours_seq, ref_seq):
-            torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
-
-
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_5_moe_text"])
 def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, monkeypatch):
     """bf16, one sequence: every decode step runs each layer's two residual-add norms inside the projection that
