@@ -8,8 +8,8 @@ the one before's output, one weight set per layer (past L2), replayed from one C
 ``gemv_norm_config`` choose under programmatic dependent launch, measured in the chain the choice is for. Variants:
 
 * ``plain``: no dependent launch, the tiles chosen without it;
-* ``pdl_whole_rows``: the default under PDL (a program's whole rows of W loaded before it waits);
-* ``pdl_tiles_first``: PDL with the tiles chosen without it, the first tile loaded before the wait;
+* ``pdl_whole_rows``: PDL with ``CONVEYOR_GEMV_WHOLE_ROWS=1`` (a program's whole rows of W loaded before it waits);
+* ``pdl_tiles_first``: the default under PDL: the tiles chosen without it, the first tile loaded before the wait;
 * ``pdl_tiles``: PDL with those tiles, nothing loaded before the wait;
 * ``pdl_whole_rows_half``: whole rows, half as many a program (twice the programs, half the registers);
 * ``pdl_whole_rows_8warps``: whole rows over 8 warps (half the registers a thread, more programs resident).
@@ -91,9 +91,10 @@ def chain(calls, variant: str, x0: torch.Tensor, r0: torch.Tensor) -> torch.Tens
 
 
 def run_variant(calls, variant: str, x0: torch.Tensor, r0: torch.Tensor) -> tuple[float, torch.Tensor]:
-    pdl_on = tg.pdl_launch
+    pdl_on, whole_rows = tg.pdl_launch, tg.WHOLE_ROWS
     if variant == "plain":
         tg.pdl_launch = lambda t: {}
+    tg.WHOLE_ROWS = variant.startswith("pdl_whole_rows")
     try:
         chain(calls, variant, x0, r0)
         torch.cuda.synchronize()
@@ -102,7 +103,7 @@ def run_variant(calls, variant: str, x0: torch.Tensor, r0: torch.Tensor) -> tupl
             out = chain(calls, variant, x0, r0)
         return cuda_time_ms(graph.replay, iters=7, warmup=1), out.clone()
     finally:
-        tg.pdl_launch = pdl_on
+        tg.pdl_launch, tg.WHOLE_ROWS = pdl_on, whole_rows
 
 
 def main() -> None:

@@ -10,6 +10,7 @@ shift
 shapes=${*:-qwen3-30b-a3b qwen3.5-35b-a3b}
 variants=${VARIANTS:-pdl-off pdl}
 skip="correctness graphs verify kernels serve peer moe"  # "off" joins it for an option
+name() { echo "$1" | tr '=,' '-_'; }  # a file name the device copy brings back (no '=')
 for shape in $shapes; do
   for variant in $variants; do
     case $variant in
@@ -19,7 +20,7 @@ for shape in $shapes; do
       *) echo "unknown variant $variant"; exit 2 ;;
     esac
     env "${flags[@]}" python3 bench/gpu.py --shape "$shape" --skip $skip $off --commit "$commit" \
-      --out "${OUT:-/tmp}/launch-ab-$shape-$variant.json" 2>&1 | tail -1
+      --out "${OUT:-/tmp}/launch-ab-$shape-$(name "$variant").json" 2>&1 | tail -1
   done
 done
 python3 - "${OUT:-/tmp}" "$variants" $shapes <<'PY'
@@ -27,7 +28,7 @@ import json, os, sys
 out, variants, shapes = sys.argv[1], sys.argv[2].split(), sys.argv[3:]
 for shape in shapes:
     for variant in variants:
-        path = os.path.join(out, f"launch-ab-{shape}-{variant}.json")
+        path = os.path.join(out, f"launch-ab-{shape}-{variant.replace('=', '-').replace(',', '_')}.json")
         if not os.path.exists(path):
             print(shape, variant, "missing")
             continue

@@ -13,6 +13,7 @@ parameters come from a small deterministic heuristic, not triton.autotune, so ca
 from __future__ import annotations
 
 import functools
+import os
 from dataclasses import dataclass
 
 import torch
@@ -180,12 +181,15 @@ def _num_sms(device_index: int) -> int:
 
 
 WHOLE_ROWS_BYTES = 32768  # PDL, M = 1: a program's rows of W up to this size are one tile, loaded before the wait
+# Whole-row tiles under PDL: an H100 chain probe favoured them, the H200 did not (B1 on Qwen3-30B-A3B 362.6 tok/s
+# with them, 381.1 with the plain tiles and their first tile loaded early); CONVEYOR_GEMV_WHOLE_ROWS=1 turns them on.
+WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_WHOLE_ROWS", "0") == "1"
 
 
 def _whole_rows_tile(m: int, k: int, dtype: torch.dtype) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) of whole rows of W for M = 1 under PDL, or None when a row is too long."""
+    """(BLOCK_N, BLOCK_K) of whole rows of W for M = 1 under PDL, or None (``WHOLE_ROWS`` off, a row too long)."""
     row_bytes = triton.next_power_of_2(k) * dtype.itemsize
-    if m != 1 or row_bytes > WHOLE_ROWS_BYTES:
+    if m != 1 or row_bytes > WHOLE_ROWS_BYTES or not WHOLE_ROWS:
         return None
     return min(8, WHOLE_ROWS_BYTES // row_bytes), triton.next_power_of_2(k)
 
@@ -195,9 +199,10 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132,
     """Launch parameters from the shape alone (deterministic); the defaults won an H100 sweep over the Qwen3-8B
     shapes. M = 1: CUDA-core FMAs on [2, 2 KiB] tiles (many small programs). M >= 2 (16-bit): tl.dot on
     [64, 512 B] W tiles, 4 pipeline stages. fp32 stays on FMAs (an exact fp32 tl.dot was 3-5x slower).
-    With PDL at M = 1, a program takes whole rows of W (up to 8 rows, ``WHOLE_ROWS_BYTES``) in one tile, so all its
-    weight bytes are in flight before it waits for the kernel before (H100: a chain of decode projections 19%
-    faster than [8, 1 KiB] tiles without PDL)."""
+    With PDL the kernel loads its first W tile before it waits for the kernel before. With ``WHOLE_ROWS`` as well,
+    at M = 1 a program takes whole rows of W (up to 8 rows, ``WHOLE_ROWS_BYTES``) in one tile, so all its weight
+    bytes are in flight before the wait (H100: a projection chain 12% faster; H200: 12% slower,
+    results/gemv-chain-h200-925c66b.json)."""
     use_dot = dtype != torch.float32 and m > 1 if use_dot is None else use_dot
     if use_dot:
         block_m, block_n, block_k, stages = 16, 64, 512 // dtype.itemsize, 4  # 4 x 40 KiB of shared memory

@@ -202,11 +202,17 @@ def test_gemv_norm_prefetched_first_tile(residual, block_k):
     close(out.residual, ref.residual)
 
 
-def test_gemv_pdl_config_takes_whole_rows_at_one_row():
-    """Under PDL a single-row GEMV takes whole rows of W in one tile (up to 32 KiB: 8 rows of 2,048 bf16, 4 of
-    4,096), so every weight byte of a program is in flight before it waits; longer rows and M > 1 keep the tiles."""
+def test_gemv_pdl_config_takes_whole_rows_at_one_row_when_asked(monkeypatch):
+    """By default PDL keeps the tiles. With ``WHOLE_ROWS``, a single-row GEMV under PDL takes whole rows of W in one
+    tile (up to 32 KiB: 8 rows of 2,048 bf16, 4 of 4,096), so every weight byte of a program is in flight before it
+    waits; longer rows and M > 1 keep the tiles."""
+    from kernels import triton_gemv
     from kernels.triton_gemv import gemv_norm_config
 
+    assert gemv_config(1, 5120, 2048, torch.bfloat16, pdl=True) == gemv_config(1, 5120, 2048, torch.bfloat16)
+    assert (gemv_norm_config(1, 5120, 2048, torch.bfloat16, pdl=True)
+            == gemv_norm_config(1, 5120, 2048, torch.bfloat16))
+    monkeypatch.setattr(triton_gemv, "WHOLE_ROWS", True)
     cfg = gemv_config(1, 5120, 2048, torch.bfloat16, pdl=True)
     assert (cfg["block_n"], cfg["block_k"], cfg["split_k"]) == (8, 2048, 1)
     assert (gemv_config(1, 2048, 4096, torch.bfloat16, pdl=True)["block_n"],
