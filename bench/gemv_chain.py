@@ -14,6 +14,10 @@ the one before's output, one weight set per layer (past L2), replayed from one C
 * ``pdl_whole_rows_half``: whole rows, half as many a program (twice the programs, half the registers);
 * ``pdl_whole_rows_8warps``: whole rows over 8 warps (half the registers a thread, more programs resident).
 
+``--sweep`` adds ``pdl_tiles_first`` with other tiles: ``sweep:norm=BNxBKwW`` sets the projections with the norm
+inside (the router too), ``sweep:plain=...`` the plain ones and the lm_head, one at a time around the defaults
+(``p0``: nothing loaded before the wait).
+
 The attention, MoE and recurrent kernels between the projections are left out: this isolates the projections.
 Outputs are checked against the plain variant's (close, not equal: tiles change the order of the sums).
 """
@@ -47,8 +51,36 @@ LAYERS = {
 VARIANTS = ("plain", "pdl_whole_rows", "pdl_tiles_first", "pdl_tiles", "pdl_whole_rows_half", "pdl_whole_rows_8warps")
 
 
+SWEEP = tuple(f"sweep:norm={t}" for t in ("8x512w4", "4x512w4", "16x256w4", "8x256w4", "4x1024w4", "2x1024w4",
+                                           "16x512w8", "8x512w8", "8x512w2", "8x512w4p0")) + tuple(
+    f"sweep:plain={t}" for t in ("2x1024w4", "4x512w4", "8x512w4", "4x1024w4", "8x256w4", "2x1024w8", "2x512w4",
+                                 "2x1024w4p0"))
+
+
+def swept(variant: str, n: int, k: int, norm: bool) -> dict | None:
+    """The overrides a ``sweep:`` variant gives one projection (None: the default's)."""
+    kind, spec = variant[len("sweep:"):].split("=")
+    if (kind == "norm") != norm:
+        return None
+    tile, warps = spec.removesuffix("p0").split("w")
+    bn, bk = (int(v) for v in tile.split("x"))
+    out = {"block_n": min(bn, triton_pow2(n)), "block_k": min(bk, triton_pow2(k)), "num_warps": int(warps)}
+    if spec.endswith("p0"):
+        out["prefetch"] = False
+    return out
+
+
+def triton_pow2(v: int) -> int:
+    return 1 << max(0, (v - 1).bit_length())
+
+
 def tiles(variant: str, n: int, k: int, norm: bool) -> dict:
     """Launch keywords of one projection under ``variant``."""
+    if variant.startswith("sweep:"):
+        override = swept(variant, n, k, norm)
+        if override is not None:
+            return override
+        variant = "pdl_tiles_first"
     if variant in ("plain", "pdl_whole_rows"):
         return {}
     if variant == "pdl_whole_rows_8warps":
@@ -110,6 +142,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", nargs="*", default=sorted(LAYERS), choices=sorted(LAYERS))
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "gemv_chain.json"))
+    ap.add_argument("--sweep", action="store_true", help="also the tile sweep around the default (SWEEP)")
     a = ap.parse_args()
     report: dict = {"device": torch.cuda.get_device_name(0), "shapes": {}}
     for shape in a.shape:
@@ -119,7 +152,7 @@ def main() -> None:
         x0 = torch.randn(1, 2048, device="cuda", generator=gen).to(torch.bfloat16)
         r0 = torch.randn(1, 2048, device="cuda", generator=gen).to(torch.bfloat16)
         rows, reference = {}, None
-        for variant in VARIANTS:
+        for variant in VARIANTS + (SWEEP if a.sweep else ()):
             ms, out = run_variant(calls, variant, x0, r0)
             reference = out if reference is None else reference
             err = (out.float() - reference.float()).abs().max().item()
