@@ -51,3 +51,12 @@ def pdl_launch(t) -> dict[str, bool]:
     if not t.is_cuda or not _pdl_supported(t.device.index or 0):
         return {}
     return {"PDL": True, "launch_pdl": True}
+
+
+@jit
+def pdl_wait(PDL: tl.constexpr):
+    """With ``PDL``: let the next kernel launch, then wait for the kernel before this one to finish (its outputs
+    are readable after this). A no-op without it."""
+    if PDL:
+        gdc_launch_dependents()
+        gdc_wait()

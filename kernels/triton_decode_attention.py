@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
@@ -41,9 +41,7 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -96,9 +94,7 @@ def _decode_reduce_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """Combine one (sequence, head)'s split partials: weights 2^(lse_j - max lse); empty splits weigh 0."""
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, S_PAD)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
@@ -57,9 +57,7 @@ def _recurrent_kernel(
 ):
     """NORM (BV covers DV): each token's output goes through the gated RMSNorm (``rms_norm_gated_ref``'s rounding)
     before it is stored."""
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(qsl_ptr + b)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn import check_varlen, pow2
@@ -88,9 +88,7 @@ def _conv_update_kernel(
     K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
     PDL: tl.constexpr = False,
 ):
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     t = tl.load(qsl_ptr + b)
     if tl.load(qsl_ptr + b + 1) - t <= 0:  # an empty row keeps its state

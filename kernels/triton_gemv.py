@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_compat import INTERPRET, gdc_launch_dependents, gdc_wait, pdl_launch, tl, triton
+from kernels.triton_compat import INTERPRET, pdl_launch, pdl_wait, tl, triton
 from kernels.triton_compat import jit as _jit
 from kernels.triton_norm import rms_norm_ref
 
@@ -116,9 +116,7 @@ def _gemv_kernel(
     k_start = k_lo
     if PREFETCH:
         w_first = _load_weight_tile(w_base, k_lo, K, offs_k, EVEN_K)
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     if PREFETCH:
         acc, squares = _accumulate_tile(w_first, k_lo, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
                                         NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
@@ -162,9 +160,7 @@ def _gemv_kernel(
 def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, N, MN, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
     """y[i] = sum over the SPLIT_K fp32 partials of element i (+ bias), split 0 first: a fixed order."""
-    if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = tl.load(ws_ptr + offs, mask=mask, other=0.0)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.moe import check_kernel_inputs
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -70,9 +70,7 @@ def _decode_gate_up_kernel(
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns."""
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
@@ -118,9 +116,7 @@ def _decode_down_kernel(
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
     [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
     flight; the sum over experts happens once, in a fixed order (deterministic)."""
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     offs_j = tl.arange(0, K_PAD)

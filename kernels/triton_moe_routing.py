@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -33,9 +33,7 @@ def _route_topk_kernel(
     PDL: tl.constexpr = False,
 ):
     """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K."""
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E

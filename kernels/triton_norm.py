@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -42,9 +42,7 @@ def _rms_norm_kernel(
     """One program per row; row = (i, j) of a [A, B, N] view, so strided 3-D views need no copy.
 
     The outputs are contiguous: row ``i * inner + j`` starts at ``row * n_cols``."""
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     row = tl.program_id(0).to(tl.int64)
     i = row // inner
     j = row % inner

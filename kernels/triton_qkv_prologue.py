@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import gdc_launch_dependents, gdc_wait, pdl_launch
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_kv_cache import write_kv_padded_ref
@@ -40,9 +40,7 @@ def _prologue_kernel(
     PDL: tl.constexpr = False,
 ):
     """Grid (T, H + KVH): one head of one token per program; k-head programs also move v."""
-    if PDL:  # dependent launch (kernels/triton_compat.py): the kernel before finishes first
-        gdc_launch_dependents()
-        gdc_wait()
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     is_q = head < n_q_heads
