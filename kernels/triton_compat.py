@@ -12,7 +12,16 @@ every kernel leave the memory system idle. A kernel launched with ``pdl_launch(t
 and it starts the same way: it may read what no kernel writes (its weights) at once, then ``gdc_wait``s for the
 kernel before it to finish before it reads an activation or writes anything. Every program of such a kernel waits,
 unconditionally, before it writes or exits, so 'the kernel before finished' means 'every kernel before finished'.
-``CONVEYOR_PDL=0`` turns it off (read once, at the first launch on a device)."""
+``CONVEYOR_PDL=0`` turns it off (read once, at the first launch on a device).
+
+Early reads: a decode kernel whose inputs are mostly state from earlier steps reads that state before its wait,
+overlapping the kernels it waits on: the decode attention its cached keys (all but the step's own key), the Gated
+DeltaNet recurrence and conv their state slots, the MoE down kernel the routing (its gate/up kernel launches it only
+after its own wait, ``LATE_TRIGGER``) and its first weight tile. The rule that makes this safe: nothing a kernel
+reads before its wait may be written by a kernel of the same step before it, except by a kernel that has finished
+by the time this one launches. Slots, block tables and lengths are host copies made before the step's kernels, and
+each layer's state is written only by that layer's own kernel. ``CONVEYOR_EARLY_LOADS=0`` waits first
+(measurements in bench/README.md)."""
 from __future__ import annotations
 
 import functools
@@ -35,6 +44,7 @@ except ImportError:  # no triton, or one without grid dependency control: PDL st
     gdc_launch_dependents = gdc_wait = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs the kernels (CPU tests)
+EARLY_LOADS = os.environ.get("CONVEYOR_EARLY_LOADS", "1") != "0"  # early reads under PDL: the module docstring
 
 
 @functools.cache
@@ -54,9 +64,14 @@ def pdl_launch(t) -> dict[str, bool]:
 
 
 @jit
-def pdl_wait(PDL: tl.constexpr):
+def pdl_wait(PDL: tl.constexpr, LATE_TRIGGER: tl.constexpr = False):
     """With ``PDL``: let the next kernel launch, then wait for the kernel before this one to finish (its outputs
-    are readable after this). A no-op without it."""
+    are readable after this). A no-op without it. ``LATE_TRIGGER``: the next kernel launches only once this wait
+    is over, so before its own wait it may read what the kernel before this one wrote."""
     if PDL:
-        gdc_launch_dependents()
-        gdc_wait()
+        if LATE_TRIGGER:
+            gdc_wait()
+            gdc_launch_dependents()
+        else:
+            gdc_launch_dependents()
+            gdc_wait()

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import pdl_launch, pdl_wait
+from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
@@ -40,8 +40,10 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = True,
 ):
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    if not EARLY:
+        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -56,19 +58,44 @@ def _decode_split_kernel(
     dim_ok = dims < HEAD_DIM
     heads = kvh * GROUP + rows
     q_mask = row_ok[:, None] & dim_ok[None, :]
+    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    k_base = k_ptr + kvh * stride_kh
+    v_base = v_ptr + kvh * stride_kh
+
+    # The split's first key tile. Every key but the step's own (position seq_len - 1, which the prologue kernel
+    # writes) was written by an earlier step, and the block table and lengths by host copies before it: all of it
+    # may be read before the wait, overlapping the kernels this one waits on.
+    offs_n = start + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < end
+    blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
+    kv_off = (blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt)[:, None] + dims[None, :]
+    old = (n_ok & (offs_n < seq_len - 1))[:, None] & dim_ok[None, :]
+    k = tl.load(k_base + kv_off, mask=old, other=0.0)
+    v = tl.load(v_base + kv_off, mask=old, other=0.0)
+    if EARLY:
+        pdl_wait(PDL)
+    new = (offs_n == seq_len - 1)[:, None] & dim_ok[None, :]  # the step's own key, if it falls in this tile
+    k = tl.where(new, tl.load(k_base + kv_off, mask=new, other=0.0), k)
+    v = tl.where(new, tl.load(v_base + kv_off, mask=new, other=0.0), v)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
     else:
         q = q.to(k_ptr.dtype.element_ty)
 
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([G_PAD], dtype=tl.float32)
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
-    k_base = k_ptr + kvh * stride_kh
-    v_base = v_ptr + kvh * stride_kh
-    for i in range(0, tl.cdiv(end - start, BLOCK_N)):  # no iteration for an empty split (start >= seq_len)
+    if start < end:  # an empty split (start >= seq_len) has no tile
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_i = tl.max(s, 1)
+        p = tl.exp2(s - m_i[:, None])
+        l_i = tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    for i in range(1, tl.cdiv(end - start, BLOCK_N)):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, start + i * BLOCK_N, end, rows, dims, dim_ok,
             stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, False, DOT_FP32, PRECISION,
@@ -141,7 +168,7 @@ def paged_decode_attention_triton(
         out.stride(0), out.stride(1), *g_strides,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2, **pdl_launch(query),
+        num_stages=2, EARLY=EARLY_LOADS, **pdl_launch(query),
     )
     if not direct:
         _decode_reduce_kernel[(B, H)](

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import pdl_launch, pdl_wait
+from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
@@ -54,21 +54,27 @@ def _recurrent_kernel(
     stride_oh, stride_ss, stride_sh, stride_sk, stride_zt, stride_zh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, NORM: tl.constexpr, PROD_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = True,
 ):
     """NORM (BV covers DV): each token's output goes through the gated RMSNorm (``rms_norm_gated_ref``'s rounding)
     before it is stored."""
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    if not EARLY:
+        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(qsl_ptr + b)
     length = tl.load(qsl_ptr + b + 1) - lo
-    if length <= 0:  # the reference leaves an empty sequence's state alone
-        return
+    # The state (written by an earlier step), the slots and bounds (host copies) and the weights may be read
+    # before the wait: loading the state overlaps the kernels this one waits on.
     hk = h // GROUP
     dk, dv, k_ok, v_ok, s_mask, s_ptrs, state = load_state_slice(
         slots_ptr, init_ptr, state_ptr, b, h, stride_ss, stride_sh, stride_sk, DK, DV, DK_PAD, BV)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
+    if EARLY:
+        pdl_wait(PDL)  # every program waits, before it writes or exits
+    if length <= 0:  # the reference leaves an empty sequence's state alone
+        return
     for i in range(0, length):
         t = (lo + i).to(tl.int64)
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
@@ -150,7 +156,7 @@ def gated_delta_rule_recurrent_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), *z_strides,
         GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
-        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps, **pdl_launch(q),
+        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps, EARLY=EARLY_LOADS, **pdl_launch(q),
     )
     return o
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import pdl_launch, pdl_wait
+from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn import check_varlen, pow2
@@ -86,17 +86,19 @@ def _conv_update_kernel(
     x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, C,
     stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
     K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, EARLY: tl.constexpr = True,
 ):
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    if not EARLY:
+        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     t = tl.load(qsl_ptr + b)
-    if tl.load(qsl_ptr + b + 1) - t <= 0:  # an empty row keeps its state
-        return
+    empty = tl.load(qsl_ptr + b + 1) - t <= 0  # an empty row keeps its state
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cols < C
     jj = tl.arange(0, KM1_PAD)
     j_ok = jj < K - 1
+    # The window (written by an earlier step), the slot and bounds (host copies) and the weights may be read
+    # before the wait; only the token's input comes from the kernel this one waits on.
     init = tl.load(init_ptr + b) != 0
     st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols[:, None] * stride_sc + jj[None, :] * stride_sk
     m = c_ok[:, None] & j_ok[None, :]
@@ -104,9 +106,13 @@ def _conv_update_kernel(
     # the new window: entries 1..K-2 of the old one, then x. Entry j + 1 is re-read from memory (no register shuffle
     # across threads), issued with the other loads; the barrier below orders every read before any write
     shifted = tl.load(st + stride_sk, mask=m & (jj < K - 2)[None, :] & init, other=0.0)
-    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=c_ok, other=0.0)
     w_win = tl.load(w_ptr + cols[:, None] * stride_wc + jj[None, :] * stride_wk, mask=m, other=0.0).to(tl.float32)
     w_last = tl.load(w_ptr + cols * stride_wc + (K - 1) * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
+    if EARLY:
+        pdl_wait(PDL)  # every program waits, before it writes or exits
+    if empty:
+        return
+    x = tl.load(x_ptr + t.to(tl.int64) * stride_xt + cols, mask=c_ok, other=0.0)
     acc = tl.sum(window * w_win, 1) + x.to(tl.float32) * w_last
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
@@ -153,7 +159,7 @@ def causal_conv1d_varlen_triton(
     if max_query_len is not None and max_query_len <= 1:
         _conv_update_kernel[(B, triton.cdiv(C, block_c))](
             x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, C, *strides,
-            **common, BLOCK_C=block_c, num_warps=2, **pdl_launch(x))
+            **common, BLOCK_C=block_c, num_warps=2, EARLY=EARLY_LOADS, **pdl_launch(x))
         return y
     # short tiles (K-1 must fit in one) of 512 B rows: the best of an H200 sweep over 8-64 tokens x 64-512 channels
     # x 4/8 warps on 16 prompts of 512 tokens at the Qwen3.5-35B-A3B width (206 us against 345 for 64 x 128)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.moe import check_kernel_inputs
-from kernels.triton_compat import pdl_launch, pdl_wait
+from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -67,10 +67,11 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int]
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
     TOP_K, H, I, x_s0, expert_offset, n_local,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
 ):
-    """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns."""
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
+    ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait)."""
+    pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
@@ -111,33 +112,42 @@ def _decode_down_kernel(
     h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
     [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
     flight; the sum over experts happens once, in a fixed order (deterministic)."""
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    if not EARLY:
+        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
+    # With EARLY (the gate/up kernel launched this one only after its own wait, so the routing is done): the
+    # routing and the first weight tile are read before the wait, overlapping the gate/up kernel's tail.
     offs_j = tl.arange(0, K_PAD)
     slots = tok * TOP_K + offs_j
     e = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0).to(tl.int64) - expert_offset
     local = (offs_j < TOP_K) & (e >= 0) & (e < n_local)  # slots routed to another rank's experts add nothing
     e = tl.where(local, e, 0)
+    rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
     w_ptrs = w2_ptr + (e * H * I)[:, None, None] + (rows * I)[None, :, None] + offs_k[None, None, :]
-    acc = tl.zeros((K_PAD, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        k_mask = k0 + offs_k < I
-        at = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        wt = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
-        acc += wt * at[:, None, :]
+    k_mask = offs_k < I
+    w0 = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0)
+    if EARLY:
+        pdl_wait(PDL)
+    a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
+    a0 = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+    acc = w0.to(tl.float32) * a0[:, None, :]
+    for k0 in range(BLOCK_K, I, BLOCK_K):
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
+        k_mask = k0 + offs_k < I
+        a_k = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
+        w_k = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
+        acc += w_k * a_k[:, None, :]
     y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
     tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
 
@@ -169,13 +179,14 @@ def fused_moe_decode_triton(
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
     pdl = pdl_launch(x)
+    early = bool(pdl) and EARLY_LOADS
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
         x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, **pdl,
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, LATE_TRIGGER=early, **pdl,
     )
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
         act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
-        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, **pdl,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, EARLY=early, **pdl,
     )
     return y
