@@ -35,7 +35,7 @@ def test_decode_split_heuristic():
     assert decode_num_splits(256, 8, 8192) == 1  # B * KVH fills the GPU already
     assert decode_num_splits(4, 8, 100) == 1  # short contexts: one split, no reduce
     assert decode_num_splits(1, 8, 32768) == 33  # ~2 waves over 132 SMs
-    assert decode_num_splits(1, 1, 1 << 20) == 64  # capped
+    assert decode_num_splits(1, 1, 1 << 20) == 128  # capped
     assert decode_num_splits(2, 4, 1024) == 4  # >= 256 keys per split
 
 @pytest.mark.gpu
@@ -45,6 +45,7 @@ def test_gpu_decode_bf16(d, group):
     query, cache, meta = make_step([1] * 8, seq_lens, kvh=4, group=group, d=d, block_size=16,
                                    dtype=torch.bfloat16, device="cuda")
     ref = reference(query, cache, meta, d**-0.5)
-    for plan in (None, TritonAttentionPlan(num_splits=1), TritonAttentionPlan(num_splits=7)):
+    for plan in (None, TritonAttentionPlan(num_splits=1), TritonAttentionPlan(num_splits=7),
+                 TritonAttentionPlan(num_splits=128)):  # the cap: the reduce runs 8 warps at head_dim 256
         out = paged_decode_attention_triton(query, cache, meta, d**-0.5, plan)
         torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
