@@ -21,6 +21,8 @@ which nobody reads as a state.
 
 from __future__ import annotations
 
+import os
+
 import torch
 
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
@@ -28,6 +30,11 @@ from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
 
+# Few heads in the batch (batch 1-2): the state split over 4 programs a head (no norm in the kernel) and the gated norm
+# in its own kernel, instead of one program holding a head's whole state. CONVEYOR_GDN_SPLIT_NORM=1 turns it on
+# (not yet measured end to end).
+SPLIT_NORM = os.environ.get("CONVEYOR_GDN_SPLIT_NORM", "0") == "1"
+SPLIT_NORM_MAX_HEADS = 64
 _TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -135,13 +142,18 @@ def gated_delta_rule_recurrent_triton(
                                                     query_start_loc, has_initial_state)
     T, HK, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
-    o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
     B = state_slots.shape[0]
     if gated_norm is not None:
         z, norm_w, eps = gated_norm
         if z.shape != v.shape or z.stride(2) != 1 or norm_w.shape != (dv,):
             raise ValueError(f"gated norm z {tuple(z.shape)} / weight {tuple(norm_w.shape)} do not fit v "
                              f"{tuple(v.shape)} (z's last dim must be contiguous)")
+        if SPLIT_NORM and B * HV <= SPLIT_NORM_MAX_HEADS:
+            o = gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
+                                                  query_start_loc, init, use_qk_l2norm)
+            return rms_norm_gated_triton(o, z, norm_w, eps)
+    o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
+    if gated_norm is not None:
         # one program a head, 4 warps: at batch 1 no slower than the split kernel plus the norm kernel, and 5-30%
         # faster from batch 4 to 256 (8 warps lost up to 1.45x at 256; results/gdn-decode-ab-h200-bb9dc93.json)
         bv, warps, prod = pow2(dv, 16), 4, _TL_DTYPES[torch.promote_types(norm_w.dtype, v.dtype)]
@@ -196,14 +208,15 @@ def gated_norm_values(x, rstd, w, z, X_DTYPE: tl.constexpr, PROD_DTYPE: tl.const
 @_jit(do_not_specialize=["n_rows"])
 def _rms_norm_gated_kernel(
     x_ptr, z_ptr, w_ptr, y_ptr, n_rows, D, eps, stride_x, stride_z, stride_y,
-    PROD_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+    PROD_DTYPE: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr = False,
 ):
     rows = (tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     c_ok = cols < D
     mask = (rows < n_rows)[:, None] & c_ok[None, :]
+    w = tl.load(w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)  # a weight: read before the wait
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     x = tl.load(x_ptr + rows[:, None] * stride_x + cols[None, :], mask=mask, other=0.0).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)
     z = tl.load(z_ptr + rows[:, None] * stride_z + cols[None, :], mask=mask, other=0.0)
     y = gated_norm_values(x, tl.rsqrt(tl.sum(x * x, 1) / D + eps)[:, None], w[None, :], z, x_ptr.dtype.element_ty,
                           PROD_DTYPE)
@@ -226,6 +239,6 @@ def rms_norm_gated_triton(x: torch.Tensor, z: torch.Tensor, weight: torch.Tensor
     _rms_norm_gated_kernel[(triton.cdiv(n, block_r),)](
         x2, z2, weight, y, n, D, eps, x2.stride(0), z2.stride(0), y.stride(0),
         PROD_DTYPE=_TL_DTYPES[torch.promote_types(weight.dtype, x.dtype)], BLOCK_R=block_r, BLOCK_D=block_d,
-        num_warps=4,
+        num_warps=4, **pdl_launch(x2),
     )
     return y.view(x.shape)

@@ -4,10 +4,10 @@ Semantics and the torch oracle are ``kernels.moe.route_topk_ref``. In torch the 
 layer (softmax, topk with its sort, sum, div, casts), which dominated the batch-1 MoE decode step; here one
 program per token reads its row of router logits once and writes ``k`` weights and ids.
 
-The row (experts padded to a power of two, padding ``-inf``) is held in fp32 registers. The top-k are picked on
-the logits themselves (softmax is monotonic, so the order is the probabilities' without any rounding of ``exp``
-reordering them) by k rounds of max + lowest index holding it among the experts not yet taken: ties go to the
-lower expert id. ``torch.topk`` leaves the order of ties unspecified (on CPU it is not lowest-index-first), so
+The row (experts padded to a power of two) is held in registers. The top-k are picked on the logits themselves
+(softmax is monotonic, so the order is the probabilities' without any rounding of ``exp`` reordering them) by k
+rounds of one max over int64 keys, each the logit's bits in an order-preserving form above the expert's index
+complemented: the largest logit, ties to the lower expert id, in one reduction a round. ``torch.topk`` leaves the order of ties unspecified (on CPU it is not lowest-index-first), so
 the two can differ only on tied experts. The chosen weights are ``exp(x - max) / sum(exp(x - max))`` in fp32,
 then divided by their sum when ``renormalize``. With a shared expert (its gate logit in the last column) the
 row also gets slot k: the shared expert's id and sigmoid(logit) in fp32. No host sync and output sizes fixed by the
@@ -27,6 +27,13 @@ MAX_TOP_K = 32
 
 
 @_jit
+def logit_of(key):
+    """The logit a routing key (below) was made from."""
+    ordered = (key >> 32).to(tl.int32)
+    return (ordered ^ ((ordered >> 31) & 0x7FFFFFFF)).to(tl.float32, bitcast=True)
+
+
+@_jit
 def _route_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
     RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -38,19 +45,27 @@ def _route_topk_kernel(
     offs = tl.arange(0, E_PAD)
     valid = offs < E
     row = tl.load(logits_ptr + tok * stride_t + offs * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
-    peak = tl.max(row, axis=0)
-    denominator = tl.sum(tl.where(valid, tl.exp(row - peak), 0.0), axis=0)
-    # ``free`` rather than overwriting taken logits with -inf: a row holding -inf logits must not pick one twice
-    free = valid
+    # One int64 key an expert: the logit's bits made order-preserving (negative floats' magnitude bits flipped; -0
+    # taken as +0 first) above the expert's complement index, so one max gives the largest logit and, among ties, the
+    # lowest expert. The taken key is retired; padding is retired from the start.
+    bits = tl.where(row == 0.0, 0.0, row).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - offs).to(tl.int64)
+    retired = tl.full((E_PAD,), -(1 << 63), dtype=tl.int64)
+    key = tl.where(valid, key, retired)
     slots = tl.arange(0, K_PAD)
-    top_w = tl.zeros((K_PAD,), dtype=tl.float32)
-    top_i = tl.zeros((K_PAD,), dtype=tl.int32)
-    for j in range(0, TOP_K):
-        best = tl.max(tl.where(free, row, float("-inf")), axis=0)
-        index = tl.min(tl.where(free & (row == best), offs, E_PAD), axis=0)
-        top_w = tl.where(slots == j, tl.exp(best - peak) / denominator, top_w)
-        top_i = tl.where(slots == j, index, top_i)
-        free = free & (offs != index)
+    best = tl.max(key, axis=0)  # the first pick: the row's maximum
+    key = tl.where(key == best, retired, key)
+    top_key = tl.where(slots == 0, best, tl.full((K_PAD,), 0, dtype=tl.int64))
+    peak = logit_of(best)
+    for j in range(1, TOP_K):
+        best = tl.max(key, axis=0)
+        key = tl.where(key == best, retired, key)
+        top_key = tl.where(slots == j, best, top_key)
+    top_i = (E_PAD - 1 - (top_key & 0xFFFFFFFF)).to(tl.int32)
+    top_v = logit_of(top_key)
+    denominator = tl.sum(tl.where(valid, tl.exp(row - peak), 0.0), axis=0)
+    top_w = tl.where(slots < TOP_K, tl.exp(top_v - peak) / denominator, 0.0)
     if RENORMALIZE:
         top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), axis=0)
     width = TOP_K + 1 if SHARED else TOP_K

@@ -227,3 +227,15 @@ def test_shared_expert_slot_strided_empty_and_bad():
     for bad, k in [(torch.zeros(2, 1), 1), (torch.zeros(2, 5), 5)]:  # no routed expert; k above the 4 routed
         with pytest.raises(ValueError):
             route_topk_triton(bad.to(DEVICE), k, True, shared_expert_id=4)
+
+
+@needs_triton
+def test_signed_zeros_and_negative_logits_keep_their_order():
+    """The keys order floats through their bits: -0.0 ties +0.0 (lower expert first) and negative logits order by
+    value, the most negative last, -inf after them."""
+    x = torch.tensor([[-1.5, -3.0, -0.0, -1e-30, -2.0, 0.0, float("-inf"), -1.0]], device=DEVICE)
+    from kernels.triton_moe_routing import route_topk_triton
+
+    _, ids = route_topk_triton(x, 8, False)
+    assert ids.tolist() == [[2, 5, 3, 7, 0, 4, 1, 6]]
+    check(x, 8, True, ties=True)
