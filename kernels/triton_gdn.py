@@ -30,11 +30,11 @@ from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
 
-# Few heads in the batch (batch 1-2): the state split over 4 programs a head (no norm in the kernel) and the gated norm
+# Few heads in the batch (batch 1): the state split over 4 programs a head (no norm in the kernel) and the gated norm
 # in its own kernel, instead of one program holding a head's whole state. CONVEYOR_GDN_SPLIT_NORM=1 turns it on
 # (not yet measured end to end).
 SPLIT_NORM = os.environ.get("CONVEYOR_GDN_SPLIT_NORM", "0") == "1"
-SPLIT_NORM_MAX_HEADS = 64
+SPLIT_NORM_MAX_HEADS = 32  # batch 1 of Qwen3.5 / Qwen3-Next (at 2 rows the norm would copy z's strided rows first)
 _TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
