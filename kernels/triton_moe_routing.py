@@ -7,11 +7,11 @@ program per token reads its row of router logits once and writes ``k`` weights a
 The row (experts padded to a power of two) is held in registers. The top-k are picked on the logits themselves
 (softmax is monotonic, so the order is the probabilities' without any rounding of ``exp`` reordering them) by k
 rounds of one max over int64 keys, each the logit's bits in an order-preserving form above the expert's index
-complemented: the largest logit, ties to the lower expert id, in one reduction a round. ``torch.topk`` leaves the order of ties unspecified (on CPU it is not lowest-index-first), so
-the two can differ only on tied experts. The chosen weights are ``exp(x - max) / sum(exp(x - max))`` in fp32,
-then divided by their sum when ``renormalize``. With a shared expert (its gate logit in the last column) the
-row also gets slot k: the shared expert's id and sigmoid(logit) in fp32. No host sync and output sizes fixed by the
-input's shape: CUDA-graph capturable.
+complemented: the largest logit, ties to the lower expert id, in one reduction a round. ``torch.topk`` leaves the
+order of ties unspecified (on CPU it is not lowest-index-first), so the two can differ only on tied experts. The
+chosen weights are ``exp(x - max) / sum(exp(x - max))`` in fp32, then divided by their sum when ``renormalize``.
+With a shared expert (its gate logit in the last column) the row also gets slot k: the shared expert's id and
+sigmoid(logit) in fp32. No host sync and output sizes fixed by the input's shape: CUDA-graph capturable.
 """
 
 from __future__ import annotations

@@ -40,6 +40,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repetition-detection", default="1,64,32", metavar="MIN,MAX,COUNT|off",
                         help="the default loop guard: end outputs ending in a MIN..MAX-token pattern repeated COUNT "
                              "times (finish_reason length); requests may override it")
+    parser.add_argument("--no-prefix-caching", action="store_true",
+                        help="compute every prompt in full (no reuse of cached prefix blocks)")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
@@ -66,7 +68,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         cuda_graph_max_batch=args.cuda_graph_max_batch, load_format=args.load_format,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
-                        run_ahead=not args.disable_run_ahead, gc_young_threshold=args.gc_young_threshold,
+                        run_ahead=not args.disable_run_ahead, prefix_caching=not args.no_prefix_caching, gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))
 

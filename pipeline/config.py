@@ -33,6 +33,7 @@ class EngineConfig:
     cuda_graphs: bool = True  # CUDA: replay captured graphs for decode steps
     repetition_detection: RepetitionDetection | None = field(default_factory=RepetitionDetection)  # loop guard
     run_ahead: bool = True  # launch decode step N+1 before reading step N's tokens (overlap scheduling)
+    prefix_caching: bool = True  # reuse the KV of full blocks an earlier prompt computed (dense models)
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)

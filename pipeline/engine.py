@@ -49,7 +49,7 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         states = StateSlotPool(loaded.runner.num_state_slots - 1) if loaded.runner.num_state_slots else None
-        self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states)
+        self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states, config.prefix_caching)
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
         self.executor = executor
@@ -221,7 +221,10 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         return {
             "stages": {stage.name: stage.snapshot() for stage in self.stages},
-            "kv_blocks": {"total": self.cache.capacity, "used": self.cache.num_used, "free": self.cache.num_free},
+            "kv_blocks": {"total": self.cache.capacity, "used": self.cache.num_used, "free": self.cache.num_free,
+                          "cached_free": self.cache.num_cached_free},
+            "prefix_cache": {"enabled": self.cache.prefix_caching, "queried_tokens": self.cache.prefix_queried_tokens,
+                             "hit_tokens": self.cache.prefix_hit_tokens, "evictions": self.cache.prefix_evictions},
             "seats": {"capacity": self.seats.capacity, "held": self.seats.held},
             "state_slots_used": self.cache.num_state_slots_used,
             "waiting": {"requests": self.waiting.requests, "tokens": self.waiting.tokens},

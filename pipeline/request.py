@@ -123,6 +123,7 @@ class SamplingParams:
     repetition_detection: RepetitionDetection | bool | None = None
     grammar: GrammarSpec | None = None  # structured output / tool-call constraint
     thinking_token_budget: int | None = None  # at most this many tokens inside <think>...</think>
+    cache_salt: str | None = None  # prefix-cache tenant: prompts with different salts share no cached block
 
     def validate(self) -> None:
         """Raise ValueError with a client-facing message for out-of-range values."""
@@ -138,6 +139,8 @@ class SamplingParams:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.cache_salt is not None and not self.cache_salt:
+            raise ValueError("cache_salt must not be empty")
         if self.top_k is not None and self.top_k < -1:
             raise ValueError(f"top_k must be -1 (disabled) or positive, got {self.top_k}")
         if self.min_p is not None and not 0.0 <= self.min_p <= 1.0:
@@ -186,6 +189,7 @@ class OutputDelta:
     prompt_token_count: int = 0
     output_token_count: int = 0  # cumulative for this child
     prompt_opens_thinking: bool = False  # the prompt ends inside <think>: output starts as reasoning
+    cached_prompt_tokens: int = 0  # of the prompt, tokens taken from the prefix cache
 
     def merge(self, later: OutputDelta) -> None:
         self.text += later.text
@@ -222,6 +226,7 @@ class Request:
     thinking: Any = None  # ThinkingTags when a thinking budget applies
     prompt_opens_thinking: bool = False  # the prompt ends inside an open <think> block
     extra: dict[str, Any] = field(default_factory=dict)
+    cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held when it started (prefill sets it)
 
     @property
     def max_output_tokens(self) -> int:

@@ -77,6 +77,9 @@ class Sequence:
     grammar: Any = None  # GrammarState when the request constrains its output; advanced per token
     thinking: ThinkingBudget | None = None  # the thinking budget's state; forces </think> when spent
     token_counts: Any = None  # TokenCounts (ext/penalties) when the request uses penalties
+    block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
+    num_keyed: int = 0  # its first blocks whose keys the cache holds (cached ones taken, or registered)
+    missed_at: int = -1  # the pool's keys_added at a prefix lookup that found nothing (none again until it grows)
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

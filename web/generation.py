@@ -43,6 +43,7 @@ class Tracker:
 
     arrival: float
     prompt_tokens: int = 0
+    cached_tokens: int = 0
     first_token: float | None = None
     last_delta: float | None = None
     choices: dict[int, Choice] = field(default_factory=dict)
@@ -57,6 +58,7 @@ class Tracker:
                 state.metrics.inter_token_latency(now - self.last_delta, len(delta.token_ids))
             self.last_delta = now
         self.prompt_tokens = delta.prompt_token_count
+        self.cached_tokens = delta.cached_prompt_tokens
         choice = self.choices.get(delta.index)
         if choice is None:
             choice = self.choices[delta.index] = Choice()
@@ -184,7 +186,7 @@ class ChatEndpoint(Endpoint):
             choices.append(chat_choice(index, content, self.finish_reason(index, c.finish_reason), logprobs=logprobs,
                                        reasoning_content=piece.reasoning or None, tool_calls=calls or None))
         return chat_completion(self.id, self.created, self.model, choices,
-                               usage(tracker.prompt_tokens, tracker.completion_tokens))
+                               usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens))
 
 
 class CompletionEndpoint(Endpoint):
@@ -226,7 +228,7 @@ class CompletionEndpoint(Endpoint):
                 if self.want_logprobs else None
             choices.append(completion_choice(index, text, c.finish_reason, logprobs=logprobs))
         return completion_response(self.id, self.created, self.model, choices,
-                                   usage(tracker.prompt_tokens, tracker.completion_tokens))
+                                   usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens))
 
 
 async def chat_completions(request: web.Request) -> web.StreamResponse:
@@ -330,5 +332,5 @@ async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[Outpu
     while (delta := await anext(stream, None)) is not None:  # one merged delta per read: a slow client falls behind
         await body.write(events(delta))
     if endpoint.include_usage:
-        await body.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens))))
+        await body.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens))))
     await body.write(SSE_DONE)

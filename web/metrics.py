@@ -107,6 +107,12 @@ class EngineStatsCollector(Collector):
         yield self._gauge("kv_blocks_total", "KV cache blocks in the pool.", kv["total"])
         ratio = kv["used"] / kv["total"] if kv["total"] else 0.0
         yield self._gauge("kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0..1).", ratio)
+        yield self._gauge("kv_blocks_cached_free", "Free KV blocks still holding a cached prefix.", kv["cached_free"])
+        prefix = stats["prefix_cache"]
+        yield self._counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+                            prefix["queried_tokens"])
+        yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix["hit_tokens"])
+        yield self._counter("prefix_cache_evictions", "Cached KV blocks evicted for new ones.", prefix["evictions"])
         yield self._gauge("seats_held", "Sequence seats held.", stats["seats"]["held"])
         yield self._gauge("seats_capacity", "Sequence seats in all (max_num_seqs).", stats["seats"]["capacity"])
         yield self._counter("preemptions", "Sequences preempted back to prefill.", stats["preemptions"])

@@ -159,6 +159,7 @@ def _sampling_params(body: dict, max_tokens_field: str, max_tokens: int | None, 
         repetition_detection=read_repetition_detection(body),
         grammar=read_grammar(body),
         thinking_token_budget=_thinking_budget(body),
+        cache_salt=read_str(body, "cache_salt"),
     )
     try:
         params.validate()

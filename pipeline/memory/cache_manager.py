@@ -8,12 +8,18 @@ caching or another eviction policy can change what the answers are without chang
 Hybrid models also hold one recurrent state slot per sequence (pipeline/memory/state_slots.py): taken
 with the sequence's first blocks, given back with them in `free`, so every path that ends or preempts
 a sequence (which all call `free`) returns its slot too.
+
+Prefix caching (dense models): every full block a sequence computes gets its key (`register_computed`), and a
+prompt about to start takes the longest keyed run of its own full blocks by reference (`take_cached_prefix`),
+so its prefill starts after them. At most the blocks before the prompt's last token are taken: the last token is
+always computed, for its logits. Blocks go back last-first, so eviction eats prefixes from their ends.
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.state_slots import StateSlotPool
 
@@ -26,11 +32,16 @@ class CacheManager:
     """Owns the KVBlockPool (and the state slot pool of hybrid models); every allocation, share and free
     of a sequence's blocks and state slot goes through it."""
 
-    __slots__ = ("_pool", "_states")
+    __slots__ = ("_pool", "_states", "prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens")
 
-    def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None) -> None:
+    def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None,
+                 prefix_caching: bool = True) -> None:
         self._pool = pool
         self._states = state_slots
+        # hybrid models cache nothing yet: a recurrent state cannot resume mid-prompt without a snapshot there
+        self.prefix_caching = prefix_caching and state_slots is None
+        self.prefix_queried_tokens = 0  # prompt tokens looked up (each start of a prompt)
+        self.prefix_hit_tokens = 0  # of those, found cached
 
     @property
     def num_state_slots_used(self) -> int:
@@ -54,14 +65,48 @@ class CacheManager:
     def num_used(self) -> int:
         return self._pool.num_used
 
-    def cached_tokens(self, seq: Sequence) -> int:
-        """Tokens at the start of `seq`'s prompt whose K/V are already in the cache and need no compute.
+    @property
+    def num_cached_free(self) -> int:
+        """Free blocks that still hold a cached prefix (counted in num_free)."""
+        return self._pool.num_cached_free
 
-        Always 0 until prefix caching: then it will be the length of the longest run of full blocks
-        of this prompt that another sequence left in the cache (a multiple of block_size), which
-        prefill can take by reference instead of computing.
-        """
-        return 0
+    @property
+    def prefix_evictions(self) -> int:
+        return self._pool.evictions
+
+    def take_cached_prefix(self, seq: Sequence) -> int:
+        """For a sequence holding nothing yet (a new prompt, or one preempted for recompute): take the longest run
+        of its full blocks that the cache holds, up to the block before its last token, and count them computed.
+        Returns the tokens taken (a multiple of block_size; 0 with caching off or with blocks already held)."""
+        if not self.prefix_caching or seq.block_ids or seq.num_computed or seq.missed_at == self._pool.keys_added:
+            return 0
+        size = self._pool.block_size
+        tokens = seq.token_ids
+        limit = (len(tokens) - 1) // size
+        keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
+        blocks = self._pool.acquire(self._pool.lookup(keys[:limit]))
+        if not blocks:
+            seq.missed_at = self._pool.keys_added
+        seq.block_ids = blocks
+        seq.num_keyed = len(blocks)
+        seq.num_computed = len(blocks) * size
+        return seq.num_computed
+
+    def count_prefix_query(self, seq: Sequence) -> None:
+        """A prompt starts: its tokens were looked up, its computed ones were found (metrics)."""
+        self.prefix_queried_tokens += len(seq.token_ids)
+        self.prefix_hit_tokens += seq.num_computed
+
+    def register_computed(self, seq: Sequence) -> None:
+        """Key every full block of the sequence's computed tokens (a later prompt with this prefix may take it)."""
+        full = seq.num_computed // self._pool.block_size
+        if not self.prefix_caching or full <= seq.num_keyed:
+            return
+        keys = extend_block_hashes(seq.block_keys, seq.token_ids, self._pool.block_size, full,
+                                   seq.request.params.cache_salt)
+        for i in range(seq.num_keyed, full):
+            self._pool.register(seq.block_ids[i], keys[i])
+        seq.num_keyed = full
 
     def blocks_needed(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> int:
         """Blocks to add so that seq.block_ids covers its computed tokens, `num_new_tokens` more, and
@@ -95,8 +140,8 @@ class CacheManager:
             self._states.free(slot)
         if seq.block_ids:
             blocks, seq.block_ids = seq.block_ids, []
-            self._pool.free(blocks)
-        seq.num_computed = 0
+            self._pool.free(blocks[::-1])  # cached ones: the prefix's end is evicted first
+        seq.num_computed = seq.num_keyed = 0
 
     def share_prompt(self, parent: Sequence) -> list[int]:
         """A new reference to each full block of the parent's computed prompt, for a sibling sample

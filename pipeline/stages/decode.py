@@ -170,10 +170,13 @@ class DecodeStage(DeviceStage):
         """Read a step's tokens and record them; rows of sequences that ended meanwhile are dropped."""
         output = await self.executor.fetch(in_flight.step)
         tokens = output.token_ids.tolist()
+        block_size = self.cache.block_size
         for row, seq in enumerate(in_flight.batch):
             if seq.finish_reason is not None:
                 continue  # ended by the previous step or cancelled while this one ran
             seq.num_computed += 1
+            if seq.num_computed % block_size == 0:  # a block filled: the prefix cache may key it
+                self.cache.register_computed(seq)
             self.record_token(seq, tokens[row], row, events)
         self.running = [seq for seq in self.running if seq.finish_reason is None]
         batch_size = len(in_flight.batch)

@@ -93,7 +93,8 @@ class DetokenizeStage(Stage[StepTokens]):
         error = request.cancel.message or "request failed" if finish is FinishReason.ERROR else None
         # positional (the fields' order): keyword arguments cost this per-row constructor about three times as much
         delta = OutputDelta(request.request_id, index, text, [token] if token >= 0 else [], logprobs, finish, error,
-                            len(request.prompt_token_ids), message.output_counts[r], request.prompt_opens_thinking)
+                            len(request.prompt_token_ids), message.output_counts[r], request.prompt_opens_thinking,
+                            request.cached_prompt_tokens)
         out.append((request, delta))
         if finish is not None:
             state.done = True

@@ -77,6 +77,9 @@ class PrefillStage(DeviceStage):
         if self.grant is not None:
             return []  # its chunks are in flight: the next ones are planned once they are read
         started = self.started
+        for seq in self.waiting:  # a prompt holding nothing takes its cached prefix (a no-op once it holds blocks)
+            if not seq.block_ids:
+                self.cache.take_cached_prefix(seq)
         return [WaitingPrompt(seq.seq_id, seq.arrival, seq.num_computed, seq.num_pending, len(seq.block_ids),
                               seq.num_samples, seq.seq_id in started) for seq in self.waiting]
 
@@ -101,6 +104,8 @@ class PrefillStage(DeviceStage):
                 self.seats.acquire(seq.num_samples)
                 self.started.add(seq.seq_id)
                 self.waiting_gauge.remove(seq.num_prompt_tokens)
+                self.cache.count_prefix_query(seq)
+                seq.request.cached_prompt_tokens = seq.num_computed  # usage: prompt_tokens_details
             if not self.cache.allocate_slots(seq, choice.num_tokens):
                 raise RuntimeError(f"the planner counted {choice.new_blocks} blocks the cache does not have")
             end = seq.num_computed + choice.num_tokens
@@ -143,6 +148,7 @@ class PrefillStage(DeviceStage):
                 self.finish(seq, reason, events)
             else:
                 self.waiting_gauge.remove(seq.num_prompt_tokens)
+                self.release(seq)  # it may hold cached prefix blocks taken while it waited
                 seq.finish_reason = reason
                 events.add(seq.request, seq.index, -1, reason, seq.num_output_tokens)
             for index in range(1, seq.num_samples):  # siblings not forked yet end with it
@@ -180,6 +186,7 @@ class PrefillStage(DeviceStage):
                 row += len(grammars)
                 continue  # cancelled while the step ran
             seq.num_computed += num_tokens
+            self.cache.register_computed(seq)
             if seq.num_pending:
                 continue
             self.waiting.remove(seq)

@@ -47,3 +47,14 @@ def test_serve_help_names_both_devices_defaults() -> None:
     for value in (CUDA_DEFAULTS.max_num_seqs, CPU_DEFAULTS.max_num_seqs, CUDA_DEFAULTS.max_num_batched_tokens,
                   CPU_DEFAULTS.max_num_batched_tokens):
         assert f"{value} on" in text
+
+
+def test_prefix_caching_is_on_unless_the_flag_says_no() -> None:
+    import argparse
+
+    from pipeline.cli import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    assert engine_config(parser.parse_args([])).prefix_caching
+    assert not engine_config(parser.parse_args(["--no-prefix-caching"])).prefix_caching

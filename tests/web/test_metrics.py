@@ -40,7 +40,8 @@ def make_stats(stages: list[Stage]) -> dict[str, Any]:
     """Mirrors Engine.stats()."""
     return {
         "stages": {stage.name: stage.snapshot() for stage in stages},
-        "kv_blocks": {"total": 200, "used": 50, "free": 150},
+        "kv_blocks": {"total": 200, "used": 50, "free": 150, "cached_free": 30},
+        "prefix_cache": {"enabled": True, "queried_tokens": 900, "hit_tokens": 320, "evictions": 4},
         "seats": {"capacity": 8, "held": 3},
         "waiting": {"requests": 2, "tokens": 345},
         "running": 3,
@@ -83,6 +84,8 @@ EXPECTED = {
     "conveyor_kv_blocks_used": "gauge", "conveyor_kv_blocks_total": "gauge", "conveyor_kv_cache_usage_ratio": "gauge",
     "conveyor_seats_held": "gauge", "conveyor_seats_capacity": "gauge", "conveyor_preemptions": "counter",
     "conveyor_device_steps": "counter", "conveyor_mixed_steps": "counter",
+    "conveyor_kv_blocks_cached_free": "gauge", "conveyor_prefix_cache_queries": "counter",
+    "conveyor_prefix_cache_hits": "counter", "conveyor_prefix_cache_evictions": "counter",
     "conveyor_stage_queue_wait_seconds": "histogram", "conveyor_stage_service_time_seconds": "histogram",
     "conveyor_stage_batch_size": "histogram", "conveyor_stage_items_in": "counter",
     "conveyor_stage_items_out": "counter", "conveyor_stage_inbox_depth": "gauge",
@@ -112,6 +115,9 @@ def test_engine_gauges_and_counters(metrics: ServerMetrics) -> None:
     assert value(f, "conveyor_waiting_prompt_tokens", "conveyor_waiting_prompt_tokens") == 345
     assert value(f, "conveyor_kv_blocks_used", "conveyor_kv_blocks_used") == 50
     assert value(f, "conveyor_kv_blocks_total", "conveyor_kv_blocks_total") == 200
+    assert value(f, "conveyor_kv_blocks_cached_free", "conveyor_kv_blocks_cached_free") == 30
+    assert value(f, "conveyor_prefix_cache_hits", "conveyor_prefix_cache_hits_total") == 320
+    assert value(f, "conveyor_prefix_cache_queries", "conveyor_prefix_cache_queries_total") == 900
     assert value(f, "conveyor_kv_cache_usage_ratio", "conveyor_kv_cache_usage_ratio") == pytest.approx(0.25)
     assert value(f, "conveyor_seats_held", "conveyor_seats_held") == 3
     assert value(f, "conveyor_preemptions", "conveyor_preemptions_total") == 4
@@ -121,7 +127,7 @@ def test_engine_gauges_and_counters(metrics: ServerMetrics) -> None:
 
 def test_empty_kv_pool_ratio_is_zero(stages: list[Stage]) -> None:
     stats = make_stats(stages)
-    stats["kv_blocks"] = {"total": 0, "used": 0, "free": 0}
+    stats["kv_blocks"] = {"total": 0, "used": 0, "free": 0, "cached_free": 0}
     f = scrape(ServerMetrics(lambda: stats, MODEL))
     assert value(f, "conveyor_kv_cache_usage_ratio", "conveyor_kv_cache_usage_ratio") == 0
 

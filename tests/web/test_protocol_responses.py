@@ -60,7 +60,9 @@ def test_a_text_event_template_needs_exactly_one_text_field() -> None:
 def test_ids_and_usage() -> None:
     assert new_chat_id().startswith("chatcmpl-") and new_chat_id() != new_chat_id()
     assert new_completion_id().startswith("cmpl-")
-    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                           "prompt_tokens_details": {"cached_tokens": 0}}
+    assert usage(8, 1, 4)["prompt_tokens_details"] == {"cached_tokens": 4}
 
 
 def test_finish_reasons_are_ones_the_client_accepts() -> None:

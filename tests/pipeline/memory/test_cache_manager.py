@@ -148,13 +148,88 @@ def test_a_child_freed_first_leaves_the_parent_its_blocks():
     assert cache.num_used == 0
 
 
-def test_no_prompt_is_cached_yet():
-    cache, _ = make_cache()
-    seq = make_seq(12)
-    assert cache.cached_tokens(seq) == 0
-    assert cache.allocate_slots(seq, 12)
-    seq.num_computed = 12
-    assert cache.cached_tokens(make_seq(12, arrival=2)) == 0
+def make_salted(tokens: list[int], arrival: int, salt: str | None = None) -> Sequence:
+    request = Request(f"r{arrival}", tokens, SamplingParams(seed=1, cache_salt=salt), frozenset({2}),
+                      max_total_tokens=1000, arrival_seq=arrival)
+    return Sequence.from_request(request)
+
+
+def compute(cache: CacheManager, seq: Sequence) -> None:
+    """What prefill does: blocks for the rest of the prompt, then the computed tokens keyed."""
+    assert cache.allocate_slots(seq, seq.num_pending)
+    seq.num_computed = len(seq.token_ids)
+    cache.register_computed(seq)
+
+
+def test_a_prompt_takes_the_full_blocks_another_left_and_never_its_last_token():
+    cache, pool = make_cache(num_blocks=17)
+    first = make_salted(list(range(100, 114)), 1)  # 3 full blocks + 2 tokens
+    assert cache.take_cached_prefix(first) == 0
+    compute(cache, first)
+    held = list(first.block_ids)
+    cache.free(first)
+    assert cache.num_used == 0 and cache.num_cached_free == 3  # the tail block had no key
+
+    again = make_salted(list(range(100, 114)), 2)
+    assert cache.take_cached_prefix(again) == 12 and again.block_ids == held[:3] and again.num_pending == 2
+    assert cache.num_cached_free == 0 and cache.num_used == 3
+    exact = make_salted(list(range(100, 112)), 3)  # the same 3 blocks, nothing after: the last block recomputed
+    assert cache.take_cached_prefix(exact) == 8 and exact.block_ids == held[:2]
+    assert pool.refcount(held[0]) == 2
+    mid = make_salted(list(range(100, 110)) + [7, 7, 7], 4)  # diverges inside block 3
+    assert cache.take_cached_prefix(mid) == 8
+    other = make_salted([1] + list(range(101, 114)), 5)  # diverges in block 1: nothing (the keys chain)
+    assert cache.take_cached_prefix(other) == 0 and other.block_ids == []
+    for seq in (again, exact, mid, other):  # each starts: counted once
+        cache.count_prefix_query(seq)
+    assert cache.prefix_hit_tokens == 12 + 8 + 8 and cache.prefix_queried_tokens == 14 + 12 + 13 + 14
+    for seq in (again, exact, mid):
+        cache.free(seq)
+    assert cache.num_used == 0 and cache.num_free == cache.capacity
+
+
+def test_salts_separate_tenants_and_caching_off_takes_nothing():
+    cache, _ = make_cache(num_blocks=17)
+    compute(cache, make_salted(list(range(9)), 1, salt="a"))
+    assert cache.take_cached_prefix(make_salted(list(range(9)), 2, salt="b")) == 0
+    assert cache.take_cached_prefix(make_salted(list(range(9)), 3)) == 0
+    assert cache.take_cached_prefix(make_salted(list(range(9)), 4, salt="a")) == 8
+    off = CacheManager(KVBlockPool(17, BLOCK), prefix_caching=False)
+    compute(off, make_salted(list(range(9)), 1))
+    assert off.take_cached_prefix(make_salted(list(range(9)), 2)) == 0 and off.num_cached_free == 0
+
+
+def test_eviction_takes_the_least_recent_prefix_ends_first_and_never_a_held_block():
+    cache, pool = make_cache(num_blocks=7)  # 6 usable
+    a = make_salted(list(range(13)), 1)  # 3 full blocks + 1
+    compute(cache, a)
+    blocks_a = list(a.block_ids)
+    cache.free(a)  # 3 cached, freed last-first: a's third block is the first to go
+    b = make_salted([9] * 9, 2)
+    assert cache.allocate_slots(b, 9)  # 3 blocks: the 3 keyless free ones first
+    assert cache.num_cached_free == 3 and pool.evictions == 0
+    c = make_salted([5] * 5, 3)
+    assert cache.allocate_slots(c, 5)  # 2 blocks: evicts a's blocks 3 and 2, keeps its first
+    assert pool.evictions == 2 and set(c.block_ids) == set(blocks_a[1:3])
+    again = make_salted(list(range(13)), 4)
+    assert cache.take_cached_prefix(again) == 4 and again.block_ids == blocks_a[:1]
+    assert not cache.allocate_slots(make_salted([3] * 8, 5), 8)  # nothing free: held blocks are never taken
+    assert pool.refcount(blocks_a[0]) == 1
+
+
+def test_decode_blocks_are_keyed_as_they_fill_and_a_recompute_takes_them_back():
+    cache, _ = make_cache(num_blocks=17)
+    seq = make_salted(list(range(6)), 1)
+    compute(cache, seq)
+    for token in (50, 51, 52):  # decode: each step's token joins the sequence, its K/V the step after
+        seq.token_ids.append(token)
+        assert cache.allocate_slots(seq, 1)
+        seq.num_computed += 1
+        cache.register_computed(seq)
+    assert seq.num_keyed == 2
+    tokens = list(seq.token_ids)
+    cache.free(seq)  # preempted: it recomputes, from its cached blocks
+    assert seq.num_keyed == 0 and cache.take_cached_prefix(seq) == 8 and seq.token_ids == tokens
 
 
 def test_free_listeners_fire_when_a_sequence_gives_blocks_back():

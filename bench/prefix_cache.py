@@ -1,0 +1,135 @@
+"""Prefix caching against caching off, on one engine shape: what an agent client's repeated prompts cost.
+
+    python3 bench/prefix_cache.py --shape qwen3-8b --commit $(git rev-parse --short HEAD) --out $OUT/prefix.json
+    python3 bench/prefix_cache.py --quick --device cpu      # the control flow, on a tiny shape
+
+For caching on and off, each on a fresh engine with random weights (--load-format dummy):
+
+* ``same_prompt``: one 8,192-token prompt, then the same again: the second TTFT against the first;
+* ``shared_prefix``: 32 requests at once, a 4,096-token prefix shared and 64-token tails of their own, 32 tokens
+  out each (the prefix computed once beforehand, as a system prompt would be): TTFT p50 and output tok/s;
+* ``conversation``: 20 turns of an agent session, each prompt the last one plus its 64-token reply plus 1,536
+  tokens of new tool output, growing to ~32k tokens: TTFT per turn, the last against the first.
+
+Greedy, ignore_eos, the loop guard off (random weights repeat themselves). Writes JSON; asserts nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pipeline.engine import Engine  # noqa: E402
+
+from gpu import engine_config, run_one, write_model_dir  # noqa: E402
+from gpu_shapes import QUICK, QUICK_HYBRID, QUICK_MOE, SHAPES  # noqa: E402
+from gpu_util import pct  # noqa: E402
+
+
+def tokens(n: int, rng: random.Random) -> list[int]:
+    return [rng.randrange(100, 30000) for _ in range(n)]
+
+
+def ttft_ms(result: dict) -> float:
+    return (result["stamps"][0][0] - result["start"]) * 1e3
+
+
+async def workloads(engine: Engine, sizes: dict) -> dict:
+    rng = random.Random(7)
+    await run_one(engine, tokens(sizes["same"], rng), 4)  # warm-up at the largest prefill: compiled, allocated
+    out: dict = {}
+
+    prompt = tokens(sizes["same"], rng)
+    first, second = await run_one(engine, prompt, 1), await run_one(engine, list(prompt), 1)
+    out["same_prompt"] = {"prompt_tokens": len(prompt), "first_ttft_ms": ttft_ms(first),
+                          "second_ttft_ms": ttft_ms(second), "second_over_first": ttft_ms(second) / ttft_ms(first)}
+
+    prefix = tokens(sizes["prefix"], rng)
+    await run_one(engine, prefix + tokens(8, rng), 1)
+    start = time.perf_counter()
+    results = await asyncio.gather(*[run_one(engine, prefix + tokens(sizes["tail"], rng), sizes["shared_out"])
+                                     for _ in range(sizes["requests"])])
+    wall = time.perf_counter() - start
+    ttfts = [ttft_ms(r) for r in results]
+    out["shared_prefix"] = {"requests": sizes["requests"], "prefix_tokens": len(prefix), "tail_tokens": sizes["tail"],
+                            "output_tokens": sizes["shared_out"], "ttft_ms_p50": pct(ttfts, 50),
+                            "ttft_ms_max": max(ttfts), "output_tok_s": sum(len(r["ids"]) for r in results) / wall}
+
+    history, turns = tokens(sizes["turn"], rng), []
+    for _ in range(sizes["turns"]):
+        result = await run_one(engine, history, sizes["reply"])
+        turns.append({"prompt_tokens": len(history), "ttft_ms": ttft_ms(result)})
+        history = history + result["ids"] + tokens(sizes["turn"], rng)
+    out["conversation"] = {"turns": turns, "last_over_first": turns[-1]["ttft_ms"] / turns[0]["ttft_ms"]}
+    return out
+
+
+async def run(a: argparse.Namespace, model_dir: str, caching: bool, sizes: dict) -> dict:
+    engine = await Engine.create(engine_config(a, model_dir, prefix_caching=caching, max_num_seqs=64,
+                                               max_model_len=sizes["max_model_len"]))
+    try:
+        result = await workloads(engine, sizes)
+        result["prefix_cache_stats"] = engine.stats()["prefix_cache"]
+        return result
+    finally:
+        await engine.shutdown()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="tiny shape and sizes (the control flow)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokenizer", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), ".peer", "tokenizer"))
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefix_cache.json"))
+    a = ap.parse_args()
+    shape = SHAPES[a.shape]
+    if a.quick:
+        shape = {**shape, **(QUICK_HYBRID if shape.get("linear_num_value_heads") else
+                             QUICK_MOE if shape.get("num_experts") else QUICK)}
+    sizes = (dict(same=256, prefix=128, tail=8, requests=8, shared_out=4, turn=48, reply=4, turns=5,
+                  max_model_len=1024) if a.quick else
+             dict(same=8192, prefix=4096, tail=64, requests=32, shared_out=32, turn=1536, reply=64, turns=20,
+                  max_model_len=40960))
+    model_dir = write_model_dir(shape, a.tokenizer)
+    report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "date": time.strftime("%Y-%m-%d %H:%M"),
+                    "sizes": sizes}
+    try:
+        import torch
+
+        report["device"] = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+        for caching in (True, False):
+            report["on" if caching else "off"] = asyncio.run(run(a, model_dir, caching, sizes))
+            with open(a.out, "w") as handle:
+                json.dump(report, handle, indent=1)
+    finally:
+        shutil.rmtree(model_dir, ignore_errors=True)
+    on, off = report["on"], report["off"]
+    report["vs_off"] = {
+        "same_prompt_second_ttft": on["same_prompt"]["second_ttft_ms"] / off["same_prompt"]["second_ttft_ms"],
+        "shared_prefix_ttft_p50": on["shared_prefix"]["ttft_ms_p50"] / off["shared_prefix"]["ttft_ms_p50"],
+        "conversation_last_ttft": (on["conversation"]["turns"][-1]["ttft_ms"]
+                                   / off["conversation"]["turns"][-1]["ttft_ms"]),
+    }
+    with open(a.out, "w") as handle:
+        json.dump(report, handle, indent=1)
+    print(json.dumps({k: report[k] for k in ("device", "shape", "vs_off")}, indent=1))
+    for mode in ("on", "off"):
+        r = report[mode]
+        print(mode, "same 2nd/1st", round(r["same_prompt"]["second_over_first"], 3), "shared p50 ms",
+              round(r["shared_prefix"]["ttft_ms_p50"], 1), "conv last/first",
+              round(r["conversation"]["last_over_first"], 2))
+
+
+if __name__ == "__main__":
+    main()
