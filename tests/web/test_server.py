@@ -154,3 +154,18 @@ def test_metrics_count_requests_and_tokens(server, client):
     for name in ("conveyor_time_to_first_token_seconds_count", "conveyor_kv_blocks_total",
                  "conveyor_stage_service_time_seconds_count", "conveyor_num_requests_waiting"):
         metric_value(text, name)
+
+
+def test_a_repeated_prompt_reports_its_cached_tokens_and_a_salt_isolates_it(client):
+    messages = [{"role": "user", "content": "A longer question about rivers, lakes and the sea, asked twice."}]
+    kwargs = dict(model="tiny", messages=messages, max_tokens=4, temperature=0, extra_body={"ignore_eos": True})
+    first = client.chat.completions.create(**kwargs).usage
+    second = client.chat.completions.create(**kwargs).usage
+    assert second.prompt_tokens == first.prompt_tokens
+    assert 0 < second.prompt_tokens_details.cached_tokens < second.prompt_tokens
+    salted = client.chat.completions.create(**{**kwargs, "extra_body": {"ignore_eos": True, "cache_salt": "t1"}})
+    assert salted.usage.prompt_tokens_details.cached_tokens == 0
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**kwargs, "extra_body": {"cache_salt": ""}})
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(**{**kwargs, "extra_body": {"cache_salt": 3}})
