@@ -68,7 +68,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         cuda_graph_max_batch=args.cuda_graph_max_batch, load_format=args.load_format,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
-                        run_ahead=not args.disable_run_ahead, prefix_caching=not args.no_prefix_caching, gc_young_threshold=args.gc_young_threshold,
+                        run_ahead=not args.disable_run_ahead, prefix_caching=not args.no_prefix_caching,
+                        gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))
 

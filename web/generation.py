@@ -332,5 +332,6 @@ async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[Outpu
     while (delta := await anext(stream, None)) is not None:  # one merged delta per read: a slow client falls behind
         await body.write(events(delta))
     if endpoint.include_usage:
-        await body.write(sse_event(endpoint.usage_chunk(usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens))))
+        final = usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens)
+        await body.write(sse_event(endpoint.usage_chunk(final)))
     await body.write(SSE_DONE)
