@@ -105,3 +105,38 @@ def test_64_concurrent_requests_with_shared_prefixes_leave_no_block_used(tiny_mo
 
     stats = run_async(main())
     assert stats["prefix_cache"]["hit_tokens"] > 0 and stats["kv_blocks"]["used"] == 0
+
+
+async def until(condition, timeout_s: float = 30.0) -> None:
+    """Poll an engine condition; the deadline only turns a hang into a failure."""
+    async def poll():
+        while not condition():
+            await asyncio.sleep(0.001)
+    await asyncio.wait_for(poll(), timeout_s)
+
+
+def test_a_waiting_prompt_holding_cached_blocks_gives_them_back_when_cancelled(tiny_model_dir):
+    """One seat: a second request waits for it, having taken its cached prefix; aborting it frees those blocks."""
+    async def main():
+        engine = await Engine.create(config_for(tiny_model_dir, max_num_seqs=1))
+        try:
+            await outputs(engine, BASE, greedy(2))  # caches BASE's blocks
+            running = asyncio.ensure_future(outputs(engine, [3, 4, 5], greedy(300)))
+            await until(lambda: engine.stats()["running"] == 1)
+            waiting = asyncio.ensure_future(outputs(engine, BASE + [9], greedy(4)))
+            await until(lambda: engine.stats()["kv_blocks"]["cached_free"] < 9)  # the waiting prompt took them
+            assert engine.stats()["running"] == 1 and not waiting.done()
+            held = engine.stats()["kv_blocks"]["used"]
+            waiting.cancel()
+            await asyncio.gather(waiting, return_exceptions=True)
+            running.cancel()
+            await asyncio.gather(running, return_exceptions=True)
+            await settle(engine)
+            assert_no_leaks(engine)
+            return held, engine.stats()["kv_blocks"]["cached_free"]
+        finally:
+            await engine.shutdown()
+
+    held, cached = run_async(main())
+    assert held >= 9 + 1  # the waiting prompt's 9 cached blocks and the running one's
+    assert cached >= 9
