@@ -95,7 +95,6 @@ def ablate(runner, variants: list[str], context: int, max_model_len: int, iters:
             runner.capture_decode_graphs(1, max_model_len)
             graphs = runner.graphs
             rows[name] = min(_device_ms(lambda: graphs.run(forward), iters) for _ in range(3))
-    runner.capture_decode_graphs(1, max_model_len)
     base = rows.get("step")
     return {name: {"replay_ms": ms, "saves_ms": None if base is None else base - ms} for name, ms in rows.items()}
 

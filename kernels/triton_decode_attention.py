@@ -29,19 +29,19 @@ WAVES = 2  # decode aims at this many programs per SM
 # CONVEYOR_ATTN_COMBINE_IN_SPLITS=1: the last split to finish combines (no reduce kernel); not yet measured end to end
 COMBINE_IN_SPLITS = os.environ.get("CONVEYOR_ATTN_COMBINE_IN_SPLITS", "0") == "1"
 ARRIVAL_COUNTERS = 1 << 16  # (sequence, KV head) pairs a step may combine in its splits
-_counters: dict[torch.device, list[torch.Tensor]] = {}
+_counters: dict[torch.device, torch.Tensor] = {}
 
 
 def arrival_counters(device: torch.device) -> torch.Tensor:
     """The device's arrival counts (int32 zeros, each reset by the split that reads it last). Made once, outside
     graph capture (the eager warm-up before a capture makes it), and never freed: graphs hold its address. Kernels
     on one stream at a time use it (a step's layers one after another)."""
-    held = _counters.get(device)
-    if not held:
+    counters = _counters.get(device)
+    if counters is None:
         if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
             raise RuntimeError("the arrival counters must exist before a CUDA graph capture (run a step eagerly)")
-        held = _counters.setdefault(device, [torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)])
-    return held[0]
+        counters = _counters[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
+    return counters
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:

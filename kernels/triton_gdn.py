@@ -148,29 +148,28 @@ def gated_delta_rule_recurrent_triton(
         if z.shape != v.shape or z.stride(2) != 1 or norm_w.shape != (dv,):
             raise ValueError(f"gated norm z {tuple(z.shape)} / weight {tuple(norm_w.shape)} do not fit v "
                              f"{tuple(v.shape)} (z's last dim must be contiguous)")
-        if SPLIT_NORM and B * HV <= SPLIT_NORM_MAX_HEADS:
-            o = gated_delta_rule_recurrent_triton(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
-                                                  query_start_loc, init, use_qk_l2norm)
-            return rms_norm_gated_triton(o, z, norm_w, eps)
+    norm_after = gated_norm is not None and SPLIT_NORM and B * HV <= SPLIT_NORM_MAX_HEADS
+    in_kernel = gated_norm is not None and not norm_after
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
-    if gated_norm is not None:
+    if in_kernel:
         # one program a head, 4 warps: at batch 1 no slower than the split kernel plus the norm kernel, and 5-30%
         # faster from batch 4 to 256 (8 warps lost up to 1.45x at 256; results/gdn-decode-ab-h200-bb9dc93.json)
         bv, warps, prod = pow2(dv, 16), 4, _TL_DTYPES[torch.promote_types(norm_w.dtype, v.dtype)]
         z_strides = (z.stride(0), z.stride(1))
+        kernel_norm = (z, norm_w, eps)
     else:
-        z, norm_w, eps, z_strides = o, o, 0.0, (0, 0)
+        kernel_norm, z_strides = (o, o, 0.0), (0, 0)
         bv, warps, prod = min(32, pow2(dv, 16)), 4, _TL_DTYPES[v.dtype]
     if B == 0 or T == 0:
         return o
     _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
-        q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, z, norm_w, eps, dk**-0.5,
+        q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, *kernel_norm, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), *z_strides,
         GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
-        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps, EARLY=EARLY_LOADS, **pdl_launch(q),
+        NORM=in_kernel, PROD_DTYPE=prod, num_warps=warps, EARLY=EARLY_LOADS, **pdl_launch(q),
     )
-    return o
+    return rms_norm_gated_triton(o, z, norm_w, eps) if norm_after else o
 
 
 def gated_delta_rule_chunked_triton(

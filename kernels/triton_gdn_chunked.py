@@ -25,7 +25,6 @@ tf32 tensor cores for 16-bit models, exact fp32 ("ieee", slow) for fp32 inputs a
 
 from __future__ import annotations
 
-
 import torch
 
 from kernels.triton_compat import INTERPRET  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32

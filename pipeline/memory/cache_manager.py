@@ -17,6 +17,7 @@ always computed, for its logits. Blocks go back last-first, so eviction eats pre
 from __future__ import annotations
 
 from collections.abc import Callable
+from itertools import islice
 from typing import TYPE_CHECKING
 
 from pipeline.memory.block_hashes import extend_block_hashes
@@ -84,7 +85,7 @@ class CacheManager:
         tokens = seq.token_ids
         limit = (len(tokens) - 1) // size
         keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
-        blocks = self._pool.acquire(self._pool.lookup(keys[:limit]))
+        blocks = self._pool.acquire(self._pool.lookup(islice(keys, limit)))
         if not blocks:
             seq.missed_at = self._pool.keys_added
         seq.block_ids = blocks
