@@ -11,8 +11,7 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``attention``: no decode attention kernels (the query stands in for the output);
 * ``splits=N``: decode attention with N KV splits at batch 1 (the graph's plan; 1 runs no reduce kernel);
 * ``prologue``: no q/k norm + rope + KV write kernel;
-* ``route``: no routing at all (the routing kernel's first choice kept, the expert kernels reading it);
-* ``route_kernel``: routing in its own kernel again, not in the expert kernels (``CONVEYOR_MOE_ROUTE_IN_EXPERTS=0``);
+* ``route``: no routing kernel (the first step's expert choice, kept);
 * ``experts``: no expert kernels (the routed and folded shared experts);
 * ``conv`` / ``delta_rule``: no Gated DeltaNet conv / recurrence kernel (hybrid shapes).
 """
@@ -32,7 +31,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels.gdn as gdn  # noqa: E402
-import kernels.moe as kernel_moe  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
@@ -76,14 +74,10 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         return patched(cuda_graphs, "decode_num_splits", lambda *args, **kwargs: n)
     if name == "prologue":
         return patched(dispatch, "qkv_prologue", lambda *args, **kwargs: None)
-    if name in ("route", "route_kernel"):
-        stack = contextlib.ExitStack()
-        stack.enter_context(patched(kernel_moe, "ROUTE_IN_EXPERTS", False))
-        if name == "route":
-            stack.enter_context(patched(kernel_moe, "route_topk", kept_first(kernel_moe.route_topk)))
-        return stack
+    if name == "route":
+        return patched(moe, "route_topk", kept_first(moe.route_topk))
     if name == "experts":
-        return patched(moe, "routed_moe", kept_first(lambda x, *args: torch.zeros_like(x)))
+        return patched(moe, "fused_moe", kept_first(lambda x, *args: torch.zeros_like(x)))
     if name == "conv":
         return patched(gdn, "causal_conv1d_varlen", lambda x, *args, **kwargs: x)
     if name == "delta_rule":
@@ -114,8 +108,7 @@ async def main_async(a: argparse.Namespace) -> dict:
         runner = engine.loaded.runner
         max_model_len = runner.graphs.max_blocks * runner.block_size
         hybrid = bool(shape.get("linear_num_value_heads"))
-        variants = ["step", "attention", "splits=1", "splits=4", "splits=16", "prologue", "route", "route_kernel",
-                    "experts"]
+        variants = ["step", "attention", "splits=1", "splits=4", "splits=16", "prologue", "route", "experts"]
         variants += ["conv", "delta_rule"] if hybrid else []
         variants = a.variants or variants
         result = await engine.executor.call(lambda: ablate(runner, variants, a.context, max_model_len, a.iters))

@@ -25,8 +25,6 @@ more the slots are grouped by expert (``group_by_expert``, host-sync free) and r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -190,26 +188,3 @@ def fused_moe(
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
-
-
-# The decode kernels route for themselves (no routing kernel; kernels/triton_moe_decode.py). CONVEYOR_MOE_ROUTE_IN_EXPERTS=0
-# keeps the routing kernel (the A/B switch of bench/launch_ab.sh)
-ROUTE_IN_EXPERTS = os.environ.get("CONVEYOR_MOE_ROUTE_IN_EXPERTS", "1") != "0"
-
-
-def routed_moe(
-    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int, renormalize: bool,
-    shared_expert_id: int | None = None, expert_offset: int = 0, num_local_experts: int | None = None,
-) -> torch.Tensor:
-    """``fused_moe(x, ..., *route_topk(router_logits, ...))``: on the Triton decode path (``T * k' <=
-    DECODE_SLOTS``) the expert kernels pick the experts from the logits themselves, one launch fewer a layer."""
-    from kernels.dispatch import use_triton
-
-    width = top_k + (shared_expert_id is not None)
-    if ROUTE_IN_EXPERTS and use_triton(x.device) and x.shape[0] * width <= DECODE_SLOTS:
-        from kernels.triton_moe_decode import fused_moe_decode_routed_triton
-
-        return fused_moe_decode_routed_triton(x, w13, w2, router_logits, top_k, renormalize, shared_expert_id,
-                                              expert_offset, num_local_experts)
-    topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize, shared_expert_id)
-    return fused_moe(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)

@@ -22,15 +22,12 @@ Block sizes and warps come from H200 sweeps on the Qwen3-30B-A3B and Qwen3.5-35B
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from kernels.moe import check_kernel_inputs
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_moe_routing import MAX_EXPERTS, MAX_TOP_K, load_router_rows, pick_top_k
 
 # By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps) of gate/up,
 # (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from H200 sweeps (bench/moe_tune.py). The down kernel
@@ -70,22 +67,14 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int]
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
     TOP_K, H, I, x_s0, expert_offset, n_local,
-    logits_ptr, E, stride_lt, stride_le, shared_id,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
-    ROUTE: tl.constexpr = False, SHARED: tl.constexpr = False, E_PAD: tl.constexpr = 1, K_PAD: tl.constexpr = 1,
-    ROUTE_ROWS: tl.constexpr = 1,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
-    ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait).
-    ROUTE: no ids; the slot's expert is picked here from the router logits (``routed_expert``)."""
+    ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait)."""
     pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if ROUTE:
-        e = routed_expert(logits_ptr, slot, TOP_K, E, stride_lt, stride_le, shared_id, SHARED, E_PAD, K_PAD,
-                          ROUTE_ROWS) - expert_offset
-    else:
-        e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
+    e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     h_ptrs = h_ptr + slot.to(tl.int64) * I + offs_n
@@ -122,10 +111,8 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
-    logits_ptr, E, stride_lt, stride_le, shared_id,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False, ROUTE: tl.constexpr = False, SHARED: tl.constexpr = False,
-    RENORMALIZE: tl.constexpr = False, E_PAD: tl.constexpr = 1, ROUTE_ROWS: tl.constexpr = 1,
+    EARLY: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
@@ -139,16 +126,10 @@ def _decode_down_kernel(
     # routing and the first weight tile are read before the wait, overlapping the gate/up kernel's tail.
     offs_j = tl.arange(0, K_PAD)
     slots = tok * TOP_K + offs_j
-    if ROUTE:  # the router logits are complete: the gate/up kernel's wait covered the router projection
-        e, rw = routed_slots(logits_ptr, tok, TOP_K, E, stride_lt, stride_le, shared_id, SHARED, RENORMALIZE,
-                             E_PAD, K_PAD, ROUTE_ROWS)
-        e = e - expert_offset
-    else:
-        e = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0).to(tl.int64) - expert_offset
-        rw = tl.load(tw_ptr + slots, mask=offs_j < TOP_K, other=0.0).to(tl.float32)
+    e = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0).to(tl.int64) - expert_offset
     local = (offs_j < TOP_K) & (e >= 0) & (e < n_local)  # slots routed to another rank's experts add nothing
     e = tl.where(local, e, 0)
-    rw = tl.where(local, rw, 0.0)
+    rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
     offs_k = tl.arange(0, BLOCK_K)
@@ -171,40 +152,6 @@ def _decode_down_kernel(
     tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
 
 
-@_jit
-def routed_slots(logits_ptr, tok, TOP_K, E, stride_lt, stride_le, shared_id, SHARED: tl.constexpr,
-                 RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """Token ``tok``'s TOP_K slots (the shared expert last when SHARED) from its router logits, as
-    ``route_topk_triton`` writes them: ([K_PAD] int64 ids, [K_PAD] fp32 weights). ROWS copies of the row (one a
-    warp) keep the top-k rounds in shuffles; one cross-warp reduction collapses them at the end."""
-    routed = TOP_K - 1 if SHARED else TOP_K
-    row, valid = load_router_rows(logits_ptr, tok, E, stride_lt, stride_le, ROWS, E_PAD)
-    top_i, top_w = pick_top_k(row, valid, routed, RENORMALIZE, E_PAD, K_PAD)
-    ids = tl.max(top_i, axis=0).to(tl.int64)
-    weights = tl.max(top_w, axis=0)
-    if SHARED:
-        offs_j = tl.arange(0, K_PAD)
-        gate = tl.load(logits_ptr + tok * stride_lt + E * stride_le).to(tl.float32)
-        ids = tl.where(offs_j == routed, shared_id, ids)
-        weights = tl.where(offs_j == routed, 1.0 / (1.0 + tl.exp(-gate)), weights)
-    return ids, weights
-
-
-@_jit
-def routed_expert(logits_ptr, slot, TOP_K, E, stride_lt, stride_le, shared_id, SHARED: tl.constexpr,
-                  E_PAD: tl.constexpr, K_PAD: tl.constexpr, ROWS: tl.constexpr):
-    """The expert of flat slot ``slot`` (token ``slot // TOP_K``), as ``routed_slots`` orders them."""
-    tok = (slot // TOP_K).to(tl.int64)
-    j = slot % TOP_K
-    routed = TOP_K - 1 if SHARED else TOP_K
-    row, valid = load_router_rows(logits_ptr, tok, E, stride_lt, stride_le, ROWS, E_PAD)
-    top_i, _ = pick_top_k(row, valid, routed, False, E_PAD, K_PAD)
-    e = tl.max(tl.max(tl.where(tl.arange(0, K_PAD)[None, :] == j, top_i, 0), axis=1), axis=0).to(tl.int64)
-    if SHARED:
-        e = tl.where(j == routed, shared_id, e)
-    return e
-
-
 def _check_config(config: tuple[int, int, int]) -> tuple[int, int, int]:
     for b in config:
         if b < 1 or b & (b - 1):
@@ -221,79 +168,25 @@ def fused_moe_decode_triton(
     ``(BLOCK_N over I, BLOCK_K over H, num_warps)`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
     num_warps)`` override the table (``decode_config``; powers of two)."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    return _launch(x, w13, w2, t, h, inter, top_k, ids, tw, None, expert_offset, n_local, gate_up_config,
-                   down_config)
-
-
-@dataclass(slots=True)
-class _Routing:
-    """What the kernels need to route for themselves: the logits [T, E (+1)], the routed count and options."""
-
-    logits: torch.Tensor
-    experts: int
-    shared_id: int | None
-    renormalize: bool
-
-
-def fused_moe_decode_routed_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, router_logits: torch.Tensor, top_k: int,
-    renormalize: bool, shared_expert_id: int | None = None, expert_offset: int = 0,
-    num_local_experts: int | None = None, *, gate_up_config: tuple[int, int, int] | None = None,
-    down_config: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """``fused_moe_decode_triton(x, w13, w2, *route_topk_triton(router_logits, top_k, renormalize,
-    shared_expert_id), ...)`` without the routing kernel: each gate/up program picks its slot's expert from the
-    logits and the down kernel its token's slots and weights (the same ``pick_top_k``, so the same experts, weights
-    and result). At batch 1 that takes a launch and a round trip through memory off every MoE layer."""
-    shared = shared_expert_id is not None
-    if router_logits.dim() != 2 or router_logits.shape[0] != x.shape[0] or not router_logits.is_floating_point():
-        raise ValueError(f"router logits {tuple(router_logits.shape)} do not fit x {tuple(x.shape)}")
-    experts = router_logits.shape[1] - shared
-    if not 1 <= experts <= MAX_EXPERTS or not 1 <= top_k <= min(experts, MAX_TOP_K):
-        raise ValueError(f"need 1 <= top_k ({top_k}) <= experts ({experts}) <= {MAX_EXPERTS}")
-    width = top_k + shared
-    stand_in = torch.empty(x.shape[0], width, device=x.device)  # for the shape checks only
-    t, h, n_local, inter, _ = check_kernel_inputs(x, w13, w2, stand_in, stand_in, num_local_experts)
-    routing = _Routing(router_logits, experts, shared_expert_id, bool(renormalize))
-    return _launch(x, w13, w2, t, h, inter, width, None, None, routing, expert_offset, n_local, gate_up_config,
-                   down_config)
-
-
-def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t: int, h: int, inter: int, width: int,
-            ids: torch.Tensor | None, tw: torch.Tensor | None, routing: _Routing | None, expert_offset: int,
-            n_local: int, gate_up_config: tuple[int, int, int] | None,
-            down_config: tuple[int, int, int] | None) -> torch.Tensor:
-    """The two launches: routed by ``ids``/``tw`` [T * width] or, with ``routing``, in the kernels."""
-    if t == 0 or h == 0 or width == 0:
+    if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    default_gate_up, default_down = decode_config(t, width)
+    default_gate_up, default_down = decode_config(t, top_k)
     bn1, bk1, warps1 = _check_config(gate_up_config or default_gate_up)
     bn2, bk2, warps2 = _check_config(down_config or default_down)
     x = x if x.stride(1) == 1 else x.contiguous()
-    n_slots = t * width
+    n_slots = t * top_k
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
     pdl = pdl_launch(x)
     early = bool(pdl) and EARLY_LOADS
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
-    k_pad = triton.next_power_of_2(width)
-    if routing is None:
-        route_args, route_opts = (y, 0, 0, 0, 0), {}
-    else:
-        lg = routing.logits
-        ids = tw = y
-        route_args = (lg, routing.experts, lg.stride(0), lg.stride(1), routing.shared_id or 0)
-        route_opts = dict(ROUTE=True, SHARED=routing.shared_id is not None,
-                          E_PAD=triton.next_power_of_2(routing.experts))
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
-        x, w13, ids, act, width, h, inter, x.stride(0), expert_offset, n_local, *route_args,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, LATE_TRIGGER=early,
-        **route_opts, **({"K_PAD": k_pad, "ROUTE_ROWS": warps1} if route_opts else {}), **pdl,
+        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
+        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, LATE_TRIGGER=early, **pdl,
     )
-    down_route = {**route_opts, "RENORMALIZE": routing.renormalize, "ROUTE_ROWS": warps2} if route_opts else {}
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
-        act, w2, ids, tw, y, width, h, inter, y.stride(0), expert_offset, n_local, *route_args,
-        K_PAD=k_pad, BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, EARLY=early, **down_route, **pdl,
+        act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, EARLY=early, **pdl,
     )
     return y

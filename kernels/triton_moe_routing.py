@@ -34,46 +34,6 @@ def logit_of(key):
 
 
 @_jit
-def pick_top_k(row, valid, TOP_K, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    """Each row of ``row`` [R, E_PAD] (fp32 logits; ``valid`` marks the experts): its TOP_K experts, largest logit
-    first, and their weights, as ``([R, K_PAD] int32 ids, [R, K_PAD] fp32 weights)``, columns from TOP_K on 0.
-    The reductions run along the rows, so R copies of one row (one a warp) keep them in each warp's shuffles."""
-    # One int64 key an expert: the logit's bits made order-preserving (negative floats' magnitude bits flipped; -0
-    # taken as +0 first) above the expert's complement index, so one max gives the largest logit and, among ties, the
-    # lowest expert. The taken key is retired; padding is retired from the start.
-    offs = tl.arange(0, E_PAD)[None, :]
-    bits = tl.where(row == 0.0, 0.0, row).to(tl.int32, bitcast=True)
-    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
-    key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - offs).to(tl.int64)
-    retired = tl.full(key.shape, -(1 << 63), dtype=tl.int64)
-    key = tl.where(valid, key, retired)
-    slots = tl.arange(0, K_PAD)[None, :]
-    best = tl.max(key, axis=1)  # the first pick: the row's maximum
-    key = tl.where(key == best[:, None], retired, key)
-    top_key = tl.where(slots == 0, best[:, None], 0)
-    peak = logit_of(best)
-    for j in range(1, TOP_K):
-        best = tl.max(key, axis=1)
-        key = tl.where(key == best[:, None], retired, key)
-        top_key = tl.where(slots == j, best[:, None], top_key)
-    top_i = tl.where(slots < TOP_K, (E_PAD - 1 - (top_key & 0xFFFFFFFF)).to(tl.int32), 0)
-    denominator = tl.sum(tl.where(valid, tl.exp(row - peak[:, None]), 0.0), axis=1)
-    top_w = tl.where(slots < TOP_K, tl.exp(logit_of(top_key) - peak[:, None]) / denominator[:, None], 0.0)
-    if RENORMALIZE:
-        top_w = top_w / tl.sum(top_w, axis=1)[:, None]
-    return top_i, top_w
-
-
-@_jit
-def load_router_rows(logits_ptr, tok, E, stride_t, stride_e, ROWS: tl.constexpr, E_PAD: tl.constexpr):
-    """Token ``tok``'s routed logits as ROWS identical fp32 rows [ROWS, E_PAD] (-inf padding) and their mask."""
-    offs = tl.arange(0, E_PAD)
-    valid = (offs < E)[None, :] & (tl.arange(0, ROWS) >= 0)[:, None]
-    ptrs = logits_ptr + tok * stride_t + offs[None, :] * stride_e + tl.zeros((ROWS, 1), dtype=tl.int64)
-    return tl.load(ptrs, mask=valid, other=float("-inf")).to(tl.float32), valid
-
-
-@_jit
 def _route_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
     RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -82,9 +42,32 @@ def _route_topk_kernel(
     """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K."""
     pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
-    row, valid = load_router_rows(logits_ptr, tok, E, stride_t, stride_e, 1, E_PAD)
-    top_i, top_w = pick_top_k(row, valid, TOP_K, RENORMALIZE, E_PAD, K_PAD)
-    slots = tl.arange(0, K_PAD)[None, :]
+    offs = tl.arange(0, E_PAD)
+    valid = offs < E
+    row = tl.load(logits_ptr + tok * stride_t + offs * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
+    # One int64 key an expert: the logit's bits made order-preserving (negative floats' magnitude bits flipped; -0
+    # taken as +0 first) above the expert's complement index, so one max gives the largest logit and, among ties, the
+    # lowest expert. The taken key is retired; padding is retired from the start.
+    bits = tl.where(row == 0.0, 0.0, row).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - offs).to(tl.int64)
+    retired = tl.full((E_PAD,), -(1 << 63), dtype=tl.int64)
+    key = tl.where(valid, key, retired)
+    slots = tl.arange(0, K_PAD)
+    best = tl.max(key, axis=0)  # the first pick: the row's maximum
+    key = tl.where(key == best, retired, key)
+    top_key = tl.where(slots == 0, best, tl.full((K_PAD,), 0, dtype=tl.int64))
+    peak = logit_of(best)
+    for j in range(1, TOP_K):
+        best = tl.max(key, axis=0)
+        key = tl.where(key == best, retired, key)
+        top_key = tl.where(slots == j, best, top_key)
+    top_i = (E_PAD - 1 - (top_key & 0xFFFFFFFF)).to(tl.int32)
+    top_v = logit_of(top_key)
+    denominator = tl.sum(tl.where(valid, tl.exp(row - peak), 0.0), axis=0)
+    top_w = tl.where(slots < TOP_K, tl.exp(top_v - peak) / denominator, 0.0)
+    if RENORMALIZE:
+        top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), axis=0)
     width = TOP_K + 1 if SHARED else TOP_K
     out = tok * width + slots
     tl.store(weights_ptr + out, top_w, mask=slots < TOP_K)

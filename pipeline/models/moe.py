@@ -31,7 +31,7 @@ import re
 import torch
 from torch import nn
 
-from kernels.moe import fused_moe, route_topk, routed_moe
+from kernels.moe import fused_moe, route_topk
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 
 
@@ -138,8 +138,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``forward`` given the router's output for x."""
-        y = self.combine(routed_moe(x, logits[:, :self.router_rows], self.w13, self.w2, self.top_k,
-                                    self.norm_topk_prob, self.shared_expert_id, self.expert_offset, self.num_stacked))
+        topk_weights, topk_ids = self.route_logits(logits)
+        y = self.combine(self.experts(x, topk_weights, topk_ids))
         if self.shared_expert is not None:
             y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return y

@@ -103,52 +103,6 @@ def test_decode_bf16_and_int32_ids():
     torch.testing.assert_close(y.float(), ref.float(), atol=4 * 2**-7 * scale, rtol=4 * 2**-7)
 
 
-@needs_triton
-@pytest.mark.parametrize("t", [1, 2, 5])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shared,renormalize,offset,n_local", [
-    (False, True, 0, None), (False, False, 0, None), (True, True, 0, None), (True, False, 0, None),
-    (False, True, 4, 4), (True, True, 4, 5)])  # the last: experts [4, 8) and the shared expert (id 8) local
-@pytest.mark.parametrize("configs", [None, ((16, 16, 4), (16, 16, 2))])
-def test_decode_routed_in_kernels_equals_routing_kernel(t, dtype, shared, renormalize, offset, n_local, configs):
-    """Routing inside the MoE kernels gives what the routing kernel followed by the decode kernels gives, bit for
-    bit (the same picks, weights and sums), with ties (two equal logits a row), the shared expert folded in as
-    slot k and a local subset of the experts."""
-    from kernels.triton_moe_decode import fused_moe_decode_routed_triton, fused_moe_decode_triton
-    from kernels.triton_moe_routing import route_topk_triton
-
-    k, n_routed = 3, 8
-    x = randn(t, H, seed=11, dtype=dtype)
-    w13, w2 = weights(n_routed + shared, dtype=dtype)
-    if offset:
-        w13, w2 = w13[offset:offset + n_local].contiguous(), w2[offset:offset + n_local].contiguous()
-    logits = randn(t, n_routed + shared, seed=12 + t, dtype=dtype)
-    logits[:, 5] = logits[:, 2]  # a tie in every row
-    shared_id = n_routed if shared else None
-    kw = {} if configs is None else {"gate_up_config": configs[0], "down_config": configs[1]}
-    tw, ids = route_topk_triton(logits, k, renormalize, shared_id)
-    expected = fused_moe_decode_triton(x, w13, w2, tw, ids, offset, n_local, **kw)
-    y = fused_moe_decode_routed_triton(x, w13, w2, logits, k, renormalize, shared_id, offset, n_local, **kw)
-    assert torch.equal(y, expected)
-    full_w13, full_w2 = weights(n_routed + shared, dtype=dtype)
-    if not offset:
-        ref = fused_moe_ref(x, full_w13, full_w2, tw, ids)
-        tol = 1e-5 if dtype == torch.float32 else 4 * 2**-7 * (ref.float().abs().max().item() + 1.0)
-        torch.testing.assert_close(y.float(), ref.float(), atol=tol, rtol=tol)
-
-
-def test_decode_routed_rejects_bad_inputs():
-    from kernels.triton_moe_decode import fused_moe_decode_routed_triton
-
-    x = randn(2, H)
-    w13, w2 = weights()
-    with pytest.raises(ValueError):
-        fused_moe_decode_routed_triton(x, w13, w2, randn(3, E), 2, True)  # rows do not match x
-    with pytest.raises(ValueError):
-        fused_moe_decode_routed_triton(x, w13, w2, randn(2, E), E + 1, True)  # k above the experts
-    assert fused_moe_decode_routed_triton(x[:0], w13, w2, randn(0, E), 2, True).shape == (0, H)
-
-
 def test_decode_rejects_bad_inputs():
     from kernels.triton_moe_decode import fused_moe_decode_triton
 
