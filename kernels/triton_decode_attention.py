@@ -11,8 +11,6 @@ shared with the prefill kernel (``kernels/triton_paged_attention.py``).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
@@ -26,24 +24,6 @@ MAX_SPLITS = 128  # H200, Qwen3.5-35B-A3B B1 after 32k tokens: 333.4 tok/s with 
 WAVES = 2  # decode aims at this many programs per SM
 
 
-# CONVEYOR_ATTN_COMBINE_IN_SPLITS=1: the last split to finish combines (no reduce kernel); not yet measured end to end
-COMBINE_IN_SPLITS = os.environ.get("CONVEYOR_ATTN_COMBINE_IN_SPLITS", "0") == "1"
-ARRIVAL_COUNTERS = 1 << 16  # (sequence, KV head) pairs a step may combine in its splits
-_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def arrival_counters(device: torch.device) -> torch.Tensor:
-    """The device's arrival counts (int32 zeros, each reset by the split that reads it last). Made once, outside
-    graph capture (the eager warm-up before a capture makes it), and never freed: graphs hold its address. Kernels
-    on one stream at a time use it (a step's layers one after another)."""
-    counters = _counters.get(device)
-    if counters is None:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("the arrival counters must exist before a CUDA graph capture (run a step eagerly)")
-        counters = _counters[device] = torch.zeros(ARRIVAL_COUNTERS, dtype=torch.int32, device=device)
-    return counters
-
-
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
     """Splits per sequence: enough (sequence, KV head, split) programs for WAVES waves over the SMs, but no split
     under MIN_SPLIT_TOKENS keys; 1 (no reduce kernel) when B * KVH already fills the GPU or contexts are short."""
@@ -54,17 +34,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 
 @_jit(do_not_specialize=['num_splits', 'stride_bt'])
 def _decode_split_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr, gate_ptr, count_ptr,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr, gate_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh, stride_gb, stride_gh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True, COMBINE: tl.constexpr = False,
+    EARLY: tl.constexpr = True,
 ):
-    """COMBINE: no reduce kernel follows; the last split of a (sequence, KV head) to finish combines the partials
-    (an arrival count a (sequence, KV head) in ``count_ptr``, reset by that split); a sequence with one non-empty
-    split stores its output directly."""
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
@@ -125,59 +102,17 @@ def _decode_split_kernel(
         )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
-    o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
-    g_ptrs = gate_ptr + b * stride_gb + heads[:, None] * stride_gh + dims[None, :]
-    active = tl.cdiv(seq_len, split_len)  # the non-empty splits
     if DIRECT:
-        store_output(out, o_ptrs, g_ptrs, q_mask, GATED)
-    elif COMBINE and active == 1:
-        if split == 0:
-            store_output(out, o_ptrs, g_ptrs, q_mask, GATED)
+        if GATED:
+            out = output_gate(out, gate_ptr + b * stride_gb + heads[:, None] * stride_gh + dims[None, :], q_mask,
+                              out_ptr.dtype.element_ty)
+        o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        first = (b * GROUP * tl.num_programs(1) + heads) * num_splits  # [B, H, splits] row-major
+        part = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [B, H, splits] row-major
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], out, mask=q_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        if not COMBINE:  # the reduce kernel reads every split's partials, empty ones (lse -inf) too
-            store_partials(out, lse, part_acc_ptr, part_lse_ptr, first + split, dims, row_ok, q_mask, D_PAD)
-        elif split < active:
-            store_partials(out, lse, part_acc_ptr, part_lse_ptr, first + split, dims, row_ok, q_mask, D_PAD)
-            counter = count_ptr + b * tl.num_programs(1) + kvh
-            tl.debug_barrier()  # every thread's partial stores before the release below
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == active - 1:  # the last: every other split's partials are visible
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
-                out = combine_partials(part_acc_ptr, part_lse_ptr, first, active, dims, row_ok, q_mask, D_PAD)
-                store_output(out, o_ptrs, g_ptrs, q_mask, GATED)
-
-
-@_jit
-def store_partials(out, lse, part_acc_ptr, part_lse_ptr, part, dims, row_ok, mask, D_PAD: tl.constexpr):
-    tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], out, mask=mask)
-    tl.store(part_lse_ptr + part, lse, mask=row_ok)
-
-
-@_jit
-def store_output(out, o_ptrs, g_ptrs, mask, GATED: tl.constexpr):
-    if GATED:
-        out = output_gate(out, g_ptrs, mask, o_ptrs.dtype.element_ty)
-    tl.store(o_ptrs, out.to(o_ptrs.dtype.element_ty), mask=mask)
-
-
-@_jit
-def combine_partials(part_acc_ptr, part_lse_ptr, first, active, dims, row_ok, mask, D_PAD: tl.constexpr):
-    """sum_j 2^(lse_j - peak) acc_j / sum_j 2^(lse_j - peak) over splits 0..active-1 (all non-empty), read from L2
-    (``.cg``: written by other programs of this kernel)."""
-    peak = tl.load(part_lse_ptr + first, mask=row_ok, other=0.0, cache_modifier=".cg")
-    for j in range(1, active):
-        peak = tl.maximum(peak, tl.load(part_lse_ptr + first + j, mask=row_ok, other=0.0, cache_modifier=".cg"))
-    acc = tl.zeros(mask.shape, dtype=tl.float32)
-    total = tl.zeros(peak.shape, dtype=tl.float32)
-    for j in range(0, active):
-        w = tl.exp2(tl.load(part_lse_ptr + first + j, mask=row_ok, other=0.0, cache_modifier=".cg") - peak)
-        part = tl.load(part_acc_ptr + (first + j)[:, None] * D_PAD + dims[None, :], mask=mask, other=0.0,
-                       cache_modifier=".cg")
-        acc += w[:, None] * part
-        total += w
-    return acc / total[:, None]
+        tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
 @_jit(do_not_specialize=['num_splits'])
@@ -222,22 +157,20 @@ def paged_decode_attention_triton(
     splits = plan.num_splits or decode_num_splits(B, kvh, meta.max_seq_len, num_sms_of(query.device))
     out = torch.empty_like(query)
     direct = splits == 1
-    combine = COMBINE_IN_SPLITS and not direct and B * kvh <= ARRIVAL_COUNTERS
-    counts = arrival_counters(query.device) if combine else out
     part_acc = query.new_empty(0 if direct else B * H * splits * d_pad, dtype=torch.float32)
     part_lse = query.new_empty(0 if direct else B * H * splits, dtype=torch.float32)
     fp32, precision = dtype_choices(kv_cache_layer)
     k, v = kv_cache_layer[0], kv_cache_layer[1]
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     _decode_split_kernel[(B, kvh, splits)](
-        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, g, counts, scale * LOG2E, splits,
+        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, g, scale * LOG2E, splits,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1), *g_strides,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2, EARLY=EARLY_LOADS, COMBINE=combine, **pdl_launch(query),
+        num_stages=2, EARLY=EARLY_LOADS, **pdl_launch(query),
     )
-    if not direct and not combine:
+    if not direct:
         _decode_reduce_kernel[(B, H)](
             part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides,
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=block_pow2(splits, 2), GATED=gate is not None,

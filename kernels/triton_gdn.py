@@ -21,8 +21,6 @@ which nobody reads as a state.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
@@ -30,11 +28,6 @@ from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
 
-# Few heads in the batch (batch 1): the state split over 4 programs a head (no norm in the kernel) and the gated norm
-# in its own kernel, instead of one program holding a head's whole state. CONVEYOR_GDN_SPLIT_NORM=1 turns it on
-# (not yet measured end to end).
-SPLIT_NORM = os.environ.get("CONVEYOR_GDN_SPLIT_NORM", "0") == "1"
-SPLIT_NORM_MAX_HEADS = 32  # batch 1 of Qwen3.5 / Qwen3-Next (at 2 rows the norm would copy z's strided rows first)
 _TL_DTYPES = {} if tl is None else {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
 
 
@@ -148,10 +141,8 @@ def gated_delta_rule_recurrent_triton(
         if z.shape != v.shape or z.stride(2) != 1 or norm_w.shape != (dv,):
             raise ValueError(f"gated norm z {tuple(z.shape)} / weight {tuple(norm_w.shape)} do not fit v "
                              f"{tuple(v.shape)} (z's last dim must be contiguous)")
-    norm_after = gated_norm is not None and SPLIT_NORM and B * HV <= SPLIT_NORM_MAX_HEADS
-    in_kernel = gated_norm is not None and not norm_after
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
-    if in_kernel:
+    if gated_norm is not None:
         # one program a head, 4 warps: at batch 1 no slower than the split kernel plus the norm kernel, and 5-30%
         # faster from batch 4 to 256 (8 warps lost up to 1.45x at 256; results/gdn-decode-ab-h200-bb9dc93.json)
         bv, warps, prod = pow2(dv, 16), 4, _TL_DTYPES[torch.promote_types(norm_w.dtype, v.dtype)]
@@ -167,9 +158,9 @@ def gated_delta_rule_recurrent_triton(
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), *z_strides,
         GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
-        NORM=in_kernel, PROD_DTYPE=prod, num_warps=warps, EARLY=EARLY_LOADS, **pdl_launch(q),
+        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps, EARLY=EARLY_LOADS, **pdl_launch(q),
     )
-    return rms_norm_gated_triton(o, z, norm_w, eps) if norm_after else o
+    return o
 
 
 def gated_delta_rule_chunked_triton(

@@ -18,21 +18,13 @@ def test_pdl_is_off_on_the_cpu_and_under_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-@pytest.mark.parametrize("options", [False, True])
-def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(model_type, options,
-                                                                                        monkeypatch):
-    """``options``: the switched decode paths on too (attention splits combined by their last split, the Gated
-    DeltaNet state over several programs a head with the norm in its own kernel)."""
-    import kernels.triton_decode_attention as decode_attention
-    import kernels.triton_gdn as triton_gdn
+def test_decode_step_with_dependent_launch_is_deterministic_and_matches_plain_launches(model_type, monkeypatch):
     from pipeline.runner.model_runner import ModelRunner
     from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
     from tests.model_utils import SMOLLM2_VOCAB, conveyor_from_hf, make_tiny_hf_model
 
     if torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("dependent launch needs Hopper or later")
-    monkeypatch.setattr(decode_attention, "COMBINE_IN_SPLITS", options)
-    monkeypatch.setattr(triton_gdn, "SPLIT_NORM", options)
     device = torch.device("cuda")
 
     def decode_logits(pdl: bool, replays: int) -> list[torch.Tensor]:

@@ -129,15 +129,10 @@ def test_gdn_odd_dims_empty_sequence_no_l2norm(kernel):
 @pytest.mark.parametrize("dtype,w_dtype", [(torch.float32, torch.float32), (torch.bfloat16, torch.bfloat16),
                                             (torch.bfloat16, torch.float32)])
 @pytest.mark.parametrize("dv", [32, 40])
-@pytest.mark.parametrize("split_norm", [False, True])
-def test_recurrent_with_gated_norm_equals_kernel_then_norm(dtype, w_dtype, dv, split_norm, monkeypatch):
+def test_recurrent_with_gated_norm_equals_kernel_then_norm(dtype, w_dtype, dv):
     """The gated RMSNorm applied in the recurrent kernel (decode rows, a 3-token row, a fresh row, an empty row;
-    z a strided view of a projection row) equals the delta rule then ``rms_norm_gated_ref``; states as without it.
-    ``split_norm``: the few-heads path (the state over several programs a head, the norm in its own kernel)."""
-    import kernels.triton_gdn as triton_gdn
+    z a strided view of a projection row) equals the delta rule then ``rms_norm_gated_ref``; states as without it."""
     from kernels.triton_gdn import gated_delta_rule_recurrent_triton
-
-    monkeypatch.setattr(triton_gdn, "SPLIT_NORM", split_norm)
 
     lens = [1, 3, 1, 0, 1]
     slots, qsl, init = batch(lens, 8, seed=7)
