@@ -42,6 +42,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "times (finish_reason length); requests may override it")
     parser.add_argument("--no-prefix-caching", action="store_true",
                         help="compute every prompt in full (no reuse of cached prefix blocks)")
+    parser.add_argument("--kv-offload-host-gib", type=float, default=0.0,
+                        help="host memory (GiB) keeping cached prefix blocks the device evicts")
+    parser.add_argument("--kv-offload-dir", default=None,
+                        help="a directory keeping cached prefix blocks the host tier evicts (with --kv-offload-disk-gib)")
+    parser.add_argument("--kv-offload-disk-gib", type=float, default=0.0, help="disk space (GiB) for that tier")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
@@ -69,6 +74,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         cuda_graph_max_batch=args.cuda_graph_max_batch, load_format=args.load_format,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
                         run_ahead=not args.disable_run_ahead, prefix_caching=not args.no_prefix_caching,
+                        kv_offload_host_gib=args.kv_offload_host_gib, kv_offload_dir=args.kv_offload_dir,
+                        kv_offload_disk_gib=args.kv_offload_disk_gib,
                         gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))

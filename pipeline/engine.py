@@ -21,6 +21,7 @@ from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
 from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_serving
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.cache_manager import CacheManager
+from pipeline.memory.kv_offload import kv_offload, offload_stats
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.state_slots import StateSlotPool
 from pipeline.messages import IntakeItem
@@ -49,7 +50,8 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         states = StateSlotPool(loaded.runner.num_state_slots - 1) if loaded.runner.num_state_slots else None
-        self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states, config.prefix_caching)
+        self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states, config.prefix_caching,
+                                  kv_offload(config, loaded))
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
         self.executor = executor
@@ -225,6 +227,7 @@ class Engine:
                           "cached_free": self.cache.num_cached_free},
             "prefix_cache": {"enabled": self.cache.prefix_caching, "queried_tokens": self.cache.prefix_queried_tokens,
                              "hit_tokens": self.cache.prefix_hit_tokens, "evictions": self.cache.prefix_evictions},
+            "kv_offload": offload_stats(self.cache.offload),
             "seats": {"capacity": self.seats.capacity, "held": self.seats.held},
             "state_slots_used": self.cache.num_state_slots_used,
             "waiting": {"requests": self.waiting.requests, "tokens": self.waiting.tokens},
@@ -250,3 +253,5 @@ class Engine:
             restore(self._interpreter)
         await self.executor.call(lambda: (gc.collect(), runner.release()))  # frees device memory on its thread
         await asyncio.to_thread(self.executor.shutdown)
+        if self.cache.offload is not None:
+            self.cache.offload.close()

@@ -113,12 +113,39 @@ class EngineStatsCollector(Collector):
                             prefix["queried_tokens"])
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix["hit_tokens"])
         yield self._counter("prefix_cache_evictions", "Cached KV blocks evicted for new ones.", prefix["evictions"])
+        yield from self._offload_families(stats.get("kv_offload", {}))
         yield self._gauge("seats_held", "Sequence seats held.", stats["seats"]["held"])
         yield self._gauge("seats_capacity", "Sequence seats in all (max_num_seqs).", stats["seats"]["capacity"])
         yield self._counter("preemptions", "Sequences preempted back to prefill.", stats["preemptions"])
         yield self._counter("device_steps", "Device executor steps.", stats["device_steps"])
         yield self._counter("mixed_steps", "Device steps that held both decode rows and prompt chunks.", stats["mixed_steps"])
         yield from self._stage_families(stats["stages"])
+
+    def _offload_families(self, offload: Mapping[str, Any]) -> Iterable[Metric]:
+        """The KV tiers: blocks held a tier, blocks and bytes moved each way, corrupt disk files."""
+        if not offload.get("enabled"):
+            return
+        held = GaugeMetricFamily("conveyor_kv_offload_blocks", "Cached KV blocks held in a lower tier.",
+                                 labels=["model_name", "tier"])
+        for tier, snap in offload["tiers"].items():
+            held.add_metric([self._model, tier], snap["blocks"])
+        yield held
+        moved = CounterMetricFamily("conveyor_kv_offload_bytes", "KV bytes copied between device and host.",
+                                    labels=["model_name", "direction"])
+        moved.add_metric([self._model, "to_host"], offload["bytes_to_host"])
+        moved.add_metric([self._model, "to_device"], offload["bytes_to_device"])
+        yield moved
+        yield self._counter("kv_offload_saved_blocks", "Evicted cached blocks copied to the host tier.",
+                            offload["saved_blocks"])
+        yield self._counter("kv_offload_restored_blocks", "Cached blocks copied back to the device.",
+                            offload["restored_blocks"])
+        yield self._counter("kv_offload_disk_restored_blocks", "Of those, read from the disk tier.",
+                            offload["disk_restored_blocks"])
+        yield self._counter("kv_offload_dropped_blocks", "Evicted cached blocks not saved (host slots busy).",
+                            offload["dropped_blocks"])
+        if "disk" in offload["tiers"]:
+            yield self._counter("kv_offload_disk_corrupt", "Disk tier files that failed their check (recomputed).",
+                                offload["tiers"]["disk"]["corrupt"])
 
     def _stage_families(self, stages: Mapping[str, Mapping[str, Any]]) -> Iterable[Metric]:
         labels = ["model_name", "stage"]

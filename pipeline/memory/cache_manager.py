@@ -13,6 +13,10 @@ Prefix caching (dense models): every full block a sequence computes gets its key
 prompt about to start takes the longest keyed run of its own full blocks by reference (`take_cached_prefix`),
 so its prefill starts after them. At most the blocks before the prompt's last token are taken: the last token is
 always computed, for its logits. Blocks go back last-first, so eviction eats prefixes from their ends.
+
+KV tiers (pipeline/memory/kv_offload.py): with a host tier, an evicted keyed block is copied there first, and a
+prompt's run of cached blocks continues into the host and disk tiers: those blocks are allocated, keyed and filled
+by copies that the next step plan carries (``take_transfers``) and the runner runs before its forward.
 """
 from __future__ import annotations
 
@@ -22,6 +26,7 @@ from typing import TYPE_CHECKING
 
 from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.memory.kv_offload import BlockTransfers, KVOffload
 from pipeline.memory.state_slots import StateSlotPool
 
 if TYPE_CHECKING:
@@ -33,14 +38,17 @@ class CacheManager:
     """Owns the KVBlockPool (and the state slot pool of hybrid models); every allocation, share and free
     of a sequence's blocks and state slot goes through it."""
 
-    __slots__ = ("_pool", "_states", "prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens")
+    __slots__ = ("_pool", "_states", "prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "offload")
 
     def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None,
-                 prefix_caching: bool = True) -> None:
+                 prefix_caching: bool = True, offload: KVOffload | None = None) -> None:
         self._pool = pool
         self._states = state_slots
         # hybrid models cache nothing yet: a recurrent state cannot resume mid-prompt without a snapshot there
         self.prefix_caching = prefix_caching and state_slots is None
+        self.offload = offload if self.prefix_caching else None
+        if self.offload is not None:
+            pool.on_evict = self.offload.save
         self.prefix_queried_tokens = 0  # prompt tokens looked up (each start of a prompt)
         self.prefix_hit_tokens = 0  # of those, found cached
 
@@ -79,19 +87,44 @@ class CacheManager:
         """For a sequence holding nothing yet (a new prompt, or one preempted for recompute): take the longest run
         of its full blocks that the cache holds, up to the block before its last token, and count them computed.
         Returns the tokens taken (a multiple of block_size; 0 with caching off or with blocks already held)."""
-        if not self.prefix_caching or seq.block_ids or seq.num_computed or seq.missed_at == self._pool.keys_added:
+        if not self.prefix_caching or seq.block_ids or seq.num_computed or seq.missed_at == self._cache_version():
             return 0
         size = self._pool.block_size
         tokens = seq.token_ids
         limit = (len(tokens) - 1) // size
         keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
         blocks = self._pool.acquire(self._pool.lookup(islice(keys, limit)))
+        if self.offload is not None and len(blocks) < limit:
+            blocks += self._restore(keys[len(blocks):limit])
         if not blocks:
-            seq.missed_at = self._pool.keys_added
+            seq.missed_at = self._cache_version()
         seq.block_ids = blocks
         seq.num_keyed = len(blocks)
         seq.num_computed = len(blocks) * size
         return seq.num_computed
+
+    def _restore(self, keys: list[bytes]) -> list[int]:
+        """Fresh device blocks for the leading ``keys`` the lower tiers hold, keyed, their copies queued."""
+        blocks: list[int] = []
+        for key in keys[:self.offload.reach(keys)]:
+            if self._pool.num_free == 0:
+                break
+            block = self._pool.allocate(1)[0]  # may evict (and save) another cached block
+            if not self.offload.restore(key, block):
+                self._pool.free([block])
+                break
+            self._pool.register(block, key)
+            blocks.append(block)
+        return blocks
+
+    def _cache_version(self) -> int:
+        """Grows whenever a lookup that missed might now hit (a block keyed, or saved to the host tier)."""
+        saved = self.offload.stats.saved_blocks if self.offload is not None else 0
+        return self._pool.keys_added + saved
+
+    def take_transfers(self) -> BlockTransfers | None:
+        """The tier copies queued since the last plan, for the plan being built (its runner runs them first)."""
+        return self.offload.take_transfers() if self.offload is not None else None
 
     def count_prefix_query(self, seq: Sequence) -> None:
         """A prompt starts: its tokens were looked up, its computed ones were found (metrics)."""

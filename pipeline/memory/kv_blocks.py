@@ -33,6 +33,7 @@ class KVBlockPool:
         self._key: list[bytes | None] = [None] * num_blocks
         self._block_of: dict[bytes, int] = {}
         self._on_free: list[Callable[[], None]] = []
+        self.on_evict: Callable[[int, bytes], None] | None = None  # (block, key) before a cached block is reused
         self.evictions = 0  # cached blocks given to a new holder (their keys dropped)
         self.keys_added = 0  # blocks keyed so far: a lookup that missed can only hit after this grows
 
@@ -67,6 +68,8 @@ class KVBlockPool:
                 block = self._free.popleft()
             else:  # evict the least recently freed cached block
                 block, _ = self._cached.popitem(last=False)
+                if self.on_evict is not None:
+                    self.on_evict(block, self._key[block])
                 del self._block_of[self._key[block]]
                 self._key[block] = None
                 self.evictions += 1

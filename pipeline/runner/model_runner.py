@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from pipeline.memory.kv_offload import run_block_transfers
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
 from pipeline.models.forward_context import (ForwardContext, PagedKVSpec, allocate_caches, bytes_per_block,
                                              bytes_per_state_slot)
@@ -73,6 +74,11 @@ class ModelRunner:
 
     def allocate_caches(self, num_blocks: int) -> None:
         self.caches = allocate_caches(self.cache_specs, num_blocks, self.block_size, self.device, self.num_state_slots)
+
+    @property
+    def paged_caches(self) -> list[torch.Tensor]:
+        """The paged K/V caches (one per attention layer), in cache order: what a KV tier block holds."""
+        return [c for c, spec in zip(self.caches, self.cache_specs) if isinstance(spec, PagedKVSpec)]
 
     @torch.inference_mode()
     def kv_blocks_for_gpu(self, utilization: float, profile_tokens: int, profile_rows: int,
@@ -152,6 +158,8 @@ class ModelRunner:
         this one, for tokens named by row (`feed_sources`); `previous_host()` gives the same ids on
         the host (waiting for them), for grammar rows one step ahead.
         """
+        if plan.transfers is not None:  # KV tier copies first: the forward may read restored blocks
+            run_block_transfers(plan.transfers, self.paged_caches)
         if plan.forward.num_tokens == 0:
             return empty_sample(self.device)
         # Sampling inputs go to the device before the forward is launched: their small copies then

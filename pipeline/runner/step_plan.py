@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 
 import ext
+from pipeline.memory.kv_offload import BlockTransfers
 from pipeline.memory.state_slots import NULL_SLOT, StateSlot
 from pipeline.runner.sampling_batch import SamplingRow
 
@@ -117,6 +118,7 @@ class ForwardBatch:
 class StepPlan:
     forward: ForwardBatch
     rows: tuple[SamplingRow, ...]  # rank 0's sampling rows: rows[i] reads logits at forward.logits_indices[i]
+    transfers: BlockTransfers | None = None  # KV tier copies the runner runs before the forward (kv_offload.py)
 
     @property
     def num_rows(self) -> int:
@@ -127,8 +129,10 @@ class StepPlan:
         return self.forward.num_tokens
 
 
-def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: list[int] | None = None) -> StepPlan:
-    """``state_slots``: each chunk's checked state slot index (``CacheManager.state_slot_indices``), or None."""
+def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: list[int] | None = None,
+                    transfers: BlockTransfers | None = None) -> StepPlan:
+    """``state_slots``: each chunk's checked state slot index (``CacheManager.state_slot_indices``), or None;
+    ``transfers``: the cache's tier copies for this step (``CacheManager.take_transfers``)."""
     input_ids, positions, slots, qsl, seq_lens, tables = _step_inputs.build_step_inputs(
         [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], block_size)
     logits: list[int] = []
@@ -156,4 +160,4 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: 
               else np.asarray(state_slots, dtype=np.int32))
     forward = ForwardBatch(input_ids, positions, slots, qsl, seq_lens, tables, np.asarray(logits, dtype=np.int64),
                            np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64), states)
-    return StepPlan(forward, tuple(rows))
+    return StepPlan(forward, tuple(rows), transfers)

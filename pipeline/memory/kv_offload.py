@@ -1,0 +1,196 @@
+"""Prefix-cache blocks below the device: a keyed block the device pool evicts is copied to the host tier (and from
+there demoted to disk, pipeline/memory/kv_tiers.py); a starting prompt whose prefix continues in a lower tier gets
+fresh device blocks and the copies back.
+
+The cache manager decides, the runner copies. Decisions queue ``BlockTransfers`` that ride in the next step plan;
+the runner runs them before that step's forward, on the device executor's one thread, so they are ordered with
+every step for free: an evicted block is saved before its new holder's first write (the same step or a later one),
+and a restored block is filled before any step reads it. Restores write the pool's own blocks: every attention path
+reads them as it reads any block, there is no second copy on the device.
+
+A host slot is shared by the two threads, so it is reused (or demoted to disk) only when no copy touches it: never
+while a queued transfer names it, and only after the transfers already handed to the runner are done (``done``).
+The disk tier is read and written on the planning thread only.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from pipeline.memory.kv_tiers import DiskKVTier, HostKVTier
+
+if TYPE_CHECKING:
+    from pipeline.config import EngineConfig
+    from pipeline.loading import LoadedModel
+
+SETTLE_TIMEOUT_S = 60.0  # a runner that has not run a handed-over transfer by then is stuck: stop offloading
+
+
+@dataclass(slots=True)
+class BlockTransfers:
+    """Copies a step runs before its forward, in order: device blocks to host slots, then host slots to blocks."""
+
+    host: torch.Tensor  # the host tier's buffer [slots, block bytes] (uint8)
+    saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def slots(self) -> set[int]:
+        return {slot for _, slot in self.saves} | {slot for slot, _ in self.loads}
+
+
+def block_bytes(caches: Sequence[torch.Tensor]) -> int:
+    """One block's bytes across the paged caches ([2, blocks, ...] each): a host slot's size."""
+    return sum(2 * c[0, 0].numel() * c.element_size() for c in caches)
+
+
+@torch.inference_mode()
+def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor]) -> None:
+    """Runner side. A block's bytes in a host slot are each paged cache's ``[2, block_size, ...]`` in cache order."""
+    try:
+        host = transfers.host
+        if transfers.saves:
+            blocks = torch.tensor([b for b, _ in transfers.saves], device=caches[0].device)
+            parts = [c.index_select(1, blocks).transpose(0, 1).contiguous().view(len(blocks), -1).view(torch.uint8)
+                     for c in caches]
+            host[torch.tensor([s for _, s in transfers.saves])] = torch.cat(parts, dim=1).cpu()
+        if transfers.loads:
+            blocks = torch.tensor([b for _, b in transfers.loads], device=caches[0].device)
+            data = host[torch.tensor([s for s, _ in transfers.loads])].to(caches[0].device)
+            offset = 0
+            for c in caches:
+                size = 2 * c[0, 0].numel() * c.element_size()
+                part = data[:, offset:offset + size].contiguous().view(c.dtype)
+                c.index_copy_(1, blocks, part.view(len(blocks), 2, *c.shape[2:]).transpose(0, 1))
+                offset += size
+    finally:
+        transfers.done.set()
+
+
+@dataclass(slots=True)
+class OffloadStats:
+    saved_blocks: int = 0  # device -> host
+    restored_blocks: int = 0  # host -> device (disk hits pass through host)
+    disk_restored_blocks: int = 0  # of those, read from disk first
+    dropped_blocks: int = 0  # evicted from the device but not saved (their host slot was still in use)
+    bytes_to_host: int = 0
+    bytes_to_device: int = 0
+
+
+class KVOffload:
+    """The host and disk tiers as the cache manager sees them: ``save`` an evicted block, ``reach`` and
+    ``restore`` a prompt's continuation, ``take_transfers`` for the next plan."""
+
+    def __init__(self, host: HostKVTier, disk: DiskKVTier | None = None) -> None:
+        if host.dtype != torch.uint8 or len(host.block_shape) != 1:
+            raise ValueError("the host tier must hold blocks as flat uint8 bytes")
+        self.host = host
+        self.disk = disk
+        self.stats = OffloadStats()
+        self._queued = BlockTransfers(host.buffer)
+        self._queued_slots: set[int] = set()
+        self._handed: list[BlockTransfers] = []
+
+    def take_transfers(self) -> BlockTransfers | None:
+        """The queued copies, for the plan being built (None when there are none)."""
+        self._handed = [t for t in self._handed if not t.done.is_set()]
+        if not self._queued.saves and not self._queued.loads:
+            return None
+        transfers, self._queued = self._queued, BlockTransfers(self.host.buffer)
+        self._queued_slots = set()
+        self._handed.append(transfers)
+        return transfers
+
+    def save(self, block: int, key: bytes) -> None:
+        """The device pool evicts keyed ``block``: copy it to the host tier (before its new holder writes it)."""
+        if key in self.host:
+            self.host.slot_index(key)  # the same content: only its use is new
+            return
+        slot = self._free_slot(key)
+        if slot is None:
+            self.stats.dropped_blocks += 1
+            return
+        self._queued.saves.append((block, slot))
+        self._queued_slots.add(slot)
+        self.stats.saved_blocks += 1
+        self.stats.bytes_to_host += self.host.block_nbytes
+
+    def reach(self, keys: Sequence[bytes]) -> int:
+        """How many leading ``keys`` the host tier, then the disk tier, holds (a disk entry may still fail its
+        check in ``restore``)."""
+        count = 0
+        for key in keys:
+            if key not in self.host and (self.disk is None or key not in self.disk):
+                break
+            count += 1
+        return count
+
+    def restore(self, key: bytes, block: int) -> bool:
+        """Queue ``key``'s copy into device ``block`` (through host when it is on disk). False when it cannot be
+        had (gone, a corrupt file, no host slot free of copies): the caller computes it instead."""
+        slot = self.host.slot_index(key)
+        from_disk = slot is None
+        if from_disk:
+            data = self.disk.load(key) if self.disk is not None else None
+            if data is None:
+                return False
+            slot = self._free_slot(key)
+            if slot is None:
+                return False
+            self.host.buffer[slot].copy_(data)
+        self._queued.loads.append((slot, block))
+        self._queued_slots.add(slot)
+        self.stats.restored_blocks += 1
+        self.stats.disk_restored_blocks += from_disk
+        self.stats.bytes_to_device += self.host.block_nbytes
+        return True
+
+    def _free_slot(self, key: bytes) -> int | None:
+        """A host slot for ``key`` no copy uses; demoting its old key to disk (``HostKVTier.reserve_slot``)."""
+        victim = self.host.victim_slot()
+        if victim is not None:
+            if victim in self._queued_slots:
+                return None
+            if not self._settle():
+                return None
+        return self.host.reserve_slot(key)
+
+    def _settle(self) -> bool:
+        """Wait until the runner has run every transfer handed to it (their slots are then free to reuse)."""
+        for transfers in self._handed:
+            if not transfers.done.wait(SETTLE_TIMEOUT_S):
+                return False
+        self._handed.clear()
+        return True
+
+    def close(self) -> None:
+        if self.disk is not None:
+            self.disk.close()
+
+
+def kv_offload(config: EngineConfig, loaded: LoadedModel) -> KVOffload | None:
+    """The configured tiers (None without a host tier, with prefix caching off, or for hybrid models, whose
+    prefixes are not cached yet)."""
+    runner = loaded.runner
+    if config.kv_offload_host_gib <= 0 or not config.prefix_caching or runner.num_state_slots:
+        return None
+    size = block_bytes(runner.paged_caches)
+    disk = (DiskKVTier(config.kv_offload_dir, int(config.kv_offload_disk_gib * (1 << 30)), (size,), torch.uint8)
+            if config.kv_offload_dir is not None else None)
+    host = HostKVTier(int(config.kv_offload_host_gib * (1 << 30)), (size,), torch.uint8,
+                      pin_memory=torch.device(runner.device).type == "cuda", spill=disk)
+    return KVOffload(host, disk)
+
+
+def offload_stats(offload: KVOffload | None) -> dict[str, Any]:
+    """The engine's stats entry: what moved each way and what each tier holds."""
+    if offload is None:
+        return {"enabled": False}
+    tiers = {"host": asdict(offload.host.stats)}
+    if offload.disk is not None:
+        tiers["disk"] = asdict(offload.disk.stats)
+    return {"enabled": True, **asdict(offload.stats), "tiers": tiers}

@@ -1,0 +1,163 @@
+"""KVOffload (pipeline/memory/kv_offload.py): the copies the runner runs, the host slots a copy still uses, the
+disk tier behind the host tier, and the cache manager's prefix runs continuing into the tiers."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import pipeline.memory.kv_offload as kv_offload
+from pipeline.memory.block_hashes import extend_block_hashes
+from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.memory.kv_offload import BlockTransfers, KVOffload, block_bytes, run_block_transfers
+from pipeline.memory.kv_tiers import DiskKVTier, HostKVTier
+
+
+def caches(num_blocks: int = 8) -> list[torch.Tensor]:
+    """Two paged caches of different shapes and dtypes, every element distinct."""
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randn(2, num_blocks, 4, 2, 8, generator=gen),
+            torch.randn(2, num_blocks, 4, 1, 16, generator=gen).to(torch.bfloat16)]
+
+
+def offload(kv: list[torch.Tensor], host_blocks: int, disk: DiskKVTier | None = None) -> KVOffload:
+    size = block_bytes(kv)
+    return KVOffload(HostKVTier(host_blocks * size, (size,), torch.uint8, spill=disk), disk)
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "little")
+
+
+def test_blocks_round_trip_through_host_slots_bit_exact():
+    kv = caches()
+    before = [c.clone() for c in kv]
+    tiers = offload(kv, 4)
+    for block in (3, 5):
+        tiers.save(block, key(block))
+    run_block_transfers(tiers.take_transfers(), kv)
+    for c in kv:
+        c[:, 3:6] = 0
+    assert tiers.restore(key(3), 6) and tiers.restore(key(5), 7)
+    transfers = tiers.take_transfers()
+    run_block_transfers(transfers, kv)
+    assert transfers.done.is_set()
+    for c, b in zip(kv, before):
+        assert torch.equal(c[:, 6], b[:, 3]) and torch.equal(c[:, 7], b[:, 5])
+    assert tiers.stats.saved_blocks == 2 and tiers.stats.restored_blocks == 2
+    assert tiers.stats.bytes_to_device == 2 * block_bytes(kv)
+
+
+def test_saves_run_before_loads_in_one_plan():
+    """An evicted block reused as a restore target in the same step: its old content is saved first."""
+    kv = caches()
+    before = [c.clone() for c in kv]
+    tiers = offload(kv, 4)
+    tiers.save(2, key(2))
+    tiers.save(4, key(4))
+    run_block_transfers(tiers.take_transfers(), kv)
+    tiers.save(6, key(6))  # evicted now; block 6 then takes key 2's content back
+    assert tiers.restore(key(2), 6)
+    run_block_transfers(tiers.take_transfers(), kv)
+    assert tiers.restore(key(6), 1)
+    run_block_transfers(tiers.take_transfers(), kv)
+    for c, b in zip(kv, before):
+        assert torch.equal(c[:, 6], b[:, 2]) and torch.equal(c[:, 1], b[:, 6])
+
+
+def test_a_slot_a_queued_copy_names_is_never_reused():
+    kv = caches()
+    tiers = offload(kv, 2)
+    tiers.save(1, key(1))
+    tiers.save(2, key(2))
+    tiers.save(3, key(3))  # both slots wait for this plan's copies: dropped, not overwritten
+    assert tiers.stats.dropped_blocks == 1 and key(3) not in tiers.host
+    assert tiers.take_transfers().saves == [(1, 0), (2, 1)]
+
+
+def test_a_handed_copy_not_yet_run_blocks_reuse(monkeypatch):
+    """A plan handed to the runner but not run: its slots are not reused (here the wait gives up at once)."""
+    monkeypatch.setattr(kv_offload, "SETTLE_TIMEOUT_S", 0.0)
+    kv = caches()
+    tiers = offload(kv, 1)
+    tiers.save(1, key(1))
+    handed = tiers.take_transfers()
+    tiers.save(2, key(2))
+    assert tiers.stats.dropped_blocks == 1 and key(1) in tiers.host
+    run_block_transfers(handed, kv)
+    tiers.save(2, key(2))  # now the slot is free of copies
+    assert key(2) in tiers.host and key(1) not in tiers.host
+
+
+def test_disk_behind_host_and_a_corrupt_file_is_refused(tmp_path):
+    kv = caches()
+    before = [c.clone() for c in kv]
+    disk = DiskKVTier(tmp_path, 1 << 20, (block_bytes(kv),), torch.uint8)
+    tiers = offload(kv, 1, disk)
+    for block in (1, 2, 3):
+        tiers.save(block, key(block))
+        run_block_transfers(tiers.take_transfers(), kv)
+    assert key(1) in disk and key(2) in disk and key(3) in tiers.host
+    assert tiers.reach([key(1), key(2), key(3), key(4)]) == 3
+    assert tiers.restore(key(1), 7)
+    run_block_transfers(tiers.take_transfers(), kv)
+    assert all(torch.equal(c[:, 7], b[:, 1]) for c, b in zip(kv, before))
+    assert tiers.stats.disk_restored_blocks == 1
+    path = os.path.join(disk.path, key(2).hex() + next(n for n in os.listdir(disk.path))[16:])
+    data = bytearray(open(path, "rb").read())
+    data[-3] ^= 0x10
+    open(path, "wb").write(bytes(data))
+    assert not tiers.restore(key(2), 6)
+    assert disk.stats.corrupt == 1 and tiers.take_transfers() is None
+    tiers.close()
+
+
+def test_cache_manager_prefix_runs_continue_into_the_host_tier():
+    from types import SimpleNamespace
+
+    from pipeline.memory.cache_manager import CacheManager
+
+    kv = caches(12)
+    tiers = offload(kv, 8)
+    pool = KVBlockPool(12, 4)
+    cache = CacheManager(pool, None, True, tiers)
+    tokens = list(range(100, 121))  # 5 full blocks and one more token
+    request = SimpleNamespace(params=SimpleNamespace(cache_salt=None))
+
+    def sequence() -> SimpleNamespace:
+        return SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0,
+                               missed_at=-1, request=request, state_slot=None)
+
+    first = sequence()
+    assert cache.allocate_slots(first, len(tokens))
+    first.num_computed = len(tokens)
+    cache.register_computed(first)
+    cache.free(first)
+    keys = extend_block_hashes([], tokens, 4, 5, None)
+    other = sequence()
+    other.token_ids = list(range(500, 544))  # 11 blocks: evicts the five cached ones
+    assert cache.allocate_slots(other, len(other.token_ids))
+    assert tiers.stats.saved_blocks == 5 and all(k in tiers.host for k in keys)
+    run_block_transfers(cache.take_transfers(), kv)
+    cache.free(other)
+    again = sequence()
+    assert cache.take_cached_prefix(again) == 20  # the blocks before the last token, all from host
+    assert len(again.block_ids) == 5 and tiers.stats.restored_blocks == 5
+    loads = cache.take_transfers().loads
+    assert [b for _, b in loads] == again.block_ids
+    assert pool.lookup(keys) == again.block_ids  # keyed on the device again
+    cache.free(again)
+    assert pool.num_used == 0
+
+
+@pytest.mark.parametrize("bad", [dict(dtype=torch.float32), dict(shape=(4, 2))])
+def test_the_host_tier_must_hold_flat_bytes(bad):
+    tier = HostKVTier(1024, bad.get("shape", (8,)), bad.get("dtype", torch.uint8))
+    with pytest.raises(ValueError):
+        KVOffload(tier)
+
+
+def test_block_transfers_name_their_slots():
+    t = BlockTransfers(torch.zeros(4, 8, dtype=torch.uint8), saves=[(1, 0)], loads=[(2, 3)])
+    assert t.slots() == {0, 2}
