@@ -9,7 +9,10 @@ For caching on and off, each on a fresh engine with random weights (--load-forma
 * ``shared_prefix``: 32 requests at once, a 4,096-token prefix shared and 64-token tails of their own, 32 tokens
   out each (the prefix computed once beforehand, as a system prompt would be): TTFT p50 and output tok/s;
 * ``conversation``: 20 turns of an agent session, each prompt the last one plus its 64-token reply plus 1,536
-  tokens of new tool output, growing to ~32k tokens: TTFT per turn, the last against the first.
+  tokens of new tool output, growing to ~32k tokens: TTFT per turn, the last against the first;
+* ``host_restore`` (its own engines, a device pool of about 1.1 prompts): an 8,192-token prompt, another one
+  that evicts it from the device, then the first again: its TTFT with the blocks copied back from the host tier
+  against the same run without a host tier (recomputed).
 
 Greedy, ignore_eos, the loop guard off (random weights repeat themselves). Writes JSON; asserts nothing.
 """
@@ -72,6 +75,28 @@ async def workloads(engine: Engine, sizes: dict) -> dict:
     return out
 
 
+async def host_restore(a: argparse.Namespace, model_dir: str, sizes: dict, host_gib: float) -> dict:
+    """The evicted prompt's TTFT when it comes back (host tier of ``host_gib``; 0: none, recomputed)."""
+    block = 16
+    pool = sizes["same"] * 11 // 10 // block + 1  # room for one prompt and a bit, not two
+    tiers = dict(kv_offload_host_gib=host_gib) if host_gib else {}
+    engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=8, num_kv_blocks=pool, block_size=block,
+                                               max_model_len=sizes["same"] + 64, **tiers))
+    try:
+        rng = random.Random(11)
+        await run_one(engine, tokens(sizes["same"], rng), 4)  # warm-up
+        prompt, other = tokens(sizes["same"], rng), tokens(sizes["same"], rng)
+        first = await run_one(engine, prompt, 1)
+        await run_one(engine, other, 1)  # evicts most of prompt's blocks from the device
+        again = await run_one(engine, list(prompt), 1)
+        stats = engine.stats()
+        return {"host_gib": host_gib, "kv_blocks": pool, "first_ttft_ms": ttft_ms(first),
+                "again_ttft_ms": ttft_ms(again), "kv_offload": stats["kv_offload"],
+                "prefix_cache": stats["prefix_cache"]}
+    finally:
+        await engine.shutdown()
+
+
 async def run(a: argparse.Namespace, model_dir: str, caching: bool, sizes: dict) -> dict:
     engine = await Engine.create(engine_config(a, model_dir, prefix_caching=caching, max_num_seqs=64,
                                                max_model_len=sizes["max_model_len"]))
@@ -98,9 +123,9 @@ def main() -> None:
         shape = {**shape, **(QUICK_HYBRID if shape.get("linear_num_value_heads") else
                              QUICK_MOE if shape.get("num_experts") else QUICK)}
     sizes = (dict(same=256, prefix=128, tail=8, requests=8, shared_out=4, turn=48, reply=4, turns=5,
-                  max_model_len=1024) if a.quick else
+                  max_model_len=1024, host_gib=0.05) if a.quick else
              dict(same=8192, prefix=4096, tail=64, requests=32, shared_out=32, turn=1536, reply=64, turns=20,
-                  max_model_len=40960))
+                  max_model_len=40960, host_gib=4.0))
     model_dir = write_model_dir(shape, a.tokenizer)
     report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "date": time.strftime("%Y-%m-%d %H:%M"),
                     "sizes": sizes}
@@ -108,6 +133,8 @@ def main() -> None:
         import torch
 
         report["device"] = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
+        for host_gib in (sizes["host_gib"], 0.0):
+            report.setdefault("host_restore", []).append(asyncio.run(host_restore(a, model_dir, sizes, host_gib)))
         for caching in (True, False):
             report["on" if caching else "off"] = asyncio.run(run(a, model_dir, caching, sizes))
             with open(a.out, "w") as handle:
@@ -120,6 +147,7 @@ def main() -> None:
         "shared_prefix_ttft_p50": on["shared_prefix"]["ttft_ms_p50"] / off["shared_prefix"]["ttft_ms_p50"],
         "conversation_last_ttft": (on["conversation"]["turns"][-1]["ttft_ms"]
                                    / off["conversation"]["turns"][-1]["ttft_ms"]),
+        "host_restore_ttft": report["host_restore"][0]["again_ttft_ms"] / report["host_restore"][1]["again_ttft_ms"],
     }
     with open(a.out, "w") as handle:
         json.dump(report, handle, indent=1)
