@@ -37,10 +37,22 @@ class BlockTransfers:
     host: torch.Tensor  # the host tier's buffer [slots, block bytes] (uint8)
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
-    done: threading.Event = field(default_factory=threading.Event)
+    done: threading.Event = field(default_factory=threading.Event)  # the runner has queued every copy
+    copied: torch.cuda.Event | None = None  # CUDA: when the queued copies have landed
 
     def slots(self) -> set[int]:
         return {slot for _, slot in self.saves} | {slot for slot, _ in self.loads}
+
+    def landed(self) -> bool:
+        return self.done.is_set() and (self.copied is None or self.copied.query())
+
+    def wait(self, timeout: float) -> bool:
+        """Until the host slots are free of these copies; False when the runner has not run them in time."""
+        if not self.done.wait(timeout):
+            return False
+        if self.copied is not None:
+            self.copied.synchronize()
+        return True
 
 
 def block_bytes(caches: Sequence[torch.Tensor]) -> int:
@@ -48,27 +60,54 @@ def block_bytes(caches: Sequence[torch.Tensor]) -> int:
     return sum(2 * c[0, 0].numel() * c.element_size() for c in caches)
 
 
+TRANSFER_CHUNK = 64  # blocks gathered (or scattered) through one device staging buffer at a time
+
+
 @torch.inference_mode()
 def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor]) -> None:
-    """Runner side. A block's bytes in a host slot are each paged cache's ``[2, block_size, ...]`` in cache order."""
+    """Runner side, on the step's stream. A block's bytes in a host slot are each paged cache's ``[2, block_size,
+    ...]`` in cache order. On CUDA every slot is its own async copy to or from the pinned buffer (no pageable
+    bounce), through device staging of TRANSFER_CHUNK blocks; the step's forward queues after them."""
     try:
-        host = transfers.host
-        if transfers.saves:
-            blocks = torch.tensor([b for b, _ in transfers.saves], device=caches[0].device)
-            parts = [c.index_select(1, blocks).transpose(0, 1).contiguous().view(len(blocks), -1).view(torch.uint8)
-                     for c in caches]
-            host[torch.tensor([s for _, s in transfers.saves])] = torch.cat(parts, dim=1).cpu()
-        if transfers.loads:
-            blocks = torch.tensor([b for _, b in transfers.loads], device=caches[0].device)
-            data = host[torch.tensor([s for s, _ in transfers.loads])].to(caches[0].device)
+        device = caches[0].device
+        for i in range(0, len(transfers.saves), TRANSFER_CHUNK):
+            part = transfers.saves[i:i + TRANSFER_CHUNK]
+            blocks = torch.tensor([b for b, _ in part], device=device)
+            data = torch.cat([c.index_select(1, blocks).transpose(0, 1).contiguous().view(len(part), -1)
+                              .view(torch.uint8) for c in caches], dim=1)
+            _to_slots(transfers.host, [s for _, s in part], data)
+        for i in range(0, len(transfers.loads), TRANSFER_CHUNK):
+            part = transfers.loads[i:i + TRANSFER_CHUNK]
+            blocks = torch.tensor([b for _, b in part], device=device)
+            data = _from_slots(transfers.host, [s for s, _ in part], device)
             offset = 0
             for c in caches:
                 size = 2 * c[0, 0].numel() * c.element_size()
-                part = data[:, offset:offset + size].contiguous().view(c.dtype)
-                c.index_copy_(1, blocks, part.view(len(blocks), 2, *c.shape[2:]).transpose(0, 1))
+                piece = data[:, offset:offset + size].contiguous().view(c.dtype)
+                c.index_copy_(1, blocks, piece.view(len(part), 2, *c.shape[2:]).transpose(0, 1))
                 offset += size
+        if device.type == "cuda" and (transfers.saves or transfers.loads):
+            transfers.copied = torch.cuda.Event()
+            transfers.copied.record()
     finally:
         transfers.done.set()
+
+
+def _to_slots(host: torch.Tensor, slots: list[int], data: torch.Tensor) -> None:
+    if data.device.type != "cuda":
+        host[torch.tensor(slots)] = data.cpu()
+        return
+    for row, slot in enumerate(slots):
+        host[slot].copy_(data[row], non_blocking=True)
+
+
+def _from_slots(host: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return host[torch.tensor(slots)].to(device)
+    data = torch.empty(len(slots), host.shape[1], dtype=host.dtype, device=device)
+    for row, slot in enumerate(slots):
+        data[row].copy_(host[slot], non_blocking=True)
+    return data
 
 
 @dataclass(slots=True)
@@ -97,7 +136,7 @@ class KVOffload:
 
     def take_transfers(self) -> BlockTransfers | None:
         """The queued copies, for the plan being built (None when there are none)."""
-        self._handed = [t for t in self._handed if not t.done.is_set()]
+        self._handed = [t for t in self._handed if not t.landed()]
         if not self._queued.saves and not self._queued.loads:
             return None
         transfers, self._queued = self._queued, BlockTransfers(self.host.buffer)
@@ -162,7 +201,7 @@ class KVOffload:
     def _settle(self) -> bool:
         """Wait until the runner has run every transfer handed to it (their slots are then free to reuse)."""
         for transfers in self._handed:
-            if not transfers.done.wait(SETTLE_TIMEOUT_S):
+            if not transfers.wait(SETTLE_TIMEOUT_S):
                 return False
         self._handed.clear()
         return True

@@ -30,7 +30,9 @@ def key(i: int) -> bytes:
     return i.to_bytes(8, "little")
 
 
-def test_blocks_round_trip_through_host_slots_bit_exact():
+@pytest.mark.parametrize("chunk", [1, 64])
+def test_blocks_round_trip_through_host_slots_bit_exact(chunk, monkeypatch):
+    monkeypatch.setattr(kv_offload, "TRANSFER_CHUNK", chunk)
     kv = caches()
     before = [c.clone() for c in kv]
     tiers = offload(kv, 4)
