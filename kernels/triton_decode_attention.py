@@ -17,7 +17,7 @@ from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
-                                            dtype_choices, num_sms_of, output_gate)
+                                            dtype_choices, num_sms_of, output_gate, split_reduce_kernel)
 
 MIN_SPLIT_TOKENS = 256  # a decode split below this many keys costs more in partial writes + reduce than it saves
 MAX_SPLITS = 128  # H200, Qwen3.5-35B-A3B B1 after 32k tokens: 333.4 tok/s with 64, 350.9 with 128 (2 KV heads)
@@ -115,28 +115,6 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@_jit(do_not_specialize=['num_splits'])
-def _decode_reduce_kernel(
-    part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-):
-    """Combine one (sequence, head)'s split partials: weights 2^(lse_j - max lse); empty splits weigh 0."""
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
-    b = tl.program_id(0)
-    h = tl.program_id(1)
-    splits = tl.arange(0, S_PAD)
-    dims = tl.arange(0, D_PAD)
-    base = (b * tl.num_programs(1) + h) * num_splits
-    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
-    w = tl.exp2(lse - tl.max(lse, 0))  # split 0 is never empty (seq_len >= 1): the max is finite
-    used = lse > float("-inf")
-    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=used[:, None], other=0.0)
-    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
-    if GATED:
-        out = output_gate(out, gate_ptr + b * stride_gb + h * stride_gh + dims, dims < HEAD_DIM,
-                          out_ptr.dtype.element_ty)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
-
 def paged_decode_attention_triton(
     query: torch.Tensor,  # [B, H, D], one new token per sequence
     kv_cache_layer: torch.Tensor,  # [2, NB, BS, KVH, D]
@@ -171,7 +149,7 @@ def paged_decode_attention_triton(
         num_stages=2, EARLY=EARLY_LOADS, **pdl_launch(query),
     )
     if not direct:
-        _decode_reduce_kernel[(B, H)](
+        split_reduce_kernel[(B, H)](
             part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides,
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=block_pow2(splits, 2), GATED=gate is not None,
             num_warps=8 if block_pow2(splits, 2) * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread

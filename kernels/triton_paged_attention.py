@@ -9,7 +9,9 @@ program serves all ``group`` query heads of one KV head, so every K/V tile is lo
   packs BLOCK_Q tokens x group heads into BLOCK_M rows. Program -> (sequence, tile) is a device-side binary search
   over ``query_start_loc`` (sequence b owns virtual tiles from ``qsl[b] // BLOCK_Q + b``; spare ones exit), so no
   host-built index travels per step and the launch depends only on (T, B): CUDA-graph friendly. Keys visible
-  to every row of a tile run unmasked; only the diagonal tiles apply the causal mask.
+  to every row of a tile run unmasked; only the diagonal tiles apply the causal mask. When the tiles cannot fill
+  the GPU (a few tokens after a long cached prefix), the keys are split as in decode (``prefill_num_splits``) and
+  ``split_reduce_kernel`` combines the partials.
 
 ``plan`` may be a ``TritonAttentionPlan`` (forced split count / tile sizes, e.g. in tests); anything else (such as
 the torch reference's plan) is ignored, since the launch choices are a little host arithmetic.
@@ -24,7 +26,7 @@ import torch
 
 from kernels.triton_compat import INTERPRET  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 from kernels.triton_compat import jit as _jit
-from kernels.triton_compat import tl
+from kernels.triton_compat import pdl_wait, tl
 
 
 LOG2E = 1.4426950408889634
@@ -38,6 +40,7 @@ class TritonAttentionPlan:
     decode_block_n: int | None = None  # keys per decode tile
     prefill_block_m: int | None = None  # rows (tokens x group heads) per prefill tile
     prefill_block_n: int | None = None  # keys per prefill tile
+    prefill_splits: int | None = None  # prefill KV partitions per tile (1: none)
 
 
 def block_pow2(n: int, least: int = 16) -> int:
@@ -82,9 +85,12 @@ def attend_tile(
         s = tl.where(n_ok[None, :], s, float("-inf"))
     if CAUSAL:
         s = tl.where(offs_n[None, :] <= pos[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite: each program's first tile has a key every row may see
-    alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    m_new = tl.maximum(m_i, tl.max(s, 1))  # finite once a row has seen a key (every row, but in a KV split)
+    m_ref = m_new
+    if CAUSAL:  # a row that has seen no key yet (its split starts past it): nothing to rescale, nothing to add
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_ref)
+    p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     v = tl.load(v_base + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
     if DOT_FP32:
@@ -119,12 +125,14 @@ def find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @_jit(do_not_specialize=['num_seqs', 'stride_bt'])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, qk_scale, num_seqs,
-    stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_lse_ptr, qk_scale, num_seqs,
+    num_splits, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr = False,
 ):
+    """SPLIT: program (tile, KV head, split) takes the split's keys only (the sequence's length cut in num_splits
+    parts of whole key tiles) and writes a normalized partial and its log-sum-exp, as the decode splits do."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q)
@@ -159,19 +167,56 @@ def _prefill_kernel(
     v_base = v_ptr + kvh * stride_kh
     kv_end = ctx + tl.minimum(tok0 + BLOCK_Q, q_len)  # one past the tile's last position
     full = (ctx + tok0 + 1) // BLOCK_N  # tiles of keys every row of the tile may see
-    for i in range(0, full):
+    lo = 0
+    hi = tl.cdiv(kv_end, BLOCK_N)
+    if SPLIT:
+        split = tl.program_id(2)
+        split_tiles = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N)
+        lo = split * split_tiles
+        hi = tl.minimum(hi, lo + split_tiles)
+    for i in range(lo, tl.minimum(full, hi)):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, i * BLOCK_N, kv_end, pos, dims, dim_ok,
             stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, False, False, DOT_FP32, PRECISION,
         )
-    for i in range(full, tl.cdiv(kv_end, BLOCK_N)):
+    for i in range(tl.maximum(full, lo), hi):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, i * BLOCK_N, kv_end, pos, dims, dim_ok,
             stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, True, DOT_FP32, PRECISION,
         )
-    out = acc / l_i[:, None]
-    o_off = (q_begin + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
-    tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+    if SPLIT:  # [T, H, splits] row-major, as split_reduce reads them (empty partials: lse -inf, weight 0)
+        l_safe = tl.where(l_i > 0, l_i, 1.0)
+        part = ((q_begin + tok) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], acc / l_safe[:, None], mask=q_mask)
+        tl.store(part_lse_ptr + part, tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf")), mask=row_ok)
+    else:
+        out = acc / l_i[:, None]
+        o_off = (q_begin + tok)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
+
+
+@_jit(do_not_specialize=['num_splits'])
+def split_reduce_kernel(
+    part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """Combine one (row, head)'s KV-split partials (decode: a sequence; prefill: a token): weights 2^(lse_j - max
+    lse); empty splits weigh 0. Split 0 is never empty (it holds key 0, which every row sees)."""
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    splits = tl.arange(0, S_PAD)
+    dims = tl.arange(0, D_PAD)
+    base = (b * tl.num_programs(1) + h) * num_splits
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    w = tl.exp2(lse - tl.max(lse, 0))
+    used = lse > float("-inf")
+    acc = tl.load(part_acc_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=used[:, None], other=0.0)
+    out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
+    if GATED:
+        out = output_gate(out, gate_ptr + b * stride_gb + h * stride_gh + dims, dims < HEAD_DIM,
+                          out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
 
 
 def check_query(query: torch.Tensor, kv_cache_layer: torch.Tensor) -> tuple[torch.Tensor, int, int, int]:
@@ -208,15 +253,40 @@ def paged_prefill_attention_triton(
     out = torch.empty_like(query)
     fp32, precision = dtype_choices(kv_cache_layer)
     k, v = kv_cache_layer[0], kv_cache_layer[1]
-    _prefill_kernel[(T // block_q + B, kvh)](
-        query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, scale * LOG2E, B,
+    tiles, d_pad = T // block_q + B, block_pow2(d)
+    splits = (plan and plan.prefill_splits) or prefill_num_splits(tiles * kvh, meta.max_seq_len,
+                                                                   num_sms_of(query.device))
+    part_acc = query.new_empty(T * query.shape[1] * splits * d_pad if splits > 1 else 0, dtype=torch.float32)
+    part_lse = query.new_empty(T * query.shape[1] * splits if splits > 1 else 0, dtype=torch.float32)
+    _prefill_kernel[(tiles, kvh, splits)](
+        query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, part_acc, part_lse,
+        scale * LOG2E, B, splits,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
-        HEAD_DIM=d, D_PAD=block_pow2(d), GROUP=group, BLOCK_SIZE=kv_cache_layer.shape[2],
-        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_FP32=fp32, PRECISION=precision,
+        HEAD_DIM=d, D_PAD=d_pad, GROUP=group, BLOCK_SIZE=kv_cache_layer.shape[2],
+        BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_FP32=fp32, PRECISION=precision, SPLIT=splits > 1,
         num_warps=warps, num_stages=3 if d <= 128 else 2,
     )
+    if splits > 1:
+        s_pad = block_pow2(splits, 2)
+        split_reduce_kernel[(T, query.shape[1])](
+            part_acc, part_lse, out, out, splits, out.stride(0), out.stride(1), 0, 0,
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad, GATED=False, num_warps=8 if s_pad * d_pad > 16384 else 4)
     return out
+
+
+PREFILL_SPLIT_KEYS = 1024  # a prefill KV split below this many keys costs more in partials + reduce than it saves
+PREFILL_MAX_SPLITS = 32
+
+
+def prefill_num_splits(programs: int, max_seq_len: int, num_sms: int) -> int:
+    """KV splits for a prefill launch of ``programs`` (tile, KV head) programs: a few short chunks over long
+    contexts (a prompt's last tokens after a cached prefix) leave most SMs idle, each program walking every key;
+    splitting the keys gives about two programs an SM. 1 when the tiles already fill the GPU."""
+    if programs >= num_sms:
+        return 1
+    want = -(-2 * num_sms // max(1, programs))
+    return max(1, min(want, max_seq_len // PREFILL_SPLIT_KEYS, PREFILL_MAX_SPLITS))
 
 
 def paged_attention_triton(

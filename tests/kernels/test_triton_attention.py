@@ -67,6 +67,27 @@ def test_prefill_matches_ref(case, group, block_size):
     torch.testing.assert_close(out, reference(query, cache, meta, 0.35), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("case", range(len(PREFILL_CASES)))
+@pytest.mark.parametrize("splits", [2, 3, 8])
+def test_prefill_kv_splits_match_ref(case, splits):
+    """Keys split into parts of whole 16-key tiles (some splits past a row's position, some empty for short
+    sequences), partials combined by the reduce kernel: the unsplit result."""
+    q_lens, seq_lens = PREFILL_CASES[case]
+    query, cache, meta = make_step(q_lens, seq_lens, group=2, block_size=4, seed=30 + case)
+    plan = TritonAttentionPlan(prefill_block_m=16, prefill_block_n=16, prefill_splits=splits)
+    out = paged_prefill_attention_triton(query, cache, meta, 0.35, plan)
+    torch.testing.assert_close(out, reference(query, cache, meta, 0.35), atol=1e-5, rtol=1e-5)
+
+
+def test_prefill_num_splits():
+    from kernels.triton_paged_attention import PREFILL_MAX_SPLITS, prefill_num_splits
+
+    assert prefill_num_splits(8, 8192, 132) == 8  # 16 tokens after an 8k prefix: 8 keys-splits of 1,024
+    assert prefill_num_splits(8, 40960, 132) == PREFILL_MAX_SPLITS
+    assert prefill_num_splits(132, 40960, 132) == 1  # the tiles fill the GPU
+    assert prefill_num_splits(8, 900, 132) == 1  # short contexts: no split under PREFILL_SPLIT_KEYS
+
+
 def test_prefill_default_tiles_and_dispatch():
     query, cache, meta = make_step([3, 1, 18], [3, 20, 40], group=4, block_size=16, seed=7)
     assert not meta.is_decode_only
