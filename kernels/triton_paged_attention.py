@@ -268,7 +268,7 @@ def paged_prefill_attention_triton(
         num_warps=warps, num_stages=3 if d <= 128 else 2,
     )
     if splits > 1:
-        s_pad = block_pow2(splits, 2)
+        s_pad = block_pow2(max(splits, PREFILL_MAX_SPLITS), 2)  # one compiled variant whatever the count
         split_reduce_kernel[(T, query.shape[1])](
             part_acc, part_lse, out, out, splits, out.stride(0), out.stride(1), 0, 0,
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad, GATED=False, num_warps=8 if s_pad * d_pad > 16384 else 4)

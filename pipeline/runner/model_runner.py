@@ -106,6 +106,11 @@ class ModelRunner:
             small = build_attention_metadata([tokens], [tokens], [list(range(1, blocks))], self.block_size,
                                              self.device)
             self.model(ids[:tokens], positions[:tokens], ForwardContext(small, scratch, state_slots=null_slot))
+        # and a prompt's last tokens after a long cached prefix: the prefill attention's key-split variant
+        tail = min(16, profile_tokens)
+        late = build_attention_metadata([tail], [profile_tokens], [list(range(1, blocks))], self.block_size,
+                                        self.device)
+        self.model(ids[:tail], positions[-tail:], ForwardContext(late, scratch, state_slots=null_slot))
         torch.cuda.synchronize(self.device)
         scratch_bytes = sum(t.numel() * t.element_size() for t in scratch)
         activations = torch.cuda.max_memory_allocated(self.device) - baseline - scratch_bytes
