@@ -47,6 +47,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offload-dir", default=None,
                         help="a directory keeping cached prefix blocks the host tier evicts (with --kv-offload-disk-gib)")
     parser.add_argument("--kv-offload-disk-gib", type=float, default=0.0, help="disk space (GiB) for that tier")
+    parser.add_argument("--state-snapshot-gib", type=float, default=defaults.state_snapshot_gib,
+                        help="hybrid models: device memory for recurrent-state snapshots (where prefixes resume)")
+    parser.add_argument("--state-snapshot-interval", type=int, default=defaults.state_snapshot_interval,
+                        help="hybrid models: tokens between state snapshots inside a long prompt")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
@@ -75,7 +79,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
                         run_ahead=not args.disable_run_ahead, prefix_caching=not args.no_prefix_caching,
                         kv_offload_host_gib=args.kv_offload_host_gib, kv_offload_dir=args.kv_offload_dir,
-                        kv_offload_disk_gib=args.kv_offload_disk_gib,
+                        kv_offload_disk_gib=args.kv_offload_disk_gib, state_snapshot_gib=args.state_snapshot_gib,
+                        state_snapshot_interval=args.state_snapshot_interval,
                         gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))

@@ -37,6 +37,8 @@ class EngineConfig:
     kv_offload_host_gib: float = 0.0  # host memory for cached blocks the device evicts (0: none)
     kv_offload_dir: str | None = None  # a directory for cached blocks the host tier evicts (needs the host tier)
     kv_offload_disk_gib: float = 0.0  # disk space for them under kv_offload_dir
+    state_snapshot_gib: float = 4.0  # hybrid models: device memory for recurrent-state snapshots (prefix caching)
+    state_snapshot_interval: int = 4096  # hybrid models: tokens between snapshots inside a long prompt
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
@@ -72,6 +74,8 @@ class EngineConfig:
             raise ValueError(f"gil_switch_interval_s must be in [1e-5, 0.1], got {self.gil_switch_interval_s}")
         if self.num_kv_blocks is not None and self.num_kv_blocks < 2:
             raise ValueError("num_kv_blocks must be at least 2 (block 0 is reserved)")
+        if self.state_snapshot_gib < 0 or self.state_snapshot_interval < self.block_size:
+            raise ValueError("state_snapshot_gib must be >= 0 and state_snapshot_interval at least one block")
         if self.kv_offload_host_gib < 0 or self.kv_offload_disk_gib < 0:
             raise ValueError("kv_offload_host_gib and kv_offload_disk_gib must be >= 0")
         if (self.kv_offload_dir is None) != (self.kv_offload_disk_gib == 0):

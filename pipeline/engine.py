@@ -22,6 +22,7 @@ from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_s
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.cache_manager import CacheManager
 from pipeline.memory.kv_offload import kv_offload, offload_stats
+from pipeline.memory.state_snapshots import SnapshotPool, snapshot_stats
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.state_slots import StateSlotPool
 from pipeline.messages import IntakeItem
@@ -50,8 +51,10 @@ class Engine:
         self.loaded = loaded
         self.tokenizer = loaded.tokenizer
         states = StateSlotPool(loaded.runner.num_state_slots - 1) if loaded.runner.num_state_slots else None
+        snapshots = loaded.runner.snapshots[0].shape[0] if loaded.runner.snapshots else 0
         self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states, config.prefix_caching,
-                                  kv_offload(config, loaded))
+                                  kv_offload(config, loaded),
+                                  SnapshotPool(snapshots, config.state_snapshot_interval) if snapshots else None)
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
         self.executor = executor
@@ -228,6 +231,7 @@ class Engine:
             "prefix_cache": {"enabled": self.cache.prefix_caching, "queried_tokens": self.cache.prefix_queried_tokens,
                              "hit_tokens": self.cache.prefix_hit_tokens, "evictions": self.cache.prefix_evictions},
             "kv_offload": offload_stats(self.cache.offload),
+            "state_snapshots": snapshot_stats(self.cache.snapshots),
             "seats": {"capacity": self.seats.capacity, "held": self.seats.held},
             "state_slots_used": self.cache.num_state_slots_used,
             "waiting": {"requests": self.waiting.requests, "tokens": self.waiting.tokens},

@@ -65,6 +65,13 @@ def eos_token_ids(tokenizer: Tokenizer, hf_config: dict, generation_config: dict
     return frozenset(ids)
 
 
+def num_snapshots(config: EngineConfig, runner: ModelRunner) -> int:
+    """Recurrent-state snapshots of a hybrid model with prefix caching (0 otherwise)."""
+    if not runner.bytes_per_snapshot or not config.prefix_caching:
+        return 0
+    return int(config.state_snapshot_gib * (1 << 30)) // runner.bytes_per_snapshot
+
+
 def load_model(config: EngineConfig, progress: Callable[[str], None] | None = None) -> LoadedModel:
     say = progress or (lambda message: None)
     path = resolve_model_path(config.model)
@@ -81,15 +88,19 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     model = build_model(arch, None if dummy else iter_weights(path), dtype, device)
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
                          max_num_seqs=config.max_num_seqs)
+    snapshots = num_snapshots(config, runner)
+    snapshot_bytes = snapshots * runner.bytes_per_snapshot
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
     elif device.type == "cuda":
         say(f"profiling a {config.max_num_batched_tokens}-token step to size the KV cache")
         num_blocks = runner.kv_blocks_for_gpu(config.gpu_memory_utilization, config.max_num_batched_tokens,
-                                              config.max_num_seqs)
+                                              config.max_num_seqs, reserve_bytes=(1 << 30) + snapshot_bytes)
     else:
-        num_blocks = max(2, (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes) // runner.bytes_per_block)
+        num_blocks = max(2, (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes - snapshot_bytes)
+                         // runner.bytes_per_block)
     runner.allocate_caches(num_blocks)
+    runner.allocate_snapshots(snapshots)
     pool_tokens = (num_blocks - 1) * config.block_size
     max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
     if device.type == "cuda" and config.cuda_graphs:

@@ -80,6 +80,8 @@ class Sequence:
     block_keys: list[bytes] = field(default_factory=list)  # prefix-cache keys of its first full blocks
     num_keyed: int = 0  # its first blocks whose keys the cache holds (cached ones taken, or registered)
     missed_at: int = -1  # the pool's keys_added at a prefix lookup that found nothing (none again until it grows)
+    snapshot_pos: int = 0  # hybrid models: where its state was last snapshotted (or restored from)
+    restore_from: int | None = None  # hybrid models: the pinned snapshot its state slot gets when allocated
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

@@ -114,6 +114,13 @@ class EngineStatsCollector(Collector):
         yield self._counter("prefix_cache_hits", "Prompt tokens found in the prefix cache.", prefix["hit_tokens"])
         yield self._counter("prefix_cache_evictions", "Cached KV blocks evicted for new ones.", prefix["evictions"])
         yield from self._offload_families(stats.get("kv_offload", {}))
+        snapshots = stats.get("state_snapshots", {})
+        if snapshots.get("enabled"):
+            yield self._gauge("state_snapshots_held", "Recurrent-state snapshots held (hybrid prefix cache).",
+                              snapshots["held"])
+            yield self._counter("state_snapshots_taken", "Recurrent states copied into a snapshot.", snapshots["taken"])
+            yield self._counter("state_snapshots_restored", "Snapshots restored into a starting sequence.",
+                                snapshots["restored"])
         yield self._gauge("seats_held", "Sequence seats held.", stats["seats"]["held"])
         yield self._gauge("seats_capacity", "Sequence seats in all (max_num_seqs).", stats["seats"]["capacity"])
         yield self._counter("preemptions", "Sequences preempted back to prefill.", stats["preemptions"])

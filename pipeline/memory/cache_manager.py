@@ -7,7 +7,9 @@ caching or another eviction policy can change what the answers are without chang
 
 Hybrid models also hold one recurrent state slot per sequence (pipeline/memory/state_slots.py): taken
 with the sequence's first blocks, given back with them in `free`, so every path that ends or preempts
-a sequence (which all call `free`) returns its slot too.
+a sequence (which all call `free`) returns its slot too. Their prefixes resume only where a state snapshot was
+taken (pipeline/memory/state_snapshots.py): a prompt takes the cached blocks up to the last one a snapshot ends,
+and its state slot gets that snapshot when it is allocated.
 
 Prefix caching (dense models): every full block a sequence computes gets its key (`register_computed`), and a
 prompt about to start takes the longest keyed run of its own full blocks by reference (`take_cached_prefix`),
@@ -27,6 +29,7 @@ from typing import TYPE_CHECKING
 from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.kv_offload import BlockTransfers, KVOffload
+from pipeline.memory.state_snapshots import SnapshotPool
 from pipeline.memory.state_slots import StateSlotPool
 
 if TYPE_CHECKING:
@@ -38,17 +41,24 @@ class CacheManager:
     """Owns the KVBlockPool (and the state slot pool of hybrid models); every allocation, share and free
     of a sequence's blocks and state slot goes through it."""
 
-    __slots__ = ("_pool", "_states", "prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "offload")
+    __slots__ = ("_pool", "_states", "prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "offload",
+                 "snapshots", "_state_copies", "_saves_next", "_saves_after_step")
 
     def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None,
-                 prefix_caching: bool = True, offload: KVOffload | None = None) -> None:
+                 prefix_caching: bool = True, offload: KVOffload | None = None,
+                 snapshots: SnapshotPool | None = None) -> None:
         self._pool = pool
         self._states = state_slots
-        # hybrid models cache nothing yet: a recurrent state cannot resume mid-prompt without a snapshot there
-        self.prefix_caching = prefix_caching and state_slots is None
-        self.offload = offload if self.prefix_caching else None
+        # a hybrid model resumes a prefix only where a snapshot of its recurrent state was taken
+        hybrid = state_slots is not None
+        self.prefix_caching = prefix_caching and (not hybrid or (snapshots is not None and snapshots.capacity > 0))
+        self.offload = offload if self.prefix_caching and not hybrid else None
+        self.snapshots = snapshots if self.prefix_caching and hybrid else None
         if self.offload is not None:
             pool.on_evict = self.offload.save
+        self._state_copies = BlockTransfers(None)  # restores queued for the next plan
+        self._saves_next: list[tuple[int, bytes]] = []  # (state slot, key): snapshots the next plan takes
+        self._saves_after_step: list[tuple[int, bytes]] = []  # the same, of the plan being built (the one after)
         self.prefix_queried_tokens = 0  # prompt tokens looked up (each start of a prompt)
         self.prefix_hit_tokens = 0  # of those, found cached
 
@@ -93,7 +103,13 @@ class CacheManager:
         tokens = seq.token_ids
         limit = (len(tokens) - 1) // size
         keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
-        blocks = self._pool.acquire(self._pool.lookup(islice(keys, limit)))
+        run = self._pool.lookup(islice(keys, limit))
+        if self.snapshots is not None:  # up to the last block a snapshot ends (its state restored on allocation)
+            run = run[:self.snapshots.latest(keys[:len(run)])]
+            if run:
+                seq.restore_from = self.snapshots.pin(keys[len(run) - 1])
+                seq.snapshot_pos = len(run) * size
+        blocks = self._pool.acquire(run)
         if self.offload is not None and len(blocks) < limit:
             blocks += self._restore(keys[len(blocks):limit])
         if not blocks:
@@ -120,11 +136,52 @@ class CacheManager:
     def _cache_version(self) -> int:
         """Grows whenever a lookup that missed might now hit (a block keyed, or saved to the host tier)."""
         saved = self.offload.stats.saved_blocks if self.offload is not None else 0
-        return self._pool.keys_added + saved
+        snapshots = self.snapshots.stats.taken if self.snapshots is not None else 0
+        return self._pool.keys_added + saved + snapshots
 
     def take_transfers(self) -> BlockTransfers | None:
-        """The tier copies queued since the last plan, for the plan being built (its runner runs them first)."""
-        return self.offload.take_transfers() if self.offload is not None else None
+        """The copies queued since the last plan, for the plan being built (its runner runs them first): tier
+        copies, and the state snapshots of chunks the previous plan ended at a snapshot position (their states are
+        there until this plan's forward) and restores into the state slots of prompts starting now."""
+        transfers = self.offload.take_transfers() if self.offload is not None else None
+        if self.snapshots is None:
+            return transfers
+        copies, self._state_copies = self._state_copies, BlockTransfers(None)
+        for slot, key in self._saves_next:
+            index = self.snapshots.reserve(key)
+            if index is not None:
+                copies.state_saves.append((slot, index))
+        self._saves_next, self._saves_after_step = self._saves_after_step, []
+        self.snapshots.handed()
+        if not copies.state_saves and not copies.state_loads:
+            return transfers
+        if transfers is not None:
+            transfers.state_saves, transfers.state_loads = copies.state_saves, copies.state_loads
+            return transfers
+        return copies
+
+    def prompt_stop(self, seq: Sequence) -> int:
+        """Where the sequence's next prompt chunk must end at the latest: its prompt's last full block, for a
+        snapshot there (hybrid models), before the tokens after it; else its end."""
+        end = len(seq.token_ids)
+        if self.snapshots is None:
+            return end
+        aligned = end // self._pool.block_size * self._pool.block_size
+        return aligned if seq.num_computed < aligned < end else end
+
+    def snapshot_after_chunk(self, seq: Sequence, end: int) -> None:
+        """A chunk of the plan being built ends the sequence's computed tokens at ``end``: snapshot its state there
+        (after the step) if that is a snapshot position: its prompt's last full block, or a block boundary at least
+        the pool's interval after its last snapshot."""
+        size = self._pool.block_size
+        if self.snapshots is None or end % size or end <= seq.snapshot_pos or seq.state_slot is None:
+            return
+        last_block = len(seq.token_ids) // size * size
+        if end != last_block and end - seq.snapshot_pos < self.snapshots.interval:
+            return
+        keys = extend_block_hashes(seq.block_keys, seq.token_ids, size, end // size, seq.request.params.cache_salt)
+        self._saves_after_step.append((seq.state_slot.index, keys[end // size - 1]))
+        seq.snapshot_pos = end
 
     def count_prefix_query(self, seq: Sequence) -> None:
         """A prompt starts: its tokens were looked up, its computed ones were found (metrics)."""
@@ -162,6 +219,9 @@ class CacheManager:
             seq.state_slot = self._states.allocate()
             if seq.state_slot is None:
                 return False
+            if seq.restore_from is not None:  # the cached prefix's state, before this plan's forward
+                snapshot, seq.restore_from = seq.restore_from, None
+                self._state_copies.state_loads.append((self.snapshots.read(snapshot), seq.state_slot.index))
         if count > 0:
             seq.block_ids.extend(pool.allocate(count))
         return True
@@ -172,6 +232,10 @@ class CacheManager:
         if seq.state_slot is not None:
             slot, seq.state_slot = seq.state_slot, None
             self._states.free(slot)
+        if seq.restore_from is not None:
+            self.snapshots.unpin(seq.restore_from)
+            seq.restore_from = None
+        seq.snapshot_pos = 0
         if seq.block_ids:
             blocks, seq.block_ids = seq.block_ids, []
             self._pool.free(blocks[::-1])  # cached ones: the prefix's end is evicted first

@@ -32,11 +32,14 @@ SETTLE_TIMEOUT_S = 60.0  # a runner that has not run a handed-over transfer by t
 
 @dataclass(slots=True)
 class BlockTransfers:
-    """Copies a step runs before its forward, in order: device blocks to host slots, then host slots to blocks."""
+    """Copies a step runs before its forward, in order: device blocks to host slots, host slots to blocks, then
+    (hybrid models) state slots to snapshots and snapshots to state slots (pipeline/memory/state_snapshots.py)."""
 
-    host: torch.Tensor  # the host tier's buffer [slots, block bytes] (uint8)
+    host: torch.Tensor | None  # the host tier's buffer [slots, block bytes] (uint8), if there is one
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
+    state_saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
+    state_loads: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
     done: threading.Event = field(default_factory=threading.Event)  # the runner has queued every copy
     copied: torch.cuda.Event | None = None  # CUDA: when the queued copies have landed
 
@@ -64,12 +67,15 @@ TRANSFER_CHUNK = 64  # blocks gathered (or scattered) through one device staging
 
 
 @torch.inference_mode()
-def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor]) -> None:
+def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor],
+                        states: Sequence[torch.Tensor] = (), snapshots: Sequence[torch.Tensor] = ()) -> None:
     """Runner side, on the step's stream. A block's bytes in a host slot are each paged cache's ``[2, block_size,
     ...]`` in cache order. On CUDA every slot is its own async copy to or from the pinned buffer (no pageable
-    bounce), through device staging of TRANSFER_CHUNK blocks; the step's forward queues after them."""
+    bounce), through device staging of TRANSFER_CHUNK blocks; the step's forward queues after them. ``states``
+    and ``snapshots``: each recurrent cache ``[slots, ...]`` and its snapshots ``[snapshots, ...]``."""
     try:
-        device = caches[0].device
+        _copy_states(transfers, states, snapshots)
+        device = caches[0].device if caches else None
         for i in range(0, len(transfers.saves), TRANSFER_CHUNK):
             part = transfers.saves[i:i + TRANSFER_CHUNK]
             blocks = torch.tensor([b for b, _ in part], device=device)
@@ -86,11 +92,26 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
                 piece = data[:, offset:offset + size].contiguous().view(c.dtype)
                 c.index_copy_(1, blocks, piece.view(len(part), 2, *c.shape[2:]).transpose(0, 1))
                 offset += size
-        if device.type == "cuda" and (transfers.saves or transfers.loads):
+        if device is not None and device.type == "cuda" and (transfers.saves or transfers.loads):
             transfers.copied = torch.cuda.Event()
             transfers.copied.record()
     finally:
         transfers.done.set()
+
+
+def _copy_states(transfers: BlockTransfers, states: Sequence[torch.Tensor],
+                 snapshots: Sequence[torch.Tensor]) -> None:
+    """Device copies between state slots and snapshots: saves first (a restore in the same plan may read one)."""
+    for pairs, save in ((transfers.state_saves, True), (transfers.state_loads, False)):
+        if not pairs:
+            continue
+        src = torch.tensor([a for a, _ in pairs], device=states[0].device)
+        dst = torch.tensor([b for _, b in pairs], device=states[0].device)
+        for state, snapshot in zip(states, snapshots):
+            if save:
+                snapshot.index_copy_(0, dst, state.index_select(0, src))
+            else:
+                state.index_copy_(0, dst, snapshot.index_select(0, src))
 
 
 def _to_slots(host: torch.Tensor, slots: list[int], data: torch.Tensor) -> None:

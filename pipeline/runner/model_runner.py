@@ -18,8 +18,8 @@ import torch
 
 from pipeline.memory.kv_offload import run_block_transfers
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
-from pipeline.models.forward_context import (ForwardContext, PagedKVSpec, allocate_caches, bytes_per_block,
-                                             bytes_per_state_slot)
+from pipeline.models.forward_context import (ForwardContext, PagedKVSpec, StateSlotSpec, allocate_caches,
+                                             bytes_per_block, bytes_per_state_slot)
 from pipeline.runner.cuda_graphs import DecodeGraphs, decode_plan
 from pipeline.runner.host_staging import HostStaging
 from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
@@ -58,6 +58,7 @@ class ModelRunner:
         self.cache_specs = model.cache_specs(dtype)
         self.num_state_slots = max_num_seqs + 1 if bytes_per_state_slot(self.cache_specs) else 0  # + the null slot
         self.caches: list[torch.Tensor] = []
+        self.snapshots: list[torch.Tensor] = []  # per recurrent cache: [snapshots, ...] (allocate_snapshots)
         self.graphs: DecodeGraphs | None = None
         self.decode_partition: tuple[int, int, int] | None = None  # (max_batch, max_model_len, SMs): fix_decode_partition
         self.sampler = Sampler()
@@ -74,6 +75,21 @@ class ModelRunner:
 
     def allocate_caches(self, num_blocks: int) -> None:
         self.caches = allocate_caches(self.cache_specs, num_blocks, self.block_size, self.device, self.num_state_slots)
+
+    @property
+    def bytes_per_snapshot(self) -> int:
+        """Device bytes of one recurrent-state snapshot (every GDN layer's state; 0 for attention-only models)."""
+        return bytes_per_state_slot(self.cache_specs)
+
+    def allocate_snapshots(self, count: int) -> None:
+        """``count`` snapshots of every recurrent cache (pipeline/memory/state_snapshots.py)."""
+        self.snapshots = [torch.zeros((count, *spec.per_slot), dtype=spec.dtype, device=self.device)
+                          for spec in self.cache_specs if isinstance(spec, StateSlotSpec)]
+
+    @property
+    def state_caches(self) -> list[torch.Tensor]:
+        """The recurrent state caches ``[slots, ...]``, in cache order (what a snapshot copies)."""
+        return [c for c, spec in zip(self.caches, self.cache_specs) if isinstance(spec, StateSlotSpec)]
 
     @property
     def paged_caches(self) -> list[torch.Tensor]:
@@ -128,6 +144,7 @@ class ModelRunner:
         """Drop the caches, graphs and weights (on the device thread) so the memory returns at shutdown."""
         self.graphs = None
         self.caches = []
+        self.snapshots = []
         self.model = None  # type: ignore[assignment]
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -164,7 +181,7 @@ class ModelRunner:
         the host (waiting for them), for grammar rows one step ahead.
         """
         if plan.transfers is not None:  # KV tier copies first: the forward may read restored blocks
-            run_block_transfers(plan.transfers, self.paged_caches)
+            run_block_transfers(plan.transfers, self.paged_caches, self.state_caches, self.snapshots)
         if plan.forward.num_tokens == 0:
             return empty_sample(self.device)
         # Sampling inputs go to the device before the forward is launched: their small copies then

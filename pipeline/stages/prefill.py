@@ -80,8 +80,10 @@ class PrefillStage(DeviceStage):
         for seq in self.waiting:  # a prompt holding nothing takes its cached prefix (a no-op once it holds blocks)
             if not seq.block_ids:
                 self.cache.take_cached_prefix(seq)
-        return [WaitingPrompt(seq.seq_id, seq.arrival, seq.num_computed, seq.num_pending, len(seq.block_ids),
-                              seq.num_samples, seq.seq_id in started) for seq in self.waiting]
+        # a hybrid model's chunk stops at its prompt's last full block, where its state is snapshotted
+        return [WaitingPrompt(seq.seq_id, seq.arrival, seq.num_computed,
+                              min(seq.num_pending, self.cache.prompt_stop(seq) - seq.num_computed),
+                              len(seq.block_ids), seq.num_samples, seq.seq_id in started) for seq in self.waiting]
 
     def preempt_now(self, seq_id: int) -> None:
         """Give a later arrival's blocks back (it stays waiting, to be recomputed)."""
@@ -109,6 +111,7 @@ class PrefillStage(DeviceStage):
             if not self.cache.allocate_slots(seq, choice.num_tokens):
                 raise RuntimeError(f"the planner counted {choice.new_blocks} blocks the cache does not have")
             end = seq.num_computed + choice.num_tokens
+            self.cache.snapshot_after_chunk(seq, end)
             rows, grammars = [], []
             if end == len(seq.token_ids):  # the prompt completes: pick each sample's first token
                 request_seed = seq.request.params.seed or 0

@@ -129,7 +129,8 @@ def test_cache_manager_prefix_runs_continue_into_the_host_tier():
 
     def sequence() -> SimpleNamespace:
         return SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0,
-                               missed_at=-1, request=request, state_slot=None)
+                               missed_at=-1, request=request, state_slot=None,
+                               snapshot_pos=0, restore_from=None)
 
     first = sequence()
     assert cache.allocate_slots(first, len(tokens))

@@ -1,0 +1,92 @@
+"""Prefix caching for a hybrid model (tiny random Qwen3.5-MoE: Gated DeltaNet + gated attention + MoE) through
+the whole stage graph: a prefix resumes only from a recurrent-state snapshot, and every output equals the output
+with caching off (greedy and seeded sampling, n > 1, chunked prompts, a snapshot pool small enough to evict),
+hits happen where a snapshot was taken, and nothing leaks."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from pipeline.engine import Engine
+from pipeline.request import SamplingParams
+from tests.conftest import run_async
+from tests.engine_utils import assert_no_leaks, collect, config_for, settle
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+BASE = [random.Random(9).randrange(100, 49000) for _ in range(37)]
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(make_model_dir):
+    return make_model_dir("qwen3_5_moe_text", seed=5)
+
+
+def greedy(max_tokens: int = 10) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+
+
+def sampled(seed: int, n: int = 1) -> SamplingParams:
+    return SamplingParams(max_tokens=8, temperature=0.9, top_p=0.95, seed=seed, n=n, ignore_eos=True)
+
+
+async def outputs(engine: Engine, prompt: list[int], params: SamplingParams) -> list[list[int]]:
+    return [s.token_ids for s in await collect(engine, prompt_token_ids=prompt, params=params)]
+
+
+async def scenario(model_dir, caching: bool, **overrides) -> tuple[list, dict]:
+    engine = await Engine.create(config_for(model_dir, prefix_caching=caching, **overrides))
+    try:
+        results = [await outputs(engine, BASE, greedy())]  # snapshot where its last full block ends (36)
+        results.append(await outputs(engine, BASE, greedy()))  # exact hit: the state restored, one token computed
+        results.append(await outputs(engine, BASE[:32], greedy()))  # a prefix of it (interval snapshots only)
+        results.append(await outputs(engine, BASE[:30] + [7, 8, 9], greedy()))  # diverges inside a block
+        results.append(await outputs(engine, BASE + results[0][0] + [11, 12], greedy()))  # the next turn
+        results.append(await outputs(engine, BASE, sampled(3)))
+        results.append(await outputs(engine, BASE + [5], sampled(3, n=3)))
+        together = await asyncio.gather(*[outputs(engine, BASE[:20 + 4 * i] + [i] * (i + 1), greedy())
+                                          for i in range(5)])
+        results.extend(together)
+        await settle(engine)
+        assert_no_leaks(engine)
+        return results, engine.stats()
+    finally:
+        await engine.shutdown()
+
+
+def test_hybrid_cache_on_equals_off_and_restores_snapshots(hybrid_dir):
+    off, off_stats = run_async(scenario(hybrid_dir, False))
+    on, stats = run_async(scenario(hybrid_dir, True))
+    assert on == off
+    assert off_stats["state_snapshots"] == {"enabled": False} and off_stats["prefix_cache"]["hit_tokens"] == 0
+    snapshots = stats["state_snapshots"]
+    assert snapshots["taken"] > 0 and snapshots["restored"] >= 3  # the exact hit, the next turn, the samples
+    # the exact hit takes 36 of BASE's 37 tokens, the next turn at least those 36 again
+    assert stats["prefix_cache"]["hit_tokens"] >= 36 + 36
+
+
+def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir):
+    """8-token chunks with an 8-token interval (a snapshot at every chunk end: BASE[:32] resumes at 28), then a
+    pool of two snapshots (evictions while prompts wait on theirs), and a pool too small to hold one (caching
+    off for the hybrid layers)."""
+    off, _ = run_async(scenario(hybrid_dir, False, max_num_batched_tokens=8))
+    on, stats = run_async(scenario(hybrid_dir, True, max_num_batched_tokens=8, state_snapshot_interval=8))
+    assert on == off
+    assert stats["state_snapshots"]["taken"] > 8 and stats["prefix_cache"]["hit_tokens"] > 36 + 28
+
+    async def snapshot_bytes() -> int:
+        probe = await Engine.create(config_for(hybrid_dir))
+        try:
+            return probe.loaded.runner.bytes_per_snapshot
+        finally:
+            await probe.shutdown()
+
+    size = run_async(snapshot_bytes())
+    plain, _ = run_async(scenario(hybrid_dir, False))
+    tiny, stats = run_async(scenario(hybrid_dir, True, state_snapshot_gib=2.5 * size / (1 << 30)))
+    assert tiny == plain
+    assert stats["state_snapshots"]["capacity"] == 2 and stats["state_snapshots"]["evictions"] > 0
+    none, stats = run_async(scenario(hybrid_dir, True, state_snapshot_gib=0.5 * size / (1 << 30)))
+    assert none == plain and stats["prefix_cache"]["enabled"] is False
