@@ -148,6 +148,11 @@ class EngineStatsCollector(Collector):
                             offload["restored_blocks"])
         yield self._counter("kv_offload_disk_restored_blocks", "Of those, read from the disk tier.",
                             offload["disk_restored_blocks"])
+        swaps = CounterMetricFamily("conveyor_kv_offload_swaps", "Preempted sequences swapped to host and back.",
+                                    labels=["model_name", "direction"])
+        swaps.add_metric([self._model, "out"], offload["swapped_out"])
+        swaps.add_metric([self._model, "in"], offload["swapped_in"])
+        yield swaps
         yield self._counter("kv_offload_dropped_blocks", "Evicted cached blocks not saved (host slots busy).",
                             offload["dropped_blocks"])
         if "disk" in offload["tiers"]:

@@ -27,3 +27,9 @@ def extend_block_hashes(hashes: list[bytes], token_ids: Sequence[int], block_siz
         previous = hashlib.blake2b(previous + block, digest_size=8).digest()
         hashes.append(previous)
     return hashes
+
+
+def partial_block_key(previous: bytes, token_ids: Sequence[int]) -> bytes:
+    """The key of a block's first tokens, not a full block (a preempted sequence's last block, swapped to host):
+    apart from every full block's key, so no other prompt takes it as a prefix."""
+    return hashlib.blake2b(b"partial:" + previous + array("q", token_ids).tobytes(), digest_size=8).digest()

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from pipeline.memory.block_hashes import extend_block_hashes
+from pipeline.memory.block_hashes import chain_root, extend_block_hashes, partial_block_key
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.kv_offload import BlockTransfers, KVOffload
 from pipeline.memory.state_snapshots import SnapshotPool
@@ -117,6 +117,14 @@ class CacheManager:
         seq.block_ids = blocks
         seq.num_keyed = len(blocks)
         seq.num_computed = len(blocks) * size
+        if self.offload is not None and len(blocks) == limit:  # a swapped-out sequence's last, partial block
+            tail = tokens[limit * size:len(tokens) - 1]
+            previous = keys[limit - 1] if limit else chain_root(seq.request.params.cache_salt)
+            if tail and (restored := self._restore([partial_block_key(previous, tail)])):
+                seq.block_ids += restored
+                seq.num_computed += len(tail)
+            if seq.preemptions and seq.num_computed == len(tokens) - 1:
+                self.offload.stats.swapped_in += 1
         return seq.num_computed
 
     def _restore(self, keys: list[bytes]) -> list[int]:
@@ -225,6 +233,23 @@ class CacheManager:
         if count > 0:
             seq.block_ids.extend(pool.allocate(count))
         return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """A running sequence gives its memory back, to resume later. With a host tier its computed blocks are
+        swapped there first (the full ones under their prefix keys, the partial last one under a key of its own),
+        so resuming copies them back (``take_cached_prefix``); where there is no room, it recomputes."""
+        if self.offload is not None and seq.num_computed:
+            self.register_computed(seq)
+            size = self._pool.block_size
+            full = seq.num_computed // size
+            for block, key in zip(seq.block_ids[:full], seq.block_keys[:full]):
+                self.offload.save(block, key)
+            if seq.num_computed > full * size:
+                previous = seq.block_keys[full - 1] if full else chain_root(seq.request.params.cache_salt)
+                key = partial_block_key(previous, seq.token_ids[full * size:seq.num_computed])
+                self.offload.save(seq.block_ids[full], key)
+            self.offload.stats.swapped_out += 1
+        self.free(seq)
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's references to its blocks (shared ones stay with their other holders);

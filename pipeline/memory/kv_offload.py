@@ -139,6 +139,8 @@ class OffloadStats:
     dropped_blocks: int = 0  # evicted from the device but not saved (their host slot was still in use)
     bytes_to_host: int = 0
     bytes_to_device: int = 0
+    swapped_out: int = 0  # preempted sequences whose computed blocks were copied to host
+    swapped_in: int = 0  # preempted sequences that took every computed token back
 
 
 class KVOffload:

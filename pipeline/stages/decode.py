@@ -133,10 +133,11 @@ class DecodeStage(DeviceStage):
         return rows
 
     def preempt_now(self, seq_id: int) -> Sequence:
-        """Recompute later: drop the KV, keep the tokens and the seat; the planner hands it to prefill."""
+        """Resume later: give the KV back (swapped to host, or to be recomputed), keep the tokens and the seat;
+        the planner hands it to prefill."""
         seq = next(s for s in self.running if s.seq_id == seq_id)
         self.running.remove(seq)
-        self.release(seq)
+        self.cache.preempt(seq)  # swapped to host where the cache has a host tier with room
         seq.num_samples = 1
         seq.preemptions += 1
         self.preemptions += 1

@@ -129,3 +129,31 @@ def test_tier_options_are_checked():
                 dict(kv_offload_disk_gib=1.0, kv_offload_dir="/tmp"), dict(kv_offload_disk_gib=1.0)):
         with pytest.raises(ValueError):
             EngineConfig(**bad).validate()
+
+
+def test_preempted_sequences_swap_to_host_and_back(tiny_model_dir):
+    """Eight prompts generating 24 tokens in a pool where one fits: preemption swaps a sequence's blocks (the
+    partial last one included) to the host tier and resuming takes them back, the same tokens as with room."""
+    prompts = [[random.Random(40 + i).randrange(100, 49000) for _ in range(5 + 3 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def run(config: EngineConfig) -> tuple[list, dict]:
+        import asyncio
+
+        engine = await Engine.create(config)
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=params) for p in prompts])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [r[0].token_ids for r in results], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    expected, _ = run_async(run(config_for(tiny_model_dir)))
+    tight = dict(num_kv_blocks=25, max_num_batched_tokens=16, max_num_seqs=16)
+    recomputed, plain = run_async(run(config_for(tiny_model_dir, **tight)))
+    swapped, stats = run_async(run(tiers_config(tiny_model_dir, host_blocks=400, **tight)))
+    assert recomputed == expected and swapped == expected
+    assert plain["preemptions"] > 0 and stats["preemptions"] > 0
+    offload = stats["kv_offload"]
+    assert offload["swapped_out"] > 0 and offload["swapped_in"] > 0 and offload["dropped_blocks"] == 0
