@@ -42,6 +42,11 @@ class SnapshotPool:
     def __len__(self) -> int:
         return len(self._index)
 
+    @property
+    def num_pinned(self) -> int:
+        """Snapshots waiting prompts hold (0 once every prompt started or ended)."""
+        return len(self._pins)
+
     def __contains__(self, key: bytes) -> bool:
         return key in self._index
 
@@ -104,4 +109,5 @@ def snapshot_stats(pool: SnapshotPool | None) -> dict[str, Any]:
     """The engine's stats entry."""
     if pool is None:
         return {"enabled": False}
-    return {"enabled": True, "capacity": pool.capacity, "held": len(pool), **asdict(pool.stats)}
+    return {"enabled": True, "capacity": pool.capacity, "held": len(pool), "pinned": pool.num_pinned,
+            **asdict(pool.stats)}

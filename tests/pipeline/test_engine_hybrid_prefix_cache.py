@@ -24,6 +24,19 @@ def hybrid_dir(make_model_dir):
     return make_model_dir("qwen3_5_moe_text", seed=5)
 
 
+@pytest.fixture(scope="module")
+def snapshot_size(hybrid_dir) -> int:
+    """Bytes of one snapshot of the tiny model (to size pools in snapshots)."""
+    async def probe() -> int:
+        engine = await Engine.create(config_for(hybrid_dir))
+        try:
+            return engine.loaded.runner.bytes_per_snapshot
+        finally:
+            await engine.shutdown()
+
+    return run_async(probe())
+
+
 def greedy(max_tokens: int = 10) -> SamplingParams:
     return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
 
@@ -67,7 +80,7 @@ def test_hybrid_cache_on_equals_off_and_restores_snapshots(hybrid_dir):
     assert stats["prefix_cache"]["hit_tokens"] >= 36 + 36
 
 
-def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir):
+def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir, snapshot_size):
     """8-token chunks with an 8-token interval (a snapshot at every chunk end: BASE[:32] resumes at 28), then a
     pool of two snapshots (evictions while prompts wait on theirs), and a pool too small to hold one (caching
     off for the hybrid layers)."""
@@ -76,17 +89,43 @@ def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir):
     assert on == off
     assert stats["state_snapshots"]["taken"] > 8 and stats["prefix_cache"]["hit_tokens"] > 36 + 28
 
-    async def snapshot_bytes() -> int:
-        probe = await Engine.create(config_for(hybrid_dir))
-        try:
-            return probe.loaded.runner.bytes_per_snapshot
-        finally:
-            await probe.shutdown()
-
-    size = run_async(snapshot_bytes())
+    size = snapshot_size
     plain, _ = run_async(scenario(hybrid_dir, False))
     tiny, stats = run_async(scenario(hybrid_dir, True, state_snapshot_gib=2.5 * size / (1 << 30)))
     assert tiny == plain
     assert stats["state_snapshots"]["capacity"] == 2 and stats["state_snapshots"]["evictions"] > 0
     none, stats = run_async(scenario(hybrid_dir, True, state_snapshot_gib=0.5 * size / (1 << 30)))
     assert none == plain and stats["prefix_cache"]["enabled"] is False
+
+
+def test_64_concurrent_prompts_sharing_prefixes_with_three_snapshots(hybrid_dir, snapshot_size):
+    """64 prompts at once on BASE's prefixes (its snapshot taken first) with room for three snapshots, and one
+    more cancelled while it waits: the same tokens as without caching, and every block, state slot and snapshot
+    pin given back."""
+    rng = random.Random(4)
+    batch = [BASE[:rng.randint(5, 37)] + [rng.randrange(100, 4000) for _ in range(3)] for _ in range(64)]
+
+    async def main(caching: bool) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(hybrid_dir, prefix_caching=caching, max_num_seqs=8,
+                                                state_snapshot_interval=8, max_num_batched_tokens=32,
+                                                state_snapshot_gib=3.5 * size / (1 << 30)))
+        try:
+            await outputs(engine, BASE, greedy(2))
+            jobs = [asyncio.ensure_future(outputs(engine, p, greedy(4))) for p in batch]
+            doomed = asyncio.ensure_future(outputs(engine, BASE + [1, 2], greedy(50)))
+            await asyncio.sleep(0)
+            doomed.cancel()
+            results = await asyncio.gather(*jobs)
+            await asyncio.gather(doomed, return_exceptions=True)
+            await settle(engine)
+            assert_no_leaks(engine)
+            return results, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    size = snapshot_size
+    off, _ = run_async(main(False))
+    on, stats = run_async(main(True))
+    assert on == off
+    snapshots = stats["state_snapshots"]
+    assert snapshots["capacity"] == 3 and snapshots["pinned"] == 0 and snapshots["restored"] > 0

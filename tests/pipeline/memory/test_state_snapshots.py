@@ -49,8 +49,8 @@ def test_unpin_releases_and_counts():
     assert pool.reserve(key(2)) is None  # still pinned once
     pool.unpin(second)
     assert pool.reserve(key(2)) is not None
-    assert snapshot_stats(pool) == {"enabled": True, "capacity": 1, "held": 1, "taken": 2, "restored": 0,
-                                    "evictions": 1}
+    assert snapshot_stats(pool) == {"enabled": True, "capacity": 1, "held": 1, "pinned": 0, "taken": 2,
+                                    "restored": 0, "evictions": 1}
     assert snapshot_stats(None) == {"enabled": False}
 
 
