@@ -52,7 +52,7 @@ class CacheManager:
         # a hybrid model resumes a prefix only where a snapshot of its recurrent state was taken
         hybrid = state_slots is not None
         self.prefix_caching = prefix_caching and (not hybrid or (snapshots is not None and snapshots.capacity > 0))
-        self.offload = offload if self.prefix_caching and not hybrid else None
+        self.offload = offload if self.prefix_caching else None
         self.snapshots = snapshots if self.prefix_caching and hybrid else None
         if self.offload is not None:
             pool.on_evict = self.offload.save
@@ -104,20 +104,19 @@ class CacheManager:
         limit = (len(tokens) - 1) // size
         keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
         run = self._pool.lookup(islice(keys, limit))
-        if self.snapshots is not None:  # up to the last block a snapshot ends (its state restored on allocation)
-            run = run[:self.snapshots.latest(keys[:len(run)])]
-            if run:
-                seq.restore_from = self.snapshots.pin(keys[len(run) - 1])
-                seq.snapshot_pos = len(run) * size
-        blocks = self._pool.acquire(run)
-        if self.offload is not None and len(blocks) < limit:
-            blocks += self._restore(keys[len(blocks):limit])
+        if self.snapshots is not None:
+            blocks = self._take_to_snapshot(seq, keys[:limit], run)
+        else:
+            blocks = self._pool.acquire(run)
+            if self.offload is not None and len(blocks) < limit:
+                blocks += self._restore(keys[len(blocks):limit])
         if not blocks:
             seq.missed_at = self._cache_version()
         seq.block_ids = blocks
         seq.num_keyed = len(blocks)
         seq.num_computed = len(blocks) * size
-        if self.offload is not None and len(blocks) == limit:  # a swapped-out sequence's last, partial block
+        if self.offload is not None and self.snapshots is None and len(blocks) == limit:  # a swapped-out
+            # sequence's last, partial block
             tail = tokens[limit * size:len(tokens) - 1]
             previous = keys[limit - 1] if limit else chain_root(seq.request.params.cache_salt)
             if tail and (restored := self._restore([partial_block_key(previous, tail)])):
@@ -126,6 +125,23 @@ class CacheManager:
             if seq.preemptions and seq.num_computed == len(tokens) - 1:
                 self.offload.stats.swapped_in += 1
         return seq.num_computed
+
+    def _take_to_snapshot(self, seq: Sequence, keys: list[bytes], run: list[int]) -> list[int]:
+        """Hybrid models: the prompt's cached blocks (the device's ``run``, then the lower tiers') up to the last
+        one a snapshot ends, that snapshot pinned for the sequence's state slot."""
+        reach = len(run) + (self.offload.reach(keys[len(run):]) if self.offload is not None else 0)
+        cut = self.snapshots.latest(keys[:reach])
+        blocks = self._pool.acquire(run[:cut])
+        if len(blocks) < cut:
+            blocks += self._restore(keys[len(blocks):cut])
+            if len(blocks) < cut:  # a lower tier lost some: back to the last snapshot the blocks reach
+                cut = self.snapshots.latest(keys[:len(blocks)])
+                self._pool.free(blocks[cut:][::-1])
+                blocks = blocks[:cut]
+        if cut:
+            seq.restore_from = self.snapshots.pin(keys[cut - 1])
+            seq.snapshot_pos = cut * self._pool.block_size
+        return blocks
 
     def _restore(self, keys: list[bytes]) -> list[int]:
         """Fresh device blocks for the leading ``keys`` the lower tiers hold, keyed, their copies queued."""
@@ -238,7 +254,7 @@ class CacheManager:
         """A running sequence gives its memory back, to resume later. With a host tier its computed blocks are
         swapped there first (the full ones under their prefix keys, the partial last one under a key of its own),
         so resuming copies them back (``take_cached_prefix``); where there is no room, it recomputes."""
-        if self.offload is not None and seq.num_computed:
+        if self.offload is not None and self.snapshots is None and seq.num_computed:  # hybrid: no state swap yet
             self.register_computed(seq)
             size = self._pool.block_size
             full = seq.num_computed // size

@@ -235,10 +235,9 @@ class KVOffload:
 
 
 def kv_offload(config: EngineConfig, loaded: LoadedModel) -> KVOffload | None:
-    """The configured tiers (None without a host tier, with prefix caching off, or for hybrid models, whose
-    prefixes are not cached yet)."""
+    """The configured tiers (None without a host tier or with prefix caching off)."""
     runner = loaded.runner
-    if config.kv_offload_host_gib <= 0 or not config.prefix_caching or runner.num_state_slots:
+    if config.kv_offload_host_gib <= 0 or not config.prefix_caching:
         return None
     size = block_bytes(runner.paged_caches)
     disk = (DiskKVTier(config.kv_offload_dir, int(config.kv_offload_disk_gib * (1 << 30)), (size,), torch.uint8)

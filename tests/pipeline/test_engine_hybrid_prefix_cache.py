@@ -5,6 +5,7 @@ hits happen where a snapshot was taken, and nothing leaks."""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
 
 import pytest
@@ -25,12 +26,12 @@ def hybrid_dir(make_model_dir):
 
 
 @pytest.fixture(scope="module")
-def snapshot_size(hybrid_dir) -> int:
-    """Bytes of one snapshot of the tiny model (to size pools in snapshots)."""
-    async def probe() -> int:
+def sizes(hybrid_dir) -> tuple[int, int]:
+    """Bytes of one state snapshot and of one KV block of the tiny model (to size pools in units)."""
+    async def probe() -> tuple[int, int]:
         engine = await Engine.create(config_for(hybrid_dir))
         try:
-            return engine.loaded.runner.bytes_per_snapshot
+            return engine.loaded.runner.bytes_per_snapshot, engine.loaded.runner.bytes_per_block
         finally:
             await engine.shutdown()
 
@@ -80,7 +81,7 @@ def test_hybrid_cache_on_equals_off_and_restores_snapshots(hybrid_dir):
     assert stats["prefix_cache"]["hit_tokens"] >= 36 + 36
 
 
-def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir, snapshot_size):
+def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir, sizes):
     """8-token chunks with an 8-token interval (a snapshot at every chunk end: BASE[:32] resumes at 28), then a
     pool of two snapshots (evictions while prompts wait on theirs), and a pool too small to hold one (caching
     off for the hybrid layers)."""
@@ -89,7 +90,7 @@ def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir, s
     assert on == off
     assert stats["state_snapshots"]["taken"] > 8 and stats["prefix_cache"]["hit_tokens"] > 36 + 28
 
-    size = snapshot_size
+    size = sizes[0]
     plain, _ = run_async(scenario(hybrid_dir, False))
     tiny, stats = run_async(scenario(hybrid_dir, True, state_snapshot_gib=2.5 * size / (1 << 30)))
     assert tiny == plain
@@ -98,7 +99,7 @@ def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir, s
     assert none == plain and stats["prefix_cache"]["enabled"] is False
 
 
-def test_64_concurrent_prompts_sharing_prefixes_with_three_snapshots(hybrid_dir, snapshot_size):
+def test_64_concurrent_prompts_sharing_prefixes_with_three_snapshots(hybrid_dir, sizes):
     """64 prompts at once on BASE's prefixes (its snapshot taken first) with room for three snapshots, and one
     more cancelled while it waits: the same tokens as without caching, and every block, state slot and snapshot
     pin given back."""
@@ -123,9 +124,49 @@ def test_64_concurrent_prompts_sharing_prefixes_with_three_snapshots(hybrid_dir,
         finally:
             await engine.shutdown()
 
-    size = snapshot_size
+    size = sizes[0]
     off, _ = run_async(main(False))
     on, stats = run_async(main(True))
     assert on == off
     snapshots = stats["state_snapshots"]
     assert snapshots["capacity"] == 3 and snapshots["pinned"] == 0 and snapshots["restored"] > 0
+
+
+def test_hybrid_blocks_come_back_from_host_and_disk_to_a_snapshot(hybrid_dir, tmp_path, sizes):
+    """A device pool that evicts BASE's blocks while four other prompts run: with a host tier (and a disk tier
+    behind a small one) BASE resumes from its snapshot with its blocks copied back, the same tokens as without
+    caching; a corrupt disk file is recomputed."""
+    others = [[random.Random(60 + i).randrange(100, 49000) for _ in range(60)] for i in range(4)]
+
+    async def main(corrupt: bool = False, **overrides) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(hybrid_dir, num_kv_blocks=30, max_num_seqs=2, **overrides))
+        try:
+            results = [await outputs(engine, BASE, greedy())]
+            for prompt in others:
+                results.append(await outputs(engine, prompt, greedy()))
+            if corrupt:
+                disk = engine.cache.offload.disk
+                for name in os.listdir(disk.path):
+                    with open(os.path.join(disk.path, name), "r+b") as handle:
+                        handle.seek(-1, os.SEEK_END)
+                        last = handle.read(1)
+                        handle.seek(-1, os.SEEK_END)
+                        handle.write(bytes([last[0] ^ 0xFF]))
+            results.append(await outputs(engine, BASE, greedy()))
+            results.append(await outputs(engine, BASE + results[0][0] + [11, 12], greedy()))
+            await settle(engine)
+            assert_no_leaks(engine)
+            return results, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    off, _ = run_async(main(prefix_caching=False))
+    host, stats = run_async(main(kv_offload_host_gib=64 / 1024))
+    assert host == off and stats["kv_offload"]["restored_blocks"] > 0
+    assert stats["state_snapshots"]["restored"] >= 2
+    small = dict(kv_offload_host_gib=16 * sizes[1] / (1 << 30), kv_offload_dir=str(tmp_path),
+                 kv_offload_disk_gib=64 / 1024)
+    disk, stats = run_async(main(**small))
+    assert disk == off and stats["kv_offload"]["disk_restored_blocks"] > 0
+    corrupted, stats = run_async(main(corrupt=True, **small))
+    assert corrupted == off and stats["kv_offload"]["tiers"]["disk"]["corrupt"] > 0
