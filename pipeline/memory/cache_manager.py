@@ -104,27 +104,55 @@ class CacheManager:
         limit = (len(tokens) - 1) // size
         keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
         run = self._pool.lookup(islice(keys, limit))
-        if self.snapshots is not None:
-            blocks = self._take_to_snapshot(seq, keys[:limit], run)
+        swapped = self._swap_in(seq, keys[:limit], run) if seq.preemptions and self.offload is not None else None
+        if swapped is not None:
+            blocks, computed = swapped
         else:
-            blocks = self._pool.acquire(run)
-            if self.offload is not None and len(blocks) < limit:
-                blocks += self._restore(keys[len(blocks):limit])
+            if self.snapshots is not None:
+                blocks = self._take_to_snapshot(seq, keys[:limit], run)
+            else:
+                blocks = self._pool.acquire(run)
+                if self.offload is not None and len(blocks) < limit:
+                    blocks += self._restore(keys[len(blocks):limit])
+            computed = len(blocks) * size
         if not blocks:
             seq.missed_at = self._cache_version()
         seq.block_ids = blocks
-        seq.num_keyed = len(blocks)
-        seq.num_computed = len(blocks) * size
-        if self.offload is not None and self.snapshots is None and len(blocks) == limit:  # a swapped-out
-            # sequence's last, partial block
-            tail = tokens[limit * size:len(tokens) - 1]
-            previous = keys[limit - 1] if limit else chain_root(seq.request.params.cache_salt)
-            if tail and (restored := self._restore([partial_block_key(previous, tail)])):
-                seq.block_ids += restored
-                seq.num_computed += len(tail)
-            if seq.preemptions and seq.num_computed == len(tokens) - 1:
-                self.offload.stats.swapped_in += 1
+        seq.num_keyed = min(len(blocks), limit)
+        seq.num_computed = computed
         return seq.num_computed
+
+    def _swap_in(self, seq: Sequence, keys: list[bytes], run: list[int]) -> tuple[list[int], int] | None:
+        """A preempted sequence swapped out (``preempt``) takes back every computed token: its full blocks (device
+        or tiers), its partial last block and, for hybrid models, its state, all or nothing. Returns the blocks
+        and the tokens they hold, or None (something is gone: the ordinary lookup then takes what is left)."""
+        size, tokens = self._pool.block_size, seq.token_ids
+        limit = len(keys)
+        tail = tokens[limit * size:len(tokens) - 1]
+        tail_key = self._tail_key(seq, keys, tail)
+        state_key = tail_key or (keys[-1] if keys else None)
+        if (len(run) + self.offload.reach(keys[len(run):]) < limit
+                or (tail_key is not None and not self.offload.reach([tail_key]))
+                or (self.snapshots is not None and (state_key is None or state_key not in self.snapshots))
+                or self._pool.num_free < limit - len(run) + bool(tail)):
+            return None
+        blocks = self._pool.acquire(run) + self._restore(keys[len(run):])
+        if tail_key is not None:
+            blocks += self._restore([tail_key], key_blocks=False)  # written again: its last token comes next
+        if len(blocks) < limit + bool(tail):  # a tier failed a block (a corrupt file): give them all back
+            self._pool.free(blocks[::-1])
+            return None
+        if self.snapshots is not None:
+            seq.restore_from = self.snapshots.pin(state_key)
+            seq.snapshot_pos = limit * size
+        self.offload.stats.swapped_in += 1
+        return blocks, limit * size + len(tail)
+
+    def _tail_key(self, seq: Sequence, keys: list[bytes], tail: list[int]) -> bytes | None:
+        """The key a swapped-out sequence's partial last block (and state, hybrid) is kept under."""
+        if not tail:
+            return None
+        return partial_block_key(keys[-1] if keys else chain_root(seq.request.params.cache_salt), tail)
 
     def _take_to_snapshot(self, seq: Sequence, keys: list[bytes], run: list[int]) -> list[int]:
         """Hybrid models: the prompt's cached blocks (the device's ``run``, then the lower tiers') up to the last
@@ -143,8 +171,9 @@ class CacheManager:
             seq.snapshot_pos = cut * self._pool.block_size
         return blocks
 
-    def _restore(self, keys: list[bytes]) -> list[int]:
-        """Fresh device blocks for the leading ``keys`` the lower tiers hold, keyed, their copies queued."""
+    def _restore(self, keys: list[bytes], key_blocks: bool = True) -> list[int]:
+        """Fresh device blocks for the leading ``keys`` the lower tiers hold, their copies queued; keyed (a partial
+        block is not: its holder writes it again)."""
         blocks: list[int] = []
         for key in keys[:self.offload.reach(keys)]:
             if self._pool.num_free == 0:
@@ -153,7 +182,8 @@ class CacheManager:
             if not self.offload.restore(key, block):
                 self._pool.free([block])
                 break
-            self._pool.register(block, key)
+            if key_blocks:
+                self._pool.register(block, key)
             blocks.append(block)
         return blocks
 
@@ -251,19 +281,23 @@ class CacheManager:
         return True
 
     def preempt(self, seq: Sequence) -> None:
-        """A running sequence gives its memory back, to resume later. With a host tier its computed blocks are
-        swapped there first (the full ones under their prefix keys, the partial last one under a key of its own),
-        so resuming copies them back (``take_cached_prefix``); where there is no room, it recomputes."""
-        if self.offload is not None and self.snapshots is None and seq.num_computed:  # hybrid: no state swap yet
+        """A running sequence gives its memory back, to resume later. With a host tier its computed tokens are
+        swapped out first: its full blocks to the tier under their prefix keys, its partial last block under a key
+        of its own (``_tail_key``) and, for hybrid models, its state into a snapshot under that key (or the last
+        full block's); ``_swap_in`` takes them back. Where there is no room, what is missing is recomputed."""
+        if self.offload is not None and seq.num_computed:
             self.register_computed(seq)
             size = self._pool.block_size
             full = seq.num_computed // size
-            for block, key in zip(seq.block_ids[:full], seq.block_keys[:full]):
+            keys = seq.block_keys[:full]
+            for block, key in zip(seq.block_ids[:full], keys):
                 self.offload.save(block, key)
-            if seq.num_computed > full * size:
-                previous = seq.block_keys[full - 1] if full else chain_root(seq.request.params.cache_salt)
-                key = partial_block_key(previous, seq.token_ids[full * size:seq.num_computed])
-                self.offload.save(seq.block_ids[full], key)
+            tail_key = self._tail_key(seq, keys, seq.token_ids[full * size:seq.num_computed])
+            if tail_key is not None:
+                self.offload.save(seq.block_ids[full], tail_key)
+            state_key = tail_key or (keys[-1] if keys else None)
+            if self.snapshots is not None and seq.state_slot is not None and state_key is not None:
+                self._saves_next.append((seq.state_slot.index, state_key))  # the next plan's, before its forward
             self.offload.stats.swapped_out += 1
         self.free(seq)
 

@@ -170,3 +170,27 @@ def test_hybrid_blocks_come_back_from_host_and_disk_to_a_snapshot(hybrid_dir, tm
     assert disk == off and stats["kv_offload"]["disk_restored_blocks"] > 0
     corrupted, stats = run_async(main(corrupt=True, **small))
     assert corrupted == off and stats["kv_offload"]["tiers"]["disk"]["corrupt"] > 0
+
+
+def test_hybrid_preempted_sequences_swap_out_and_back(hybrid_dir):
+    """Eight prompts generating 24 tokens where one fits: with a host tier a preempted sequence's blocks go to
+    host and its state into a snapshot, and it resumes at its last token; the same tokens as with room."""
+    batch = [[random.Random(70 + i).randrange(100, 49000) for _ in range(5 + 3 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def main(**overrides) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(hybrid_dir, **overrides))
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=params) for p in batch])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [r[0].token_ids for r in results], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    expected, _ = run_async(main())
+    tight = dict(num_kv_blocks=25, max_num_batched_tokens=16, kv_offload_host_gib=64 / 1024)
+    got, stats = run_async(main(**tight))
+    assert got == expected and stats["preemptions"] > 0
+    assert stats["kv_offload"]["swapped_out"] > 0 and stats["kv_offload"]["swapped_in"] > 0
+    assert stats["state_snapshots"]["pinned"] == 0

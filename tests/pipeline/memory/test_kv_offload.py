@@ -204,3 +204,39 @@ def test_a_preempted_sequence_swaps_out_and_back_with_its_partial_block():
         assert torch.equal(c[:, seq.block_ids[5], :2], b[:, held[5], :2])  # the partial block's two tokens
     cache.free(seq)
     assert pool.num_used == 0
+
+
+def test_a_preempted_hybrid_sequence_swaps_its_partial_block_and_state():
+    from types import SimpleNamespace
+
+    from pipeline.memory.cache_manager import CacheManager
+    from pipeline.memory.state_slots import StateSlotPool
+    from pipeline.memory.state_snapshots import SnapshotPool
+
+    kv = caches(12)
+    tiers = offload(kv, 16)
+    pool = KVBlockPool(12, 4)
+    cache = CacheManager(pool, StateSlotPool(2), True, tiers, SnapshotPool(4, 64))
+    request = SimpleNamespace(params=SimpleNamespace(cache_salt=None))
+    tokens = list(range(300, 311))  # 10 computed: 2 full blocks and 2 tokens; the 11th not fed
+    seq = SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0, missed_at=-1,
+                          request=request, state_slot=None, snapshot_pos=0, restore_from=None, preemptions=0)
+    assert cache.allocate_slots(seq, 10)
+    seq.num_computed = 10
+    slot = seq.state_slot.index
+    cache.preempt(seq)
+    seq.preemptions = 1
+    out = cache.take_transfers()
+    assert len(out.saves) == 3 and len(out.state_saves) == 1 and out.state_saves[0][0] == slot
+    snapshot = out.state_saves[0][1]
+    assert cache.take_cached_prefix(seq) == 10  # two full blocks, the partial one, and the state at 10
+    assert len(seq.block_ids) == 3 and seq.num_keyed == 2 and tiers.stats.swapped_in == 1
+    assert cache.allocate_slots(seq, 1)
+    back = cache.take_transfers()
+    assert back.state_loads == [(snapshot, seq.state_slot.index)] and len(back.loads) == 1  # the partial block
+    assert pool.lookup(seq.block_keys[:2]) == seq.block_ids[:2]  # the full blocks were still cached
+    from pipeline.memory.block_hashes import partial_block_key
+
+    assert pool.lookup([partial_block_key(seq.block_keys[1], tokens[8:10])]) == []  # the partial block: not keyed
+    cache.free(seq)
+    assert pool.num_used == 0 and cache.snapshots.num_pinned == 0
