@@ -8,7 +8,7 @@ For caching on and off, each on a fresh engine with random weights (--load-forma
 * ``same_prompt``: one 8,192-token prompt, then the same again: the second TTFT against the first;
 * ``shared_prefix``: 32 requests at once, a 4,096-token prefix shared and 64-token tails of their own, 32 tokens
   out each (the prefix computed once beforehand, as a system prompt would be): TTFT p50 and output tok/s;
-* ``conversation``: 20 turns of an agent session, each prompt the last one plus its 64-token reply plus 1,536
+* ``conversation``: 20 turns of an agent conversation, each prompt the last one plus its 64-token reply plus 1,536
   tokens of new tool output, growing to ~32k tokens: TTFT per turn, the last against the first;
 * ``host_restore`` (its own engines, a device pool of about 1.1 prompts): an 8,192-token prompt, another one
   that evicts it from the device, then the first again: its TTFT with the blocks copied back from the host tier

@@ -43,9 +43,6 @@ class BlockTransfers:
     done: threading.Event = field(default_factory=threading.Event)  # the runner has queued every copy
     copied: torch.cuda.Event | None = None  # CUDA: when the queued copies have landed
 
-    def slots(self) -> set[int]:
-        return {slot for _, slot in self.saves} | {slot for slot, _ in self.loads}
-
     def landed(self) -> bool:
         return self.done.is_set() and (self.copied is None or self.copied.query())
 
@@ -74,7 +71,6 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
     bounce), through device staging of TRANSFER_CHUNK blocks; the step's forward queues after them. ``states``
     and ``snapshots``: each recurrent cache ``[slots, ...]`` and its snapshots ``[snapshots, ...]``."""
     try:
-        _copy_states(transfers, states, snapshots)
         device = caches[0].device if caches else None
         for i in range(0, len(transfers.saves), TRANSFER_CHUNK):
             part = transfers.saves[i:i + TRANSFER_CHUNK]
@@ -92,6 +88,7 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
                 piece = data[:, offset:offset + size].contiguous().view(c.dtype)
                 c.index_copy_(1, blocks, piece.view(len(part), 2, *c.shape[2:]).transpose(0, 1))
                 offset += size
+        _copy_states(transfers, states, snapshots)
         if device is not None and device.type == "cuda" and (transfers.saves or transfers.loads):
             transfers.copied = torch.cuda.Event()
             transfers.copied.record()
@@ -194,7 +191,7 @@ class KVOffload:
     def restore(self, key: bytes, block: int) -> bool:
         """Queue ``key``'s copy into device ``block`` (through host when it is on disk). False when it cannot be
         had (gone, a corrupt file, no host slot free of copies): the caller computes it instead."""
-        slot = self.host.slot_index(key)
+        slot = self.host.slot_index(key, read=True)
         from_disk = slot is None
         if from_disk:
             data = self.disk.load(key) if self.disk is not None else None

@@ -2,8 +2,8 @@
 
 Recomputing a long shared prefix costs far more than copying its blocks back, so a block the device pool
 (pipeline/memory/kv_blocks.py) drops is copied to a pinned host buffer, and a block the host tier drops is
-demoted to disk. A later prompt with the same prefix asks ``longest_prefix`` how far each tier reaches and the
-engine copies those blocks back. A key (pipeline/memory/block_hashes.py) names a block's whole content, so the
+demoted to disk. A later prompt with the same prefix finds how far the tiers reach and the engine copies those
+blocks back. A key (pipeline/memory/block_hashes.py) names a block's whole content, so the
 tiers never look at tokens.
 
 Both tiers are plain synchronous CPU stores: streams, events and deciding when a copy is done are the engine's.
@@ -21,7 +21,6 @@ import struct
 import tempfile
 import weakref
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -84,24 +83,6 @@ class HostKVTier:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def store(self, key: bytes, block: torch.Tensor) -> bool:
-        """Copy ``block`` in; False when the tier holds nothing (capacity 0)."""
-        _check_block(block, self.block_shape, self.dtype)
-        if key in self._slots:  # same key, same content: the copy would change nothing
-            self._slots.move_to_end(key)
-            return True
-        view = self.reserve(key)
-        if view is None:
-            return False
-        view.copy_(block)
-        return True
-
-    def reserve(self, key: bytes) -> torch.Tensor | None:
-        """The slot for ``key``, for the engine to fill with an async device->host copy; the entry counts as
-        present at once, so the engine must not serve or let it be evicted before that copy is done."""
-        slot = self.reserve_slot(key)
-        return None if slot is None else self.buffer[slot]
-
     def victim_slot(self) -> int | None:
         """The slot the next new key would take from another key (None while a slot is free or with capacity 0):
         the engine checks that no copy still uses it."""
@@ -109,15 +90,21 @@ class HostKVTier:
             return None
         return next(iter(self._slots.values()))
 
-    def slot_index(self, key: bytes) -> int | None:
-        """``key``'s slot index, now most recently used (None if absent)."""
+    def slot_index(self, key: bytes, read: bool = False) -> int | None:
+        """``key``'s slot index, now most recently used (None if absent); ``read``: the engine copies it out (a
+        hit, counted with its bytes)."""
         slot = self._slots.get(key)
         if slot is not None:
             self._slots.move_to_end(key)
+            if read:
+                self._stats.hits += 1
+                self._stats.bytes_out += self.block_nbytes
         return slot
 
     def reserve_slot(self, key: bytes) -> int | None:
-        """``reserve``, as a slot index of ``buffer``."""
+        """The slot of ``buffer`` for ``key``, for the engine to fill with an async device->host copy (a key
+        present already keeps its slot). The entry counts as present at once, so the engine must not serve it or
+        let it be evicted before that copy is done. None with capacity 0."""
         if self.capacity_blocks == 0:
             return None
         slot = self._slots.get(key)
@@ -134,39 +121,6 @@ class HostKVTier:
         self._slots[key] = slot
         self._stats.bytes_in += self.block_nbytes
         return slot
-
-    def get(self, key: bytes) -> torch.Tensor | None:
-        """The slot itself (no copy), now most recently used."""
-        slot = self._slots.get(key)
-        if slot is None:
-            return None
-        self._slots.move_to_end(key)
-        return self.buffer[slot]
-
-    def load(self, key: bytes, out: torch.Tensor, non_blocking: bool = False) -> bool:
-        """Copy the block into ``out`` (e.g. a device staging block); False if absent."""
-        _check_block(out, self.block_shape, self.dtype)
-        view = self.get(key)
-        if view is None:
-            return False
-        out.copy_(view, non_blocking=non_blocking)
-        self._stats.hits += 1
-        self._stats.bytes_out += self.block_nbytes
-        return True
-
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are here; a lookup is not a use, so the LRU order stays."""
-        count = 0
-        for key in keys:
-            if key not in self._slots:
-                break
-            count += 1
-        return count
-
-    def discard(self, key: bytes) -> None:
-        slot = self._slots.pop(key, None)
-        if slot is not None:
-            self._free.append(slot)
 
 
 class DiskKVTier:
@@ -270,19 +224,6 @@ class DiskKVTier:
         self._stats.hits += 1
         self._stats.bytes_out += self.block_nbytes
         return out
-
-    def longest_prefix(self, keys: Sequence[bytes]) -> int:
-        """How many leading ``keys`` are indexed (files are only checked on load); the LRU order stays."""
-        count = 0
-        for key in keys:
-            if key not in self._files:
-                break
-            count += 1
-        return count
-
-    def discard(self, key: bytes) -> None:
-        if key in self._files:
-            self._drop(key)
 
     def _drop(self, key: bytes) -> None:
         self.used_bytes -= self._files.pop(key)

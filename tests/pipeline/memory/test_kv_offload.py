@@ -10,7 +10,7 @@ import torch
 import pipeline.memory.kv_offload as kv_offload
 from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
-from pipeline.memory.kv_offload import BlockTransfers, KVOffload, block_bytes, run_block_transfers
+from pipeline.memory.kv_offload import KVOffload, block_bytes, run_block_transfers
 from pipeline.memory.kv_tiers import DiskKVTier, HostKVTier
 
 
@@ -159,84 +159,3 @@ def test_the_host_tier_must_hold_flat_bytes(bad):
     tier = HostKVTier(1024, bad.get("shape", (8,)), bad.get("dtype", torch.uint8))
     with pytest.raises(ValueError):
         KVOffload(tier)
-
-
-def test_block_transfers_name_their_slots():
-    t = BlockTransfers(torch.zeros(4, 8, dtype=torch.uint8), saves=[(1, 0)], loads=[(2, 3)])
-    assert t.slots() == {0, 2}
-
-
-def test_a_preempted_sequence_swaps_out_and_back_with_its_partial_block():
-    from types import SimpleNamespace
-
-    from pipeline.memory.cache_manager import CacheManager
-
-    kv = caches(12)
-    before = [c.clone() for c in kv]
-    tiers = offload(kv, 16)
-    pool = KVBlockPool(12, 4)
-    cache = CacheManager(pool, None, True, tiers)
-    request = SimpleNamespace(params=SimpleNamespace(cache_salt="s"))
-    tokens = list(range(300, 323))  # 22 computed (5 full blocks and 2 tokens), the 23rd sampled, not fed
-    seq = SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0, missed_at=-1,
-                          request=request, state_slot=None, snapshot_pos=0, restore_from=None, preemptions=0)
-    assert cache.allocate_slots(seq, 22)
-    seq.num_computed = 22
-    held = list(seq.block_ids)
-    cache.preempt(seq)
-    seq.preemptions = 1
-    assert tiers.stats.swapped_out == 1 and tiers.stats.saved_blocks == 6  # 5 full blocks and the partial one
-    run_block_transfers(cache.take_transfers(), kv)
-    for c in kv:  # the device blocks are reused by others meanwhile
-        c[:, 1:] = -1
-    # the keyed blocks are still cached on the device: evict them by filling the pool
-    other = SimpleNamespace(**{**vars(seq), "token_ids": list(range(900, 944)), "block_ids": [], "block_keys": [],
-                               "num_computed": 0, "preemptions": 0})
-    assert cache.allocate_slots(other, 44)
-    assert cache.take_transfers() is None  # evicted, but their keys are on the host already: nothing to copy
-    cache.free(other)
-    assert cache.take_cached_prefix(seq) == 22
-    assert tiers.stats.swapped_in == 1
-    run_block_transfers(cache.take_transfers(), kv)
-    for c, b in zip(kv, before):
-        for new, old in zip(seq.block_ids[:5], held[:5]):
-            assert torch.equal(c[:, new], b[:, old])
-        assert torch.equal(c[:, seq.block_ids[5], :2], b[:, held[5], :2])  # the partial block's two tokens
-    cache.free(seq)
-    assert pool.num_used == 0
-
-
-def test_a_preempted_hybrid_sequence_swaps_its_partial_block_and_state():
-    from types import SimpleNamespace
-
-    from pipeline.memory.cache_manager import CacheManager
-    from pipeline.memory.state_slots import StateSlotPool
-    from pipeline.memory.state_snapshots import SnapshotPool
-
-    kv = caches(12)
-    tiers = offload(kv, 16)
-    pool = KVBlockPool(12, 4)
-    cache = CacheManager(pool, StateSlotPool(2), True, tiers, SnapshotPool(4, 64))
-    request = SimpleNamespace(params=SimpleNamespace(cache_salt=None))
-    tokens = list(range(300, 311))  # 10 computed: 2 full blocks and 2 tokens; the 11th not fed
-    seq = SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0, missed_at=-1,
-                          request=request, state_slot=None, snapshot_pos=0, restore_from=None, preemptions=0)
-    assert cache.allocate_slots(seq, 10)
-    seq.num_computed = 10
-    slot = seq.state_slot.index
-    cache.preempt(seq)
-    seq.preemptions = 1
-    out = cache.take_transfers()
-    assert len(out.saves) == 3 and len(out.state_saves) == 1 and out.state_saves[0][0] == slot
-    snapshot = out.state_saves[0][1]
-    assert cache.take_cached_prefix(seq) == 10  # two full blocks, the partial one, and the state at 10
-    assert len(seq.block_ids) == 3 and seq.num_keyed == 2 and tiers.stats.swapped_in == 1
-    assert cache.allocate_slots(seq, 1)
-    back = cache.take_transfers()
-    assert back.state_loads == [(snapshot, seq.state_slot.index)] and len(back.loads) == 1  # the partial block
-    assert pool.lookup(seq.block_keys[:2]) == seq.block_ids[:2]  # the full blocks were still cached
-    from pipeline.memory.block_hashes import partial_block_key
-
-    assert pool.lookup([partial_block_key(seq.block_keys[1], tokens[8:10])]) == []  # the partial block: not keyed
-    cache.free(seq)
-    assert pool.num_used == 0 and cache.snapshots.num_pinned == 0

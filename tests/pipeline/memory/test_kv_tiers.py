@@ -3,7 +3,6 @@ import os
 import pytest
 import torch
 
-from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_tiers import DiskKVTier, HostKVTier
 
 SHAPE = (2, 2, 4, 3)  # [layers, k/v, block_size, head_dim]: small, but each axis is distinct
@@ -28,6 +27,23 @@ def bit_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
 
 
+def put(tier: HostKVTier, k: bytes, b: torch.Tensor) -> bool:
+    """As the engine saves a block: a key present is only touched, a new one gets a slot that is then filled."""
+    if k in tier:
+        tier.slot_index(k)
+        return True
+    slot = tier.reserve_slot(k)
+    if slot is not None:
+        tier.buffer[slot].copy_(b)
+    return slot is not None
+
+
+def read(tier: HostKVTier, k: bytes) -> torch.Tensor | None:
+    """As the engine restores a block: the slot's contents, a hit."""
+    slot = tier.slot_index(k, read=True)
+    return None if slot is None else tier.buffer[slot]
+
+
 def disk(tmp_path, blocks: float, dtype: torch.dtype = torch.bfloat16, shape: tuple[int, ...] = SHAPE) -> DiskKVTier:
     probe = DiskKVTier(tmp_path, 0, shape, dtype)
     file_nbytes = probe.file_nbytes
@@ -41,11 +57,9 @@ def test_host_round_trip_is_bit_exact(dtype):
     assert tier.capacity_blocks == 4 and tier.block_nbytes == nbytes(dtype)
     assert tuple(tier.buffer.shape) == (4, *SHAPE) and tier.buffer.dtype == dtype
     original = block(1, dtype)
-    assert tier.store(key(1), original)
-    out = torch.zeros(SHAPE, dtype=dtype)
-    assert tier.load(key(1), out) and bit_equal(out, original)
-    assert bit_equal(tier.get(key(1)), original)
-    assert not tier.load(key(2), out)
+    assert put(tier, key(1), original)
+    assert bit_equal(read(tier, key(1)), original)
+    assert read(tier, key(2)) is None
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float16])
@@ -68,58 +82,50 @@ def test_disk_stores_a_non_contiguous_block(tmp_path):
     assert bit_equal(tier.load(key(1)), strided.contiguous())
 
 
-def test_host_lru_evicts_least_recently_used_and_get_load_touch():
+def test_host_lru_evicts_least_recently_used_and_lookups_touch():
     tier = HostKVTier(3 * nbytes(), SHAPE, torch.bfloat16)
     for i in range(3):
-        tier.store(key(i), block(i))
-    tier.get(key(0))  # order now 1, 2, 0
-    tier.load(key(1), torch.empty(SHAPE, dtype=torch.bfloat16))  # order now 2, 0, 1
-    tier.store(key(3), block(3))
+        put(tier, key(i), block(i))
+    tier.slot_index(key(0))  # order now 1, 2, 0
+    read(tier, key(1))  # order now 2, 0, 1
+    put(tier, key(3), block(3))
     assert key(2) not in tier and all(key(i) in tier for i in (0, 1, 3))
-    tier.store(key(0), block(99))  # present: only touched, content unchanged; order 1, 3, 0
-    tier.store(key(4), block(4))
+    put(tier, key(0), block(99))  # present: only touched, content unchanged; order 1, 3, 0
+    put(tier, key(4), block(4))
     assert key(1) not in tier and len(tier) == 3 and tier.stats.evictions == 2
     for i in (0, 3, 4):  # slots reused by eviction still hold the right blocks
-        assert bit_equal(tier.get(key(i)), block(i))
+        assert bit_equal(read(tier, key(i)), block(i))
 
 
-def test_host_longest_prefix_does_not_touch_lru():
-    tier = HostKVTier(3 * nbytes(), SHAPE, torch.bfloat16)
-    keys = extend_block_hashes([], list(range(12)), 4, 3, None)
-    tier.store(keys[0], block(0))
-    tier.store(keys[1], block(1))
-    tier.store(key(9), block(9))
-    assert tier.longest_prefix(keys) == 2
-    assert tier.longest_prefix(keys[1:]) == 1 and tier.longest_prefix([]) == 0
-    tier.store(key(10), block(10))  # keys[0] still least recently used despite the lookups
-    assert keys[0] not in tier and tier.longest_prefix(keys) == 0
-
-
-def test_host_reserve_and_discard():
+def test_host_victim_slot_is_the_least_recently_used_once_full():
     tier = HostKVTier(2 * nbytes(), SHAPE, torch.bfloat16)
-    view = tier.reserve(key(1))
-    assert key(1) in tier and view.data_ptr() == tier.get(key(1)).data_ptr()
-    view.copy_(block(1))
-    out = torch.empty(SHAPE, dtype=torch.bfloat16)
-    assert tier.load(key(1), out) and bit_equal(out, block(1))
-    assert tier.reserve(key(1)).data_ptr() == view.data_ptr()
-    tier.discard(key(1))
-    tier.discard(key(1))
-    assert key(1) not in tier and len(tier) == 0
-    tier.store(key(2), block(2))
-    tier.store(key(3), block(3))
-    assert len(tier) == 2 and tier.stats.evictions == 0  # the discarded slot was reused
+    assert tier.victim_slot() is None
+    put(tier, key(1), block(1))
+    assert tier.victim_slot() is None  # a slot is still free
+    put(tier, key(2), block(2))
+    first, second = tier.slot_index(key(2)), tier.slot_index(key(1))  # order now 2, 1
+    assert tier.victim_slot() == first
+    assert tier.reserve_slot(key(3)) == first and key(2) not in tier and tier.victim_slot() == second
+
+
+def test_host_reserve_slot_keeps_a_present_key_in_its_slot():
+    tier = HostKVTier(2 * nbytes(), SHAPE, torch.bfloat16)
+    slot = tier.reserve_slot(key(1))
+    assert key(1) in tier and slot == tier.slot_index(key(1))
+    tier.buffer[slot].copy_(block(1))
+    assert bit_equal(read(tier, key(1)), block(1))
+    assert tier.reserve_slot(key(1)) == slot and len(tier) == 1 and tier.stats.bytes_in == nbytes()
 
 
 def test_host_stats():
     tier = HostKVTier(2 * nbytes() + 5, SHAPE, torch.bfloat16)
-    out = torch.empty(SHAPE, dtype=torch.bfloat16)
     for i in range(3):
-        tier.store(key(i), block(i))
-    tier.store(key(2), block(2))  # already present: no bytes move
-    tier.load(key(2), out)
-    tier.load(key(2), out)
-    tier.load(key(0), out)  # evicted: a miss
+        put(tier, key(i), block(i))
+    put(tier, key(2), block(2))  # already present: no bytes move
+    read(tier, key(2))
+    read(tier, key(2))
+    read(tier, key(0))  # evicted: a miss
+    tier.slot_index(key(1))  # a use, not a read
     stats = tier.stats
     assert (stats.blocks, stats.capacity_blocks, stats.evictions, stats.hits, stats.corrupt) == (2, 2, 1, 2, 0)
     assert stats.bytes_in == 3 * nbytes() and stats.bytes_out == 2 * nbytes()
@@ -129,34 +135,29 @@ def test_host_eviction_spills_to_disk_bit_exact(tmp_path):
     spill = disk(tmp_path, 4)
     tier = HostKVTier(2 * nbytes(), SHAPE, torch.bfloat16, spill=spill)
     for i in range(3):
-        tier.store(key(i), block(i))
+        put(tier, key(i), block(i))
     assert key(0) not in tier and key(0) in spill and len(spill) == 1
     assert bit_equal(spill.load(key(0)), block(0))
-    tier.get(key(1))
-    tier.store(key(3), block(3))  # key 2 is now the least recently used
+    tier.slot_index(key(1))
+    put(tier, key(3), block(3))  # key 2 is now the least recently used
     assert key(2) in spill and key(1) not in spill and bit_equal(spill.load(key(2)), block(2))
 
 
 def test_store_rejects_wrong_shape_or_dtype(tmp_path):
-    host = HostKVTier(2 * nbytes(), SHAPE, torch.bfloat16)
     store = disk(tmp_path, 2)
-    for tier in (host, store):
-        with pytest.raises(ValueError):
-            tier.store(key(1), block(1, torch.float32))
-        with pytest.raises(ValueError):
-            tier.store(key(1), block(1, shape=(2, 2, 3, 4)))
-        assert key(1) not in tier
     with pytest.raises(ValueError):
-        host.load(key(1), torch.empty((2, 2, 3, 4), dtype=torch.bfloat16))
-    assert os.listdir(store.path) == []
+        store.store(key(1), block(1, torch.float32))
+    with pytest.raises(ValueError):
+        store.store(key(1), block(1, shape=(2, 2, 3, 4)))
+    assert key(1) not in store and os.listdir(store.path) == []
 
 
 def test_capacity_zero_stores_nothing(tmp_path):
     host = HostKVTier(0, SHAPE, torch.bfloat16)
     assert host.capacity_blocks == 0 and host.buffer.shape[0] == 0
-    assert not host.store(key(1), block(1)) and host.reserve(key(1)) is None and len(host) == 0
+    assert host.reserve_slot(key(1)) is None and not put(host, key(1), block(1)) and len(host) == 0
     small = HostKVTier(nbytes() - 1, SHAPE, torch.bfloat16)
-    assert small.capacity_blocks == 0 and not small.store(key(1), block(1))
+    assert small.capacity_blocks == 0 and not put(small, key(1), block(1))
     store = disk(tmp_path, 0)
     assert not store.store(key(1), block(1)) and len(store) == 0 and os.listdir(store.path) == []
     too_small = disk(tmp_path, 0.99)  # a block bigger than the whole capacity
@@ -180,7 +181,8 @@ def test_disk_lru_and_capacity_by_bytes(tmp_path):
         size = sum(os.path.getsize(os.path.join(tier.path, name)) for name in files)
         assert len(files) == 3 and size <= tier.capacity_bytes and size == tier.used_bytes
     assert sorted(files) == sorted(key(i).hex() for i in (7, 8, 9))
-    assert tier.stats.evictions == 7 and tier.longest_prefix([key(7), key(8), key(1), key(9)]) == 2
+    assert tier.stats.evictions == 7 and [k in tier for k in (key(7), key(8), key(1), key(9))] == [True, True,
+                                                                                                  False, True]
 
 
 def test_disk_stats(tmp_path):
@@ -256,21 +258,13 @@ def test_disk_corruption_is_detected_and_dropped(tmp_path, corrupt):
     assert tier.store(key(1), block(1)) and bit_equal(tier.load(key(1)), block(1))  # recomputed and stored again
 
 
-def test_disk_discard_removes_the_file(tmp_path):
-    tier = disk(tmp_path, 2)
-    tier.store(key(1), block(1))
-    tier.discard(key(1))
-    tier.discard(key(1))
-    assert key(1) not in tier and os.listdir(tier.path) == [] and tier.used_bytes == 0
-
-
 def test_disk_private_directories_and_close(tmp_path):
     first = DiskKVTier(tmp_path, 10**6, SHAPE, torch.bfloat16)
     first.store(key(1), block(1))
     second = DiskKVTier(tmp_path, 10**6, SHAPE, torch.bfloat16)
     assert first.path != second.path and os.path.dirname(first.path) == str(tmp_path)
     assert os.path.basename(first.path).startswith(f"conveyor-kv-{os.getpid()}-")
-    assert key(1) not in second and second.load(key(1)) is None and second.longest_prefix([key(1)]) == 0
+    assert key(1) not in second and second.load(key(1)) is None
     first.close()
     assert not os.path.exists(first.path) and first.closed and len(first) == 0
     first.close()  # idempotent
