@@ -13,8 +13,9 @@ and its state slot gets that snapshot when it is allocated.
 
 Prefix caching (dense models): every full block a sequence computes gets its key (`register_computed`), and a
 prompt about to start takes the longest keyed run of its own full blocks by reference (`take_cached_prefix`),
-so its prefill starts after them. At most the blocks before the prompt's last token are taken: the last token is
-always computed, for its logits. Blocks go back last-first, so eviction eats prefixes from their ends.
+so its prefill starts after them. The last token is always computed, for its logits: a prompt that is cached whole
+and ends at a block boundary takes a copy of its last block (the device copies it before the step) and computes
+only that token. Blocks go back last-first, so eviction eats prefixes from their ends.
 
 KV tiers (pipeline/memory/kv_offload.py): with a host tier, an evicted keyed block is copied there first, and a
 prompt's run of cached blocks continues into the host and disk tiers: those blocks are allocated, keyed and filled
@@ -42,7 +43,7 @@ class CacheManager:
     of a sequence's blocks and state slot goes through it."""
 
     __slots__ = ("_pool", "_states", "prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "offload",
-                 "snapshots", "_state_copies", "_saves_next", "_saves_after_step")
+                 "snapshots", "_copies", "_saves_next", "_saves_after_step")
 
     def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None,
                  prefix_caching: bool = True, offload: KVOffload | None = None,
@@ -56,7 +57,7 @@ class CacheManager:
         self.snapshots = snapshots if self.prefix_caching and hybrid else None
         if self.offload is not None:
             pool.on_evict = self.offload.save
-        self._state_copies = BlockTransfers(None)  # restores queued for the next plan
+        self._copies = BlockTransfers(None)  # device-side copies queued for the next plan (blocks, state restores)
         self._saves_next: list[tuple[int, bytes]] = []  # (state slot, key): snapshots the next plan takes
         self._saves_after_step: list[tuple[int, bytes]] = []  # the same, of the plan being built (the one after)
         self.prefix_queried_tokens = 0  # prompt tokens looked up (each start of a prompt)
@@ -95,8 +96,9 @@ class CacheManager:
 
     def take_cached_prefix(self, seq: Sequence) -> int:
         """For a sequence holding nothing yet (a new prompt, or one preempted for recompute): take the longest run
-        of its full blocks that the cache holds, up to the block before its last token, and count them computed.
-        Returns the tokens taken (a multiple of block_size; 0 with caching off or with blocks already held)."""
+        of its full blocks that the cache holds, up to the block before its last token, and count them computed;
+        a whole prompt cached up to a block boundary also takes a copy of its last block, all but its last token
+        computed (``_copy_last_block``). Returns the tokens taken (0 with caching off or with blocks already held)."""
         if not self.prefix_caching or seq.block_ids or seq.num_computed or seq.missed_at == self._cache_version():
             return 0
         size = self._pool.block_size
@@ -115,12 +117,38 @@ class CacheManager:
                 if self.offload is not None and len(blocks) < limit:
                     blocks += self._restore(keys[len(blocks):limit])
             computed = len(blocks) * size
+            if len(blocks) == limit and len(tokens) % size == 0 and self.snapshots is None:
+                last = self._copy_last_block(extend_block_hashes(
+                    seq.block_keys, tokens, size, limit + 1, seq.request.params.cache_salt)[limit])
+                if last is not None:
+                    blocks.append(last)
+                    computed = len(tokens) - 1
         if not blocks:
             seq.missed_at = self._cache_version()
         seq.block_ids = blocks
         seq.num_keyed = min(len(blocks), limit)
         seq.num_computed = computed
         return seq.num_computed
+
+    def _copy_last_block(self, key: bytes) -> int | None:
+        """An exact full-prompt hit that ends at a block boundary (dense models): a block of the sequence's own
+        holding a copy of the prompt's cached last block (``key``), so only the last token is computed again, for
+        its logits, and rewritten in the copy, never in the block other holders read. None when the block is in
+        no tier or no block is free (the whole last block is computed then, as for hybrid models, whose state
+        cannot be taken back one token)."""
+        run = self._pool.lookup([key])
+        if run and (self.offload is None or not self.offload.loading(run[0])):
+            if self._pool.num_free < 1 + (self._pool.refcount(run[0]) == 0):
+                return None
+            source = self._pool.acquire(run)  # held while a block is allocated: that allocation cannot evict it
+            block = self._pool.allocate(1)[0]
+            self._pool.free(source)  # copied before any later holder writes it (BlockTransfers' order)
+            self._copies.copies.append((source[0], block))
+            return block
+        if not run and self.offload is not None:
+            restored = self._restore([key], key_blocks=False)
+            return restored[0] if restored else None
+        return None
 
     def _swap_in(self, seq: Sequence, keys: list[bytes], run: list[int]) -> tuple[list[int], int] | None:
         """A preempted sequence swapped out (``preempt``) takes back every computed token: its full blocks (device
@@ -195,22 +223,23 @@ class CacheManager:
 
     def take_transfers(self) -> BlockTransfers | None:
         """The copies queued since the last plan, for the plan being built (its runner runs them first): tier
-        copies, and the state snapshots of chunks the previous plan ended at a snapshot position (their states are
-        there until this plan's forward) and restores into the state slots of prompts starting now."""
+        copies, device block copies, and the state snapshots of chunks the previous plan ended at a snapshot
+        position (their states are there until this plan's forward) and restores into the state slots of prompts
+        starting now."""
         transfers = self.offload.take_transfers() if self.offload is not None else None
-        if self.snapshots is None:
-            return transfers
-        copies, self._state_copies = self._state_copies, BlockTransfers(None)
-        for slot, key in self._saves_next:
-            index = self.snapshots.reserve(key)
-            if index is not None:
-                copies.state_saves.append((slot, index))
-        self._saves_next, self._saves_after_step = self._saves_after_step, []
-        self.snapshots.handed()
-        if not copies.state_saves and not copies.state_loads:
+        copies, self._copies = self._copies, BlockTransfers(None)
+        if self.snapshots is not None:
+            for slot, key in self._saves_next:
+                index = self.snapshots.reserve(key)
+                if index is not None:
+                    copies.state_saves.append((slot, index))
+            self._saves_next, self._saves_after_step = self._saves_after_step, []
+            self.snapshots.handed()
+        if not copies.copies and not copies.state_saves and not copies.state_loads:
             return transfers
         if transfers is not None:
-            transfers.state_saves, transfers.state_loads = copies.state_saves, copies.state_loads
+            transfers.copies, transfers.state_saves, transfers.state_loads = (
+                copies.copies, copies.state_saves, copies.state_loads)
             return transfers
         return copies
 
@@ -275,7 +304,7 @@ class CacheManager:
                 return False
             if seq.restore_from is not None:  # the cached prefix's state, before this plan's forward
                 snapshot, seq.restore_from = seq.restore_from, None
-                self._state_copies.state_loads.append((self.snapshots.read(snapshot), seq.state_slot.index))
+                self._copies.state_loads.append((self.snapshots.read(snapshot), seq.state_slot.index))
         if count > 0:
             seq.block_ids.extend(pool.allocate(count))
         return True

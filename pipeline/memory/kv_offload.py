@@ -3,10 +3,13 @@ there demoted to disk, pipeline/memory/kv_tiers.py); a starting prompt whose pre
 fresh device blocks and the copies back.
 
 The cache manager decides, the runner copies. Decisions queue ``BlockTransfers`` that ride in the next step plan;
-the runner runs them before that step's forward, on the device executor's one thread, so they are ordered with
-every step for free: an evicted block is saved before its new holder's first write (the same step or a later one),
-and a restored block is filled before any step reads it. Restores write the pool's own blocks: every attention path
-reads them as it reads any block, there is no second copy on the device.
+the runner queues them before that step's forward, on the device executor's one thread, so they are ordered with
+every step: an evicted block is gathered into a staging buffer before its new holder's first write (the same step or
+a later one), and a restored block is filled before any step reads it. On CUDA the host side of each copy runs on a
+copy stream of its own: an eviction's device-to-host copy leaves the staging buffer while the forward runs, and a
+restore's host-to-device copy waits on nothing queued on the compute stream (only the forward that reads the block
+waits for it). Restores write the pool's own blocks: every attention path reads them as it reads any block, there
+is no second copy on the device.
 
 A host slot is shared by the two threads, so it is reused (or demoted to disk) only when no copy touches it: never
 while a queued transfer names it, and only after the transfers already handed to the runner are done (``done``).
@@ -15,7 +18,7 @@ The disk tier is read and written on the planning thread only.
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -32,11 +35,15 @@ SETTLE_TIMEOUT_S = 60.0  # a runner that has not run a handed-over transfer by t
 
 @dataclass(slots=True)
 class BlockTransfers:
-    """Copies a step runs before its forward, in order: device blocks to host slots, host slots to blocks, then
-    (hybrid models) state slots to snapshots and snapshots to state slots (pipeline/memory/state_snapshots.py)."""
+    """Copies a step runs before its forward, in order: device blocks to host slots, device blocks to device blocks,
+    host slots to blocks, then (hybrid models) state slots to snapshots and snapshots to state slots
+    (pipeline/memory/state_snapshots.py). Saves read first, so a block both evicted and written in one plan is
+    saved before its new content arrives; block copies read before loads write (a copy's source may be a block
+    evicted and refilled in the same plan)."""
 
     host: torch.Tensor | None  # the host tier's buffer [slots, block bytes] (uint8), if there is one
     saves: list[tuple[int, int]] = field(default_factory=list)  # (device block, host slot)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, target) device blocks: full-hit copies
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     state_saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
     state_loads: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
@@ -65,23 +72,31 @@ TRANSFER_CHUNK = 64  # blocks gathered (or scattered) through one device staging
 
 @torch.inference_mode()
 def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor],
-                        states: Sequence[torch.Tensor] = (), snapshots: Sequence[torch.Tensor] = ()) -> None:
+                        states: Sequence[torch.Tensor] = (), snapshots: Sequence[torch.Tensor] = (),
+                        copy_stream: torch.cuda.Stream | None = None) -> None:
     """Runner side, on the step's stream. A block's bytes in a host slot are each paged cache's ``[2, block_size,
-    ...]`` in cache order. On CUDA every slot is its own async copy to or from the pinned buffer (no pageable
-    bounce), through device staging of TRANSFER_CHUNK blocks; the step's forward queues after them. ``states``
-    and ``snapshots``: each recurrent cache ``[slots, ...]`` and its snapshots ``[snapshots, ...]``."""
+    ...]`` in cache order. Blocks move through device staging buffers of TRANSFER_CHUNK blocks; on CUDA every slot
+    is its own async copy to or from the pinned buffer (no pageable bounce), on ``copy_stream`` when given: the
+    compute stream gathers a save's blocks and goes on, and waits for a load's bytes only before it scatters them.
+    ``states`` and ``snapshots``: each recurrent cache ``[slots, ...]`` and its snapshots ``[snapshots, ...]``."""
     try:
         device = caches[0].device if caches else None
+        side = copy_stream if device is not None and device.type == "cuda" else None
         for i in range(0, len(transfers.saves), TRANSFER_CHUNK):
             part = transfers.saves[i:i + TRANSFER_CHUNK]
             blocks = torch.tensor([b for b, _ in part], device=device)
             data = torch.cat([c.index_select(1, blocks).transpose(0, 1).contiguous().view(len(part), -1)
                               .view(torch.uint8) for c in caches], dim=1)
-            _to_slots(transfers.host, [s for _, s in part], data)
+            _on_side(side, lambda: _to_slots(transfers.host, [s for _, s in part], data), staged=data)
+        if transfers.copies:
+            src = torch.tensor([a for a, _ in transfers.copies], device=device)
+            dst = torch.tensor([b for _, b in transfers.copies], device=device)
+            for c in caches:
+                c.index_copy_(1, dst, c.index_select(1, src))
         for i in range(0, len(transfers.loads), TRANSFER_CHUNK):
             part = transfers.loads[i:i + TRANSFER_CHUNK]
             blocks = torch.tensor([b for _, b in part], device=device)
-            data = _from_slots(transfers.host, [s for s, _ in part], device)
+            data = _on_side(side, lambda: _from_slots(transfers.host, [s for s, _ in part], device))
             offset = 0
             for c in caches:
                 size = 2 * c[0, 0].numel() * c.element_size()
@@ -91,9 +106,30 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
         _copy_states(transfers, states, snapshots)
         if device is not None and device.type == "cuda" and (transfers.saves or transfers.loads):
             transfers.copied = torch.cuda.Event()
-            transfers.copied.record()
+            transfers.copied.record(side)  # the host slots' last use (None: the current stream)
     finally:
         transfers.done.set()
+
+
+def _on_side(side: torch.cuda.Stream | None, copy: Callable[[], torch.Tensor | None],
+             staged: torch.Tensor | None = None) -> torch.Tensor | None:
+    """Run ``copy`` (host <-> device) on the side stream. A save (``staged``: its gathered blocks, on the compute
+    stream) starts after what the compute stream has queued, and its buffer is not reused before the copy is done;
+    a load waits for nothing there (it reads host slots no queued copy writes but earlier side-stream ones), and
+    the compute stream waits for it before it reads the staging buffer the load returns."""
+    if side is None:
+        return copy()
+    compute = torch.cuda.current_stream(side.device)
+    if staged is not None:
+        side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        out = copy()
+    if staged is not None:
+        staged.record_stream(side)
+    if out is not None:
+        compute.wait_stream(side)
+        out.record_stream(compute)
+    return out
 
 
 def _copy_states(transfers: BlockTransfers, states: Sequence[torch.Tensor],
@@ -187,6 +223,10 @@ class KVOffload:
                 break
             count += 1
         return count
+
+    def loading(self, block: int) -> bool:
+        """Whether the copies queued for the next plan fill device ``block`` (it holds its content only after)."""
+        return any(target == block for _, target in self._queued.loads)
 
     def restore(self, key: bytes, block: int) -> bool:
         """Queue ``key``'s copy into device ``block`` (through host when it is on disk). False when it cannot be

@@ -63,6 +63,8 @@ class ModelRunner:
         self.decode_partition: tuple[int, int, int] | None = None  # (max_batch, max_model_len, SMs): fix_decode_partition
         self.sampler = Sampler()
         self.staging = HostStaging()  # this runner's reused host buffers (only its launches touch them)
+        # KV tier copies' host side runs here, beside the forward (pipeline/memory/kv_offload.py)
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     @property
     def bytes_per_block(self) -> int:
@@ -181,7 +183,7 @@ class ModelRunner:
         the host (waiting for them), for grammar rows one step ahead.
         """
         if plan.transfers is not None:  # KV tier copies first: the forward may read restored blocks
-            run_block_transfers(plan.transfers, self.paged_caches, self.state_caches, self.snapshots)
+            run_block_transfers(plan.transfers, self.paged_caches, self.state_caches, self.snapshots, self.copy_stream)
         if plan.forward.num_tokens == 0:
             return empty_sample(self.device)
         # Sampling inputs go to the device before the forward is launched: their small copies then

@@ -173,8 +173,11 @@ def test_a_prompt_takes_the_full_blocks_another_left_and_never_its_last_token():
     again = make_salted(list(range(100, 114)), 2)
     assert cache.take_cached_prefix(again) == 12 and again.block_ids == held[:3] and again.num_pending == 2
     assert cache.num_cached_free == 0 and cache.num_used == 3
-    exact = make_salted(list(range(100, 112)), 3)  # the same 3 blocks, nothing after: the last block recomputed
-    assert cache.take_cached_prefix(exact) == 8 and exact.block_ids == held[:2]
+    exact = make_salted(list(range(100, 112)), 3)  # the same 3 blocks, nothing after: a copy of the last one
+    assert cache.take_cached_prefix(exact) == 11 and exact.block_ids[:2] == held[:2]
+    assert exact.block_ids[2] not in held and pool.refcount(held[2]) == 1  # its own block; the cached one shared
+    transfers = cache.take_transfers()
+    assert transfers is not None and transfers.copies == [(held[2], exact.block_ids[2])]
     assert pool.refcount(held[0]) == 2
     mid = make_salted(list(range(100, 110)) + [7, 7, 7], 4)  # diverges inside block 3
     assert cache.take_cached_prefix(mid) == 8
@@ -182,7 +185,7 @@ def test_a_prompt_takes_the_full_blocks_another_left_and_never_its_last_token():
     assert cache.take_cached_prefix(other) == 0 and other.block_ids == []
     for seq in (again, exact, mid, other):  # each starts: counted once
         cache.count_prefix_query(seq)
-    assert cache.prefix_hit_tokens == 12 + 8 + 8 and cache.prefix_queried_tokens == 14 + 12 + 13 + 14
+    assert cache.prefix_hit_tokens == 12 + 11 + 8 and cache.prefix_queried_tokens == 14 + 12 + 13 + 14
     for seq in (again, exact, mid):
         cache.free(seq)
     assert cache.num_used == 0 and cache.num_free == cache.capacity

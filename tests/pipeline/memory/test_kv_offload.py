@@ -68,6 +68,48 @@ def test_saves_run_before_loads_in_one_plan():
         assert torch.equal(c[:, 6], b[:, 2]) and torch.equal(c[:, 1], b[:, 6])
 
 
+def test_block_copies_read_after_saves_and_before_loads():
+    """A full hit's copy source evicted (saved) and refilled from host in the same plan: the copy gets the old
+    content, the host slot too, and the refill lands after both."""
+    kv = caches()
+    before = [c.clone() for c in kv]
+    tiers = offload(kv, 4)
+    tiers.save(5, key(5))
+    run_block_transfers(tiers.take_transfers(), kv)
+    tiers.save(2, key(2))  # block 2 evicted ...
+    assert tiers.restore(key(5), 2)  # ... and given block 5's saved content
+    transfers = tiers.take_transfers()
+    transfers.copies.append((2, 7))  # queued before the eviction: block 2 as it was
+    run_block_transfers(transfers, kv)
+    assert tiers.restore(key(2), 1)
+    run_block_transfers(tiers.take_transfers(), kv)
+    for c, b in zip(kv, before):
+        assert torch.equal(c[:, 7], b[:, 2]) and torch.equal(c[:, 2], b[:, 5]) and torch.equal(c[:, 1], b[:, 2])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the copy stream is CUDA's")
+def test_copies_on_a_copy_stream_keep_step_order():
+    """Saves leave a staging buffer gathered before the forward writes; loads land before the forward reads."""
+    kv = [c.cuda() for c in caches()]
+    before = [c.clone() for c in kv]
+    size = block_bytes(kv)
+    tiers = KVOffload(HostKVTier(4 * size, (size,), torch.uint8, pin_memory=True))
+    side = torch.cuda.Stream()
+    for block in (3, 5):
+        tiers.save(block, key(block))
+    run_block_transfers(tiers.take_transfers(), kv, copy_stream=side)
+    for c in kv:  # the next forward overwrites the evicted blocks at once
+        c[:, 3:6] = 0
+    assert tiers.restore(key(3), 6) and tiers.restore(key(5), 7)
+    transfers = tiers.take_transfers()
+    run_block_transfers(transfers, kv, copy_stream=side)
+    sums = [c[:, 6:8].float().sum() for c in kv]  # read on the compute stream right after
+    assert transfers.wait(10.0)
+    for c, b, total in zip(kv, before, sums):
+        assert torch.equal(c[:, 6], b[:, 3]) and torch.equal(c[:, 7], b[:, 5])
+        assert torch.equal(total, b[:, [3, 5]].float().sum())
+
+
 def test_a_slot_a_queued_copy_names_is_never_reused():
     kv = caches()
     tiers = offload(kv, 2)
@@ -151,6 +193,61 @@ def test_cache_manager_prefix_runs_continue_into_the_host_tier():
     assert [b for _, b in loads] == again.block_ids
     assert pool.lookup(keys) == again.block_ids  # keyed on the device again
     cache.free(again)
+    assert pool.num_used == 0
+
+
+def test_a_whole_prompt_hit_copies_its_last_block_from_any_tier():
+    """A block-aligned prompt cached whole computes only its last token: its last block is copied on the device, or
+    restored from host unkeyed; a last block still being restored in the same plan is computed instead."""
+    from types import SimpleNamespace
+
+    from pipeline.memory.cache_manager import CacheManager
+
+    kv = caches(12)
+    tiers = offload(kv, 8)
+    pool = KVBlockPool(12, 4)
+    cache = CacheManager(pool, None, True, tiers)
+    request = SimpleNamespace(params=SimpleNamespace(cache_salt=None))
+
+    def sequence(tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0,
+                               missed_at=-1, request=request, state_slot=None,
+                               snapshot_pos=0, restore_from=None, preemptions=0)
+
+    tokens = list(range(100, 120))  # 5 full blocks
+    first = sequence(tokens)
+    assert cache.allocate_slots(first, 20)
+    first.num_computed = 20
+    cache.register_computed(first)
+    held = list(first.block_ids)
+    cache.free(first)
+    on_device = sequence(tokens)
+    assert cache.take_cached_prefix(on_device) == 19 and on_device.block_ids[:4] == held[:4]
+    assert cache.take_transfers().copies == [(held[4], on_device.block_ids[4])]
+    cache.free(on_device)
+    other = sequence(list(range(500, 544)))  # 11 blocks: every cached one goes to host
+    assert cache.allocate_slots(other, 44)
+    run_block_transfers(cache.take_transfers(), kv)
+    cache.free(other)
+    keys = extend_block_hashes([], tokens, 4, 5, None)
+    restoring = sequence(tokens + [1])  # restores all five, keyed, in this plan
+    assert cache.take_cached_prefix(restoring) == 20
+    same_plan = sequence(tokens)  # its last block is one of those loads: computed, not copied
+    assert cache.take_cached_prefix(same_plan) == 16
+    transfers = cache.take_transfers()
+    assert len(transfers.loads) == 5 and not transfers.copies
+    run_block_transfers(transfers, kv)
+    for seq in (restoring, same_plan):
+        cache.free(seq)
+    other = sequence(list(range(500, 544)))
+    assert cache.allocate_slots(other, 44)  # the five are on host already: nothing to save
+    assert cache.take_transfers() is None and pool.lookup(keys) == []
+    cache.free(other)
+    from_host = sequence(tokens)
+    assert cache.take_cached_prefix(from_host) == 19
+    assert pool.lookup(keys) == from_host.block_ids[:4]  # the last block's copy is the sequence's own, unkeyed
+    assert len(cache.take_transfers().loads) == 5
+    cache.free(from_host)
     assert pool.num_used == 0
 
 
