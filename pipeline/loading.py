@@ -65,11 +65,15 @@ def eos_token_ids(tokenizer: Tokenizer, hf_config: dict, generation_config: dict
     return frozenset(ids)
 
 
-def num_snapshots(config: EngineConfig, runner: ModelRunner) -> int:
-    """Recurrent-state snapshots of a hybrid model with prefix caching (0 otherwise)."""
+def num_snapshots(config: EngineConfig, runner: ModelRunner, memory_bytes: int | None = None) -> int:
+    """Recurrent-state snapshots of a hybrid model with prefix caching (0 otherwise). ``memory_bytes``: what the KV
+    blocks and snapshots share (CPU); snapshots take at most half of it, so the blocks they resume stay."""
     if not runner.bytes_per_snapshot or not config.prefix_caching:
         return 0
-    return int(config.state_snapshot_gib * (1 << 30)) // runner.bytes_per_snapshot
+    budget = int(config.state_snapshot_gib * (1 << 30))
+    if memory_bytes is not None:
+        budget = min(budget, memory_bytes // 2)
+    return max(0, budget) // runner.bytes_per_snapshot
 
 
 def load_model(config: EngineConfig, progress: Callable[[str], None] | None = None) -> LoadedModel:
@@ -88,7 +92,9 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     model = build_model(arch, None if dummy else iter_weights(path), dtype, device)
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
                          max_num_seqs=config.max_num_seqs)
-    snapshots = num_snapshots(config, runner)
+    cpu_memory = (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes
+                  if device.type != "cuda" and not config.num_kv_blocks else None)
+    snapshots = num_snapshots(config, runner, cpu_memory)
     snapshot_bytes = snapshots * runner.bytes_per_snapshot
     if config.num_kv_blocks:
         num_blocks = config.num_kv_blocks
@@ -97,8 +103,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         num_blocks = runner.kv_blocks_for_gpu(config.gpu_memory_utilization, config.max_num_batched_tokens,
                                               config.max_num_seqs, reserve_bytes=(1 << 30) + snapshot_bytes)
     else:
-        num_blocks = max(2, (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes - snapshot_bytes)
-                         // runner.bytes_per_block)
+        num_blocks = max(2, (cpu_memory - snapshot_bytes) // runner.bytes_per_block)
     runner.allocate_caches(num_blocks)
     runner.allocate_snapshots(snapshots)
     pool_tokens = (num_blocks - 1) * config.block_size

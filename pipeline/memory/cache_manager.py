@@ -107,22 +107,21 @@ class CacheManager:
         keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
         run = self._pool.lookup(islice(keys, limit))
         swapped = self._swap_in(seq, keys[:limit], run) if seq.preemptions and self.offload is not None else None
+        whole = len(tokens) % size == 0  # the prompt's last block is full: a whole-prompt hit needs its copy
         if swapped is not None:
             blocks, computed = swapped
+        elif self.snapshots is not None:
+            taken = self._take_whole_prompt(seq, keys[:limit], run) if whole else None
+            blocks = taken if taken is not None else self._take_to_snapshot(seq, keys[:limit], run)
+            computed = len(tokens) - 1 if taken is not None else len(blocks) * size
         else:
-            if self.snapshots is not None:
-                blocks = self._take_to_snapshot(seq, keys[:limit], run)
-            else:
-                blocks = self._pool.acquire(run)
-                if self.offload is not None and len(blocks) < limit:
-                    blocks += self._restore(keys[len(blocks):limit])
+            blocks = self._pool.acquire(run)
+            if self.offload is not None and len(blocks) < limit:
+                blocks += self._restore(keys[len(blocks):limit])
             computed = len(blocks) * size
-            if len(blocks) == limit and len(tokens) % size == 0 and self.snapshots is None:
-                last = self._copy_last_block(extend_block_hashes(
-                    seq.block_keys, tokens, size, limit + 1, seq.request.params.cache_salt)[limit])
-                if last is not None:
-                    blocks.append(last)
-                    computed = len(tokens) - 1
+            if whole and len(blocks) == limit and (last := self._copy_last_block(self._last_key(seq))) is not None:
+                blocks.append(last)
+                computed = len(tokens) - 1
         if not blocks:
             seq.missed_at = self._cache_version()
         seq.block_ids = blocks
@@ -130,12 +129,34 @@ class CacheManager:
         seq.num_computed = computed
         return seq.num_computed
 
+    def _last_key(self, seq: Sequence) -> bytes:
+        """The key of the block a block-aligned prompt ends with."""
+        size, tokens = self._pool.block_size, seq.token_ids
+        full = len(tokens) // size
+        return extend_block_hashes(seq.block_keys, tokens, size, full, seq.request.params.cache_salt)[full - 1]
+
+    def _take_whole_prompt(self, seq: Sequence, keys: list[bytes], run: list[int]) -> list[int] | None:
+        """Hybrid models: a block-aligned prompt cached whole on the device, with the snapshot of its state one token
+        before its end (``snapshot_after_chunk`` takes it): its blocks, a copy of its last block, that snapshot
+        pinned; only the last token is computed, and the state advances over it once. None otherwise."""
+        size, tokens = self._pool.block_size, seq.token_ids
+        key = self._tail_key(seq, keys, tokens[len(keys) * size:-1])
+        if key is None or key not in self.snapshots or len(run) < len(keys):
+            return None
+        blocks = self._pool.acquire(run)
+        last = self._copy_last_block(self._last_key(seq))
+        if last is None:
+            self._pool.free(blocks[::-1])
+            return None
+        seq.restore_from = self.snapshots.pin(key)
+        seq.snapshot_pos = len(tokens) - 1
+        return blocks + [last]
+
     def _copy_last_block(self, key: bytes) -> int | None:
         """An exact full-prompt hit that ends at a block boundary (dense models): a block of the sequence's own
         holding a copy of the prompt's cached last block (``key``), so only the last token is computed again, for
         its logits, and rewritten in the copy, never in the block other holders read. None when the block is in
-        no tier or no block is free (the whole last block is computed then, as for hybrid models, whose state
-        cannot be taken back one token)."""
+        no tier or no block is free (the whole last block is computed then)."""
         run = self._pool.lookup([key])
         if run and (self.offload is None or not self.offload.loading(run[0])):
             if self._pool.num_free < 1 + (self._pool.refcount(run[0]) == 0):
@@ -244,26 +265,39 @@ class CacheManager:
         return copies
 
     def prompt_stop(self, seq: Sequence) -> int:
-        """Where the sequence's next prompt chunk must end at the latest: its prompt's last full block, for a
-        snapshot there (hybrid models), before the tokens after it; else its end."""
+        """Where the sequence's next prompt chunk must end at the latest (hybrid models, for a state snapshot there):
+        its prompt's last full block, before the tokens after it; one token before the end of a prompt that ends at
+        a block boundary (its exact repeat restores that state and computes one token); else its end."""
         end = len(seq.token_ids)
         if self.snapshots is None:
             return end
-        aligned = end // self._pool.block_size * self._pool.block_size
-        return aligned if seq.num_computed < aligned < end else end
+        size = self._pool.block_size
+        aligned = end // size * size
+        if seq.num_computed < aligned < end:
+            return aligned
+        if aligned == end and size > 1 and seq.num_computed < end - 1:
+            return end - 1
+        return end
 
     def snapshot_after_chunk(self, seq: Sequence, end: int) -> None:
         """A chunk of the plan being built ends the sequence's computed tokens at ``end``: snapshot its state there
-        (after the step) if that is a snapshot position: its prompt's last full block, or a block boundary at least
-        the pool's interval after its last snapshot."""
-        size = self._pool.block_size
-        if self.snapshots is None or end % size or end <= seq.snapshot_pos or seq.state_slot is None:
+        (after the step) if that is a snapshot position: its prompt's last full block, a block boundary at least
+        the pool's interval after its last snapshot, or one token before the end of a block-aligned prompt (under
+        the key of the partial block it ends)."""
+        size, total = self._pool.block_size, len(seq.token_ids)
+        if self.snapshots is None or end <= seq.snapshot_pos or seq.state_slot is None:
             return
-        last_block = len(seq.token_ids) // size * size
-        if end != last_block and end - seq.snapshot_pos < self.snapshots.interval:
-            return
-        keys = extend_block_hashes(seq.block_keys, seq.token_ids, size, end // size, seq.request.params.cache_salt)
-        self._saves_after_step.append((seq.state_slot.index, keys[end // size - 1]))
+        salt = seq.request.params.cache_salt
+        if end % size:
+            if total % size or end != total - 1:
+                return
+            keys = extend_block_hashes(seq.block_keys, seq.token_ids, size, end // size, salt)
+            key = self._tail_key(seq, keys[:end // size], seq.token_ids[end // size * size:end])
+        else:
+            if end != total // size * size and end - seq.snapshot_pos < self.snapshots.interval:
+                return
+            key = extend_block_hashes(seq.block_keys, seq.token_ids, size, end // size, salt)[end // size - 1]
+        self._saves_after_step.append((seq.state_slot.index, key))
         seq.snapshot_pos = end
 
     def count_prefix_query(self, seq: Sequence) -> None:

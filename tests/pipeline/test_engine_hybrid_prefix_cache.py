@@ -81,6 +81,33 @@ def test_hybrid_cache_on_equals_off_and_restores_snapshots(hybrid_dir):
     assert stats["prefix_cache"]["hit_tokens"] >= 36 + 36
 
 
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 8}])
+def test_a_block_aligned_prompt_again_computes_only_its_last_token(hybrid_dir, overrides):
+    """BASE[:36] ends at a block boundary: its first run snapshots the state one token before its end, and the same
+    prompt again restores that state with a copy of its last block and computes one token: the same tokens as
+    without caching (greedy, seeded, and the next turn after it)."""
+    prompt = BASE[:36]
+
+    async def main(caching: bool) -> tuple[list, int]:
+        engine = await Engine.create(config_for(hybrid_dir, prefix_caching=caching, **overrides))
+        try:
+            results = [await outputs(engine, prompt, greedy())]
+            before = engine.stats()["prefix_cache"]["hit_tokens"]
+            results.append(await outputs(engine, prompt, greedy()))
+            hit = engine.stats()["prefix_cache"]["hit_tokens"] - before
+            results.append(await outputs(engine, prompt, sampled(4)))
+            results.append(await outputs(engine, prompt + results[0][0][:4], greedy()))
+            await settle(engine)
+            assert_no_leaks(engine)
+            return results, hit
+        finally:
+            await engine.shutdown()
+
+    off, _ = run_async(main(False))
+    on, hit = run_async(main(True))
+    assert on == off and hit == 35
+
+
 def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir, sizes):
     """8-token chunks with an 8-token interval (a snapshot at every chunk end: BASE[:32] resumes at 28), then a
     pool of two snapshots (evictions while prompts wait on theirs), and a pool too small to hold one (caching

@@ -31,3 +31,16 @@ def test_dummy_weights_need_no_weight_files(tiny_model_dir, tmp_path):
 def test_bad_loading_options_are_rejected(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value}).validate()
+
+
+def test_state_snapshots_take_at_most_half_of_the_cpu_kv_memory(make_model_dir):
+    """A hybrid model on CPU: a snapshot budget past the KV memory leaves the blocks half of it, not none."""
+    from pipeline.loading import load_model
+
+    loaded = load_model(config_for(make_model_dir("qwen3_5_moe_text", seed=5), num_kv_blocks=0,
+                                   kv_cache_memory_gib=0.01, state_snapshot_gib=64.0))
+    runner = loaded.runner
+    memory = int(0.01 * (1 << 30)) - runner.state_bytes
+    snapshot_bytes = runner.snapshots[0].shape[0] * runner.bytes_per_snapshot
+    assert 0 < snapshot_bytes <= memory // 2
+    assert loaded.num_blocks * runner.bytes_per_block >= memory // 2 - runner.bytes_per_block
