@@ -112,6 +112,8 @@ class CacheManager:
             blocks, computed = swapped
         elif self.snapshots is not None:
             taken = self._take_whole_prompt(seq, keys[:limit], run) if whole else None
+            if taken is None and whole:
+                run = self._pool.lookup(keys[:limit])  # it may have restored some
             blocks = taken if taken is not None else self._take_to_snapshot(seq, keys[:limit], run)
             computed = len(tokens) - 1 if taken is not None else len(blocks) * size
         else:
@@ -136,16 +138,21 @@ class CacheManager:
         return extend_block_hashes(seq.block_keys, tokens, size, full, seq.request.params.cache_salt)[full - 1]
 
     def _take_whole_prompt(self, seq: Sequence, keys: list[bytes], run: list[int]) -> list[int] | None:
-        """Hybrid models: a block-aligned prompt cached whole on the device, with the snapshot of its state one token
-        before its end (``snapshot_after_chunk`` takes it): its blocks, a copy of its last block, that snapshot
+        """Hybrid models: a block-aligned prompt cached whole (device or tiers), with the snapshot of its state one
+        token before its end (``snapshot_after_chunk`` takes it): its blocks, a copy of its last block, that snapshot
         pinned; only the last token is computed, and the state advances over it once. None otherwise."""
         size, tokens = self._pool.block_size, seq.token_ids
         key = self._tail_key(seq, keys, tokens[len(keys) * size:-1])
-        if key is None or key not in self.snapshots or len(run) < len(keys):
+        if key is None or key not in self.snapshots:
+            return None
+        tiers = self.offload.reach(keys[len(run):]) if self.offload is not None and len(run) < len(keys) else 0
+        if len(run) + tiers < len(keys):
             return None
         blocks = self._pool.acquire(run)
-        last = self._copy_last_block(self._last_key(seq))
-        if last is None:
+        if len(blocks) < len(keys):
+            blocks += self._restore(keys[len(blocks):])
+        last = self._copy_last_block(self._last_key(seq)) if len(blocks) == len(keys) else None
+        if last is None:  # restored blocks stay cached, their copies queued
             self._pool.free(blocks[::-1])
             return None
         seq.restore_from = self.snapshots.pin(key)

@@ -81,17 +81,23 @@ def test_hybrid_cache_on_equals_off_and_restores_snapshots(hybrid_dir):
     assert stats["prefix_cache"]["hit_tokens"] >= 36 + 36
 
 
-@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 8}])
+@pytest.mark.parametrize("overrides", [{}, {"max_num_batched_tokens": 8},
+                                       {"num_kv_blocks": 30, "max_num_seqs": 2, "kv_offload_host_gib": 64 / 1024}])
 def test_a_block_aligned_prompt_again_computes_only_its_last_token(hybrid_dir, overrides):
     """BASE[:36] ends at a block boundary: its first run snapshots the state one token before its end, and the same
     prompt again restores that state with a copy of its last block and computes one token: the same tokens as
-    without caching (greedy, seeded, and the next turn after it)."""
+    without caching (greedy, seeded, and the next turn after it). With a small pool other prompts evict its blocks
+    first and they come back from the host tier."""
     prompt = BASE[:36]
+    others = [[random.Random(80 + i).randrange(100, 49000) for _ in range(60)] for i in range(2)]
 
-    async def main(caching: bool) -> tuple[list, int]:
+    async def main(caching: bool) -> tuple[list, int, dict]:
         engine = await Engine.create(config_for(hybrid_dir, prefix_caching=caching, **overrides))
         try:
             results = [await outputs(engine, prompt, greedy())]
+            if "kv_offload_host_gib" in overrides:
+                for other in others:
+                    results.append(await outputs(engine, other, greedy()))
             before = engine.stats()["prefix_cache"]["hit_tokens"]
             results.append(await outputs(engine, prompt, greedy()))
             hit = engine.stats()["prefix_cache"]["hit_tokens"] - before
@@ -99,13 +105,15 @@ def test_a_block_aligned_prompt_again_computes_only_its_last_token(hybrid_dir, o
             results.append(await outputs(engine, prompt + results[0][0][:4], greedy()))
             await settle(engine)
             assert_no_leaks(engine)
-            return results, hit
+            return results, hit, engine.stats()
         finally:
             await engine.shutdown()
 
-    off, _ = run_async(main(False))
-    on, hit = run_async(main(True))
+    off, _, _ = run_async(main(False))
+    on, hit, stats = run_async(main(True))
     assert on == off and hit == 35
+    if "kv_offload_host_gib" in overrides:
+        assert stats["kv_offload"]["restored_blocks"] >= 9
 
 
 def test_hybrid_chunks_interval_snapshots_and_a_tiny_snapshot_pool(hybrid_dir, sizes):
