@@ -180,6 +180,23 @@ WHOLE_ROWS_BYTES = 32768  # PDL, M = 1: a program's rows of W up to this size ar
 # Whole-row tiles under PDL: an H100 chain probe favoured them, the H200 did not (B1 on Qwen3-30B-A3B 362.6 tok/s
 # with them, 381.1 with the plain tiles and their first tile loaded early); CONVEYOR_GEMV_WHOLE_ROWS=1 turns them on.
 WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_WHOLE_ROWS", "0") == "1"
+# CONVEYOR_GEMV_TMA=1: single-row 16-bit GEMVs on Hopper+ of a weight of at least GEMV_TMA_MIN_BYTES go to the
+# persistent TMA kernel (kernels/triton_gemv_tma.py) when called without overrides; off by default. Chains of one
+# shape under PDL: the TMA kernel 13-24% faster on an H200 at 50 MB (12352 x 2048) and the lm_head, behind this
+# one at 1-21 MB (2048 x 4096, the routers, 5120 x 2048 with the norm). H100 projection chains (bench/gemv_chain.py):
+# pdl_tma_large 4% faster than the default on Qwen3.5-35B-A3B, even on Qwen3-30B-A3B; TMA for every weight 6-25% slower.
+GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "0") == "1"
+GEMV_TMA_MIN_BYTES = 32 << 20
+
+
+def _tma_for(x: torch.Tensor, weight: torch.Tensor):
+    """kernels.triton_gemv_tma when ``GEMV_TMA`` sends this GEMV there (W large enough, ``tma_supported``), else
+    None. Imported at first use: it imports this module (``NormedProjection``)."""
+    if not GEMV_TMA or weight.numel() * weight.element_size() < GEMV_TMA_MIN_BYTES:
+        return None
+    from kernels import triton_gemv_tma
+
+    return triton_gemv_tma if triton_gemv_tma.tma_supported(x, weight) else None
 
 
 def _whole_rows_tile(m: int, k: int, dtype: torch.dtype) -> tuple[int, int] | None:
@@ -250,6 +267,9 @@ def gemv_triton(
     bias = None if bias is None else bias.contiguous()
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
+    overridden = (block_n, block_k, split_k, num_warps, num_stages, use_dot, prefetch) != (None,) * 7
+    if not overridden and (tma := _tma_for(x, weight)):
+        return tma.gemv_tma(x, weight, bias, pdl=bool(pdl))
     cfg = gemv_config(m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
@@ -310,6 +330,8 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     r = x if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
+    if (block_n, block_k, num_warps, prefetch) == (None,) * 4 and (tma := _tma_for(x, weight)):
+        return tma.gemv_norm_tma(x, residual, norm_weight, eps, weight, bias, write_normed, pdl=bool(pdl))
     cfg = gemv_norm_config(m, n, k, x.dtype, sms, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     grid_n = triton.cdiv(n, bn)
