@@ -180,12 +180,12 @@ WHOLE_ROWS_BYTES = 32768  # PDL, M = 1: a program's rows of W up to this size ar
 # Whole-row tiles under PDL: an H100 chain probe favoured them, the H200 did not (B1 on Qwen3-30B-A3B 362.6 tok/s
 # with them, 381.1 with the plain tiles and their first tile loaded early); CONVEYOR_GEMV_WHOLE_ROWS=1 turns them on.
 WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_WHOLE_ROWS", "0") == "1"
-# CONVEYOR_GEMV_TMA=1: single-row 16-bit GEMVs on Hopper+ of a weight of at least GEMV_TMA_MIN_BYTES go to the
-# persistent TMA kernel (kernels/triton_gemv_tma.py) when called without overrides; off by default. Chains of one
+# Single-row 16-bit GEMVs on Hopper+ of a weight of at least GEMV_TMA_MIN_BYTES go to the persistent TMA kernel
+# (kernels/triton_gemv_tma.py) when called without overrides; CONVEYOR_GEMV_TMA=0 keeps them here. Chains of one
 # shape under PDL: the TMA kernel 13-24% faster on an H200 at 50 MB (12352 x 2048) and the lm_head, behind this
-# one at 1-21 MB (2048 x 4096, the routers, 5120 x 2048 with the norm). H100 projection chains (bench/gemv_chain.py):
-# pdl_tma_large 4% faster than the default on Qwen3.5-35B-A3B, even on Qwen3-30B-A3B; TMA for every weight 6-25% slower.
-GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "0") == "1"
+# one at 1-21 MB (2048 x 4096, the routers, 5120 x 2048 with the norm), hence the floor. End to end, H200, B1
+# (results/gemv-tma-ab-h200-1ee1fec.json): Qwen3.5-35B-A3B 382.0 -> 405.6 tok/s, Qwen3-30B-A3B 396.8 -> 401.5.
+GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "1") == "1"
 GEMV_TMA_MIN_BYTES = 32 << 20
 
 

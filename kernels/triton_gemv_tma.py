@@ -13,7 +13,8 @@ NORM (``gemv_norm_tma``): the residual-add RMSNorm inside the K loop, exactly as
 dependent launch (PDL) each program loads its first W tile with plain loads (they do not block) before it waits
 for the kernel before; W is a weight, never written during a step. The host descriptor is rebuilt per call: it
 costs ~1 us of Python, and Triton's launcher encodes the TMA map from it at every launch anyway (a CUDA graph
-keeps the encoded map). Opt in with ``CONVEYOR_GEMV_TMA=1`` (``gemv_triton`` / ``gemv_norm_triton`` dispatch).
+keeps the encoded map). ``gemv_triton`` / ``gemv_norm_triton`` dispatch weights of 32 MiB and more here
+(``CONVEYOR_GEMV_TMA=0``: never).
 """
 
 from __future__ import annotations
