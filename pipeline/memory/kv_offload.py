@@ -75,9 +75,10 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
                         states: Sequence[torch.Tensor] = (), snapshots: Sequence[torch.Tensor] = (),
                         copy_stream: torch.cuda.Stream | None = None) -> None:
     """Runner side, on the step's stream. A block's bytes in a host slot are each paged cache's ``[2, block_size,
-    ...]`` in cache order. Blocks move through device staging buffers of TRANSFER_CHUNK blocks; on CUDA every slot
-    is its own async copy to or from the pinned buffer (no pageable bounce), on ``copy_stream`` when given: the
-    compute stream gathers a save's blocks and goes on, and waits for a load's bytes only before it scatters them.
+    ...]`` in cache order. Blocks move through device staging buffers of TRANSFER_CHUNK blocks; on CUDA each run of
+    consecutive slots is one async copy to or from the pinned buffer (no pageable bounce), on ``copy_stream`` when
+    given: the compute stream gathers a save's blocks and goes on, and waits for a load's bytes only before it
+    scatters them.
     ``states`` and ``snapshots``: each recurrent cache ``[slots, ...]`` and its snapshots ``[snapshots, ...]``."""
     try:
         device = caches[0].device if caches else None
@@ -147,20 +148,31 @@ def _copy_states(transfers: BlockTransfers, states: Sequence[torch.Tensor],
                 state.index_copy_(0, dst, snapshot.index_select(0, src))
 
 
+def _slot_runs(slots: list[int]) -> list[tuple[int, int, int]]:
+    """(first row, first slot, count) for each run of consecutive slots: one copy each, not one per block."""
+    runs: list[tuple[int, int, int]] = []
+    for row, slot in enumerate(slots):
+        if runs and runs[-1][1] + runs[-1][2] == slot:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((row, slot, 1))
+    return runs
+
+
 def _to_slots(host: torch.Tensor, slots: list[int], data: torch.Tensor) -> None:
     if data.device.type != "cuda":
         host[torch.tensor(slots)] = data.cpu()
         return
-    for row, slot in enumerate(slots):
-        host[slot].copy_(data[row], non_blocking=True)
+    for row, slot, count in _slot_runs(slots):
+        host[slot:slot + count].copy_(data[row:row + count], non_blocking=True)
 
 
 def _from_slots(host: torch.Tensor, slots: list[int], device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host[torch.tensor(slots)].to(device)
     data = torch.empty(len(slots), host.shape[1], dtype=host.dtype, device=device)
-    for row, slot in enumerate(slots):
-        data[row].copy_(host[slot], non_blocking=True)
+    for row, slot, count in _slot_runs(slots):
+        data[row:row + count].copy_(host[slot:slot + count], non_blocking=True)
     return data
 
 

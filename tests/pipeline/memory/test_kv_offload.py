@@ -256,3 +256,9 @@ def test_the_host_tier_must_hold_flat_bytes(bad):
     tier = HostKVTier(1024, bad.get("shape", (8,)), bad.get("dtype", torch.uint8))
     with pytest.raises(ValueError):
         KVOffload(tier)
+
+
+def test_slot_runs_cover_each_slot_once_in_order():
+    runs = kv_offload._slot_runs([4, 5, 6, 9, 2, 3, 10])
+    assert runs == [(0, 4, 3), (3, 9, 1), (4, 2, 2), (6, 10, 1)]
+    assert kv_offload._slot_runs([]) == []
