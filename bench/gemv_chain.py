@@ -187,8 +187,12 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also the tile sweep around the default (SWEEP)")
     ap.add_argument("--tma-sweep", action="store_true", help="also the TMA kernel's launch parameters (TMA_SWEEP)")
     ap.add_argument("--variants", nargs="*", default=None, help="only these (default: all of VARIANTS)")
+    ap.add_argument("--tma-min-mib", type=float, default=None,
+                    help="GEMV_TMA_MIN_BYTES for pdl_tma_large and the TMA sweep (default: the shipped floor)")
     a = ap.parse_args()
-    report: dict = {"device": torch.cuda.get_device_name(0), "shapes": {}}
+    if a.tma_min_mib is not None:
+        tg.GEMV_TMA_MIN_BYTES = int(a.tma_min_mib * (1 << 20))
+    report: dict = {"device": torch.cuda.get_device_name(0), "tma_min_bytes": tg.GEMV_TMA_MIN_BYTES, "shapes": {}}
     for shape in a.shape:
         gen = torch.Generator(device="cuda").manual_seed(0)
         calls = build(shape, gen)
