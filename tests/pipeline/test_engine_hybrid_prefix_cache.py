@@ -102,6 +102,7 @@ def test_a_block_aligned_prompt_again_computes_only_its_last_token(hybrid_dir, o
             results.append(await outputs(engine, prompt, greedy()))
             hit = engine.stats()["prefix_cache"]["hit_tokens"] - before
             results.append(await outputs(engine, prompt, sampled(4)))
+            results.append(await outputs(engine, prompt, sampled(5, n=2)))  # siblings compute their own state
             results.append(await outputs(engine, prompt + results[0][0][:4], greedy()))
             await settle(engine)
             assert_no_leaks(engine)

@@ -40,6 +40,7 @@ async def scenario(model_dir, caching: bool, **overrides) -> tuple[list, dict]:
         results.append(await outputs(engine, BASE, sampled(3)))
         results.append(await outputs(engine, BASE + [5], sampled(3, n=3)))  # n > 1 siblings share the hit
         results.append(await outputs(engine, BASE, sampled(3)))  # seeded: the same with a hit
+        results.append(await outputs(engine, BASE[:32], sampled(4, n=3)))  # a whole-prompt hit with siblings
         together = await asyncio.gather(*[outputs(engine, BASE[:20 + 3 * i] + [i] * (i + 1), greedy())
                                           for i in range(6)])
         results.extend(together)
