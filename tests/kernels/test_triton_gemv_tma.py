@@ -136,9 +136,10 @@ def test_dispatch_routes_only_unoverridden_supported_calls(monkeypatch):
     monkeypatch.setattr(triton_gemv_tma, "gemv_tma", fake_gemv)
     monkeypatch.setattr(triton_gemv_tma, "gemv_norm_tma", fake_norm)
     x, w, bias, r, nw = operands(70, 200, device=PLAIN_DEVICE, dtype=PLAIN_DTYPE)
+    monkeypatch.setattr(triton_gemv, "GEMV_TMA", False)  # CONVEYOR_GEMV_TMA=0
     gemv_triton(x, w, bias)
     gemv_norm_triton(x, r, nw, 1e-6, w)
-    assert calls == []  # the flag is off by default
+    assert calls == []
     monkeypatch.setattr(triton_gemv, "GEMV_TMA", True)
     close(gemv_triton(x, w, bias), gemv_ref(x, w, bias))
     close(gemv_norm_triton(x, r, nw, 1e-6, w).y, gemv_norm_ref(x, r, nw, 1e-6, w).y)
@@ -156,8 +157,10 @@ def test_dispatch_routes_only_unoverridden_supported_calls(monkeypatch):
 def test_env_var_is_read_at_import():
     code = "import kernels.triton_gemv as t; print(t.GEMV_TMA)"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for value, expected in (("1", "True"), ("0", "False")):
-        env = {**os.environ, "CONVEYOR_GEMV_TMA": value, "PYTHONPATH": root}
+    for value, expected in ((None, "True"), ("1", "True"), ("0", "False")):  # on by default
+        env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_GEMV_TMA"} | {"PYTHONPATH": root}
+        if value is not None:
+            env["CONVEYOR_GEMV_TMA"] = value
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
         assert out.stdout.strip() == expected
 
