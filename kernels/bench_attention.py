@@ -75,14 +75,14 @@ def bench_decode_attention(
 def bench_prefill_attention(
     num_seqs: int = 4, prompt_len: int = 2048, prefix_len: int = 0, num_heads: int = 32, num_kv_heads: int = 8,
     head_dim: int = 128, block_size: int = 16, dtype: torch.dtype = torch.bfloat16,
-    iters: int = 20, warmup: int = 3, check: bool = True,
+    iters: int = 20, warmup: int = 3, check: bool = True, plan: TritonAttentionPlan | None = None,
 ) -> dict:
     """``num_seqs`` chunks of ``prompt_len`` new tokens after ``prefix_len`` cached ones: time, causal TFLOP/s."""
     seq_len = prefix_len + prompt_len
     query, cache, meta = _random_step([prompt_len] * num_seqs, [seq_len] * num_seqs, num_heads, num_kv_heads,
                                       head_dim, block_size, dtype)
     scale = head_dim**-0.5
-    fn = lambda: paged_prefill_attention_triton(query, cache, meta, scale)  # noqa: E731
+    fn = lambda: paged_prefill_attention_triton(query, cache, meta, scale, plan)  # noqa: E731
     err = _max_err(fn(), query, cache, meta, scale) if check else float("nan")
     ms = cuda_time_ms(fn, iters, warmup)
     keys_attended = num_seqs * sum(prefix_len + t + 1 for t in range(prompt_len))

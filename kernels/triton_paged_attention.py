@@ -41,6 +41,8 @@ class TritonAttentionPlan:
     prefill_block_m: int | None = None  # rows (tokens x group heads) per prefill tile
     prefill_block_n: int | None = None  # keys per prefill tile
     prefill_splits: int | None = None  # prefill KV partitions per tile (1: none)
+    prefill_warps: int | None = None  # warps per prefill program
+    prefill_stages: int | None = None  # software-pipeline stages of the prefill key loop
 
 
 def block_pow2(n: int, least: int = 16) -> int:
@@ -233,7 +235,7 @@ def prefill_tile_sizes(head_dim: int, group: int, plan: TritonAttentionPlan | No
     d_pad = block_pow2(head_dim)
     block_m = (plan and plan.prefill_block_m) or (128 if d_pad <= 128 else 64)
     block_n = (plan and plan.prefill_block_n) or (64 if d_pad <= 128 else 32)
-    warps = 4 if d_pad <= 64 else 8
+    warps = (plan and plan.prefill_warps) or (4 if d_pad <= 64 else 8)
     return max(block_pow2(block_m), block_pow2(group)), block_pow2(block_n), warps  # powers of two, >= 16 for tl.dot
 
 
@@ -265,7 +267,7 @@ def paged_prefill_attention_triton(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_FP32=fp32, PRECISION=precision, SPLIT=splits > 1,
-        num_warps=warps, num_stages=3 if d <= 128 else 2,
+        num_warps=warps, num_stages=(plan and plan.prefill_stages) or (3 if d <= 128 else 2),
     )
     if splits > 1:
         s_pad = block_pow2(max(splits, PREFILL_MAX_SPLITS), 2)  # one compiled variant whatever the count
