@@ -1,6 +1,7 @@
 """Launch choices of the Triton prefill attention at one long-context shape; JSON out.
 
     python3 bench/prefill_attention_sweep.py --out $OUT/prefill_sweep.json [--prompt 1600 --prefix 30336]
+    python3 bench/prefill_attention_sweep.py --compare --out $OUT/prefill_compare.json
 
 Default shape: the last turn of ``bench/prefix_cache.py``'s conversation on the Qwen3-8B shape (1,600 new tokens after
 30,336 cached, 32 query heads over 8 KV heads of 128, blocks of 16). Each variant is a ``TritonAttentionPlan``
@@ -27,6 +28,35 @@ VARIANTS = [(None, None, None, None, None), (128, 64, 8, 3, 2), (128, 64, 8, 3, 
             (64, 64, 4, 3, 3), (128, 32, 4, 3, 1), (256, 64, 8, 3, 1)]
 
 
+# --compare: the default against the one before it (64 keys a tile, no split once the tiles fill the GPU) at
+# (new tokens, cached tokens): the conversation's first and last turns, an 8k prompt, its last block after 8k cached
+COMPARE = [(1600, 30336), (1536, 0), (8192, 0), (16, 8176), (4096, 4096)]
+
+
+def before_default(prompt: int, prefix: int, heads: int, kv_heads: int) -> TritonAttentionPlan:
+    """The launch choices before 128-key tiles and wave splits."""
+    from kernels.triton_paged_attention import PREFILL_MAX_SPLITS, PREFILL_SPLIT_KEYS
+
+    programs = (prompt // (128 // (heads // kv_heads)) + 1) * kv_heads
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = 1 if programs >= sms else max(1, min(-(-2 * sms // programs), (prompt + prefix) // PREFILL_SPLIT_KEYS,
+                                                  PREFILL_MAX_SPLITS))
+    return TritonAttentionPlan(prefill_block_m=128, prefill_block_n=64, prefill_warps=8, prefill_stages=3,
+                               prefill_splits=splits)
+
+
+def compare(a: argparse.Namespace) -> list[dict]:
+    rows = []
+    for prompt, prefix in COMPARE:
+        for name, plan in (("before", before_default(prompt, prefix, a.heads, a.kv_heads)), ("default", None)):
+            r = bench_prefill_attention(1, prompt, prefix, a.heads, a.kv_heads, a.head_dim, plan=plan)
+            r["variant"] = name
+            rows.append(r)
+            print(prompt, prefix, name, round(r["time_ms"], 3), "ms", round(r["tflops"], 1), "TFLOP/s",
+                  r["max_abs_err"], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--prompt", type=int, default=1600)
@@ -35,9 +65,10 @@ def main() -> None:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "/tmp"), "prefill_sweep.json"))
+    ap.add_argument("--compare", action="store_true", help="the default against the one before it (COMPARE)")
     a = ap.parse_args()
-    rows = []
-    for bm, bn, warps, stages, splits in VARIANTS:
+    rows = compare(a) if a.compare else []
+    for bm, bn, warps, stages, splits in () if a.compare else VARIANTS:
         plan = TritonAttentionPlan(prefill_block_m=bm, prefill_block_n=bn, prefill_warps=warps,
                                    prefill_stages=stages, prefill_splits=splits)
         try:

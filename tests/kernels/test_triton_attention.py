@@ -84,7 +84,10 @@ def test_prefill_num_splits():
 
     assert prefill_num_splits(8, 8192, 132) == 8  # 16 tokens after an 8k prefix: 8 keys-splits of 1,024
     assert prefill_num_splits(8, 40960, 132) == PREFILL_MAX_SPLITS
-    assert prefill_num_splits(132, 40960, 132) == 1  # the tiles fill the GPU
+    assert prefill_num_splits(132, 40960, 132) == 1  # the tiles fill the GPU in one wave
+    assert prefill_num_splits(408, 31936, 132) == 4  # 3.09 waves: 4 of them unsplit, 3.25 split in 4
+    assert prefill_num_splits(2056, 8192, 132) == 1  # 15.6 waves: splitting evens out nothing
+    assert prefill_num_splits(408, 1600, 132) == 1  # a short context is not split
     assert prefill_num_splits(8, 900, 132) == 1  # short contexts: no split under PREFILL_SPLIT_KEYS
 
 
