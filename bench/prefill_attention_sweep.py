@@ -33,22 +33,24 @@ VARIANTS = [(None, None, None, None, None), (128, 64, 8, 3, 2), (128, 64, 8, 3, 
 COMPARE = [(1600, 30336), (1536, 0), (8192, 0), (16, 8176), (4096, 4096)]
 
 
-def before_default(prompt: int, prefix: int, heads: int, kv_heads: int) -> TritonAttentionPlan:
-    """The launch choices before 128-key tiles and wave splits."""
+def before_default(prompt: int, prefix: int, heads: int, kv_heads: int, head_dim: int) -> TritonAttentionPlan:
+    """The launch choices before 128-key tiles and wave splits (16-bit: 128 x 64, 64 x 32 for head_dim 256)."""
     from kernels.triton_paged_attention import PREFILL_MAX_SPLITS, PREFILL_SPLIT_KEYS
 
-    programs = (prompt // (128 // (heads // kv_heads)) + 1) * kv_heads
+    block_m, block_n, stages = (128, 64, 3) if head_dim <= 128 else (64, 32, 2)
+    programs = (prompt // max(1, block_m // (heads // kv_heads)) + 1) * kv_heads
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     splits = 1 if programs >= sms else max(1, min(-(-2 * sms // programs), (prompt + prefix) // PREFILL_SPLIT_KEYS,
                                                   PREFILL_MAX_SPLITS))
-    return TritonAttentionPlan(prefill_block_m=128, prefill_block_n=64, prefill_warps=8, prefill_stages=3,
-                               prefill_splits=splits)
+    return TritonAttentionPlan(prefill_block_m=block_m, prefill_block_n=block_n, prefill_warps=8,
+                               prefill_stages=stages, prefill_splits=splits)
 
 
 def compare(a: argparse.Namespace) -> list[dict]:
     rows = []
     for prompt, prefix in COMPARE:
-        for name, plan in (("before", before_default(prompt, prefix, a.heads, a.kv_heads)), ("default", None)):
+        before = before_default(prompt, prefix, a.heads, a.kv_heads, a.head_dim)
+        for name, plan in (("before", before), ("default", None)):
             r = bench_prefill_attention(1, prompt, prefix, a.heads, a.kv_heads, a.head_dim, plan=plan)
             r["variant"] = name
             rows.append(r)

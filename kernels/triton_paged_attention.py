@@ -230,13 +230,16 @@ def check_query(query: torch.Tensor, kv_cache_layer: torch.Tensor) -> tuple[torc
     return query, kvh, query.shape[1] // kvh, d
 
 
-def prefill_tile_sizes(head_dim: int, group: int, plan: TritonAttentionPlan | None = None) -> tuple[int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, num_warps): 128x128 up to head_dim 128 (on an H100, 1,600 tokens after 30k
-    cached: 2.77 ms a layer against 3.29 with 64 keys, results/prefill-attention-sweep-h100.json), 64x32 for 256
-    (registers)."""
+def prefill_tile_sizes(head_dim: int, group: int, plan: TritonAttentionPlan | None = None,
+                       fp32: bool = False) -> tuple[int, int, int]:
+    """(BLOCK_M rows, BLOCK_N keys, num_warps). 16-bit: 128 x 128 up to head_dim 128, 128 x 64 for 256; on an H100
+    1,600 tokens after 30k cached took 2.28 ms a layer against 3.28 with 128 x 64 (32 heads of 128, with the wave
+    splits below), and 2.62 against 6.17 with 64 x 32 (16 heads of 256; results/prefill-attention-compare-h100-*.json).
+    fp32 tiles take twice the shared memory: 128 x 64, and 64 x 32 for 256."""
     d_pad = block_pow2(head_dim)
-    block_m = (plan and plan.prefill_block_m) or (128 if d_pad <= 128 else 64)
-    block_n = (plan and plan.prefill_block_n) or (128 if d_pad <= 128 else 32)
+    small = 64 if fp32 else 128
+    block_m = (plan and plan.prefill_block_m) or (128 if d_pad <= 128 or not fp32 else 64)
+    block_n = (plan and plan.prefill_block_n) or (small if d_pad <= 128 else small // 2)
     warps = (plan and plan.prefill_warps) or (4 if d_pad <= 64 else 8)
     return max(block_pow2(block_m), block_pow2(group)), block_pow2(block_n), warps  # powers of two, >= 16 for tl.dot
 
@@ -252,10 +255,10 @@ def paged_prefill_attention_triton(
     query, kvh, group, d = check_query(query, kv_cache_layer)
     plan = plan if isinstance(plan, TritonAttentionPlan) else None
     T, B = query.shape[0], meta.num_seqs
-    block_m, block_n, warps = prefill_tile_sizes(d, group, plan)
+    fp32, precision = dtype_choices(kv_cache_layer)
+    block_m, block_n, warps = prefill_tile_sizes(d, group, plan, fp32)
     block_q = block_m // group
     out = torch.empty_like(query)
-    fp32, precision = dtype_choices(kv_cache_layer)
     k, v = kv_cache_layer[0], kv_cache_layer[1]
     tiles, d_pad = T // block_q + B, block_pow2(d)
     splits = (plan and plan.prefill_splits) or prefill_num_splits(tiles * kvh, meta.max_seq_len,
@@ -269,7 +272,7 @@ def paged_prefill_attention_triton(
         out.stride(0), out.stride(1),
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_FP32=fp32, PRECISION=precision, SPLIT=splits > 1,
-        num_warps=warps, num_stages=(plan and plan.prefill_stages) or (3 if d <= 128 else 2),
+        num_warps=warps, num_stages=(plan and plan.prefill_stages) or (3 if d <= 128 or not fp32 else 2),
     )
     if splits > 1:
         s_pad = block_pow2(max(splits, PREFILL_MAX_SPLITS), 2)  # one compiled variant whatever the count
