@@ -237,9 +237,10 @@ def prefill_tile_sizes(head_dim: int, group: int, plan: TritonAttentionPlan | No
     splits below), and 2.62 against 6.17 with 64 x 32 (16 heads of 256; results/prefill-attention-compare-h100-*.json).
     fp32 tiles take twice the shared memory: 128 x 64, and 64 x 32 for 256."""
     d_pad = block_pow2(head_dim)
-    small = 64 if fp32 else 128
-    block_m = (plan and plan.prefill_block_m) or (128 if d_pad <= 128 or not fp32 else 64)
-    block_n = (plan and plan.prefill_block_n) or (small if d_pad <= 128 else small // 2)
+    default_m, default_n = {(False, True): (128, 128), (False, False): (128, 64),
+                            (True, True): (128, 64), (True, False): (64, 32)}[(fp32, d_pad <= 128)]
+    block_m = (plan and plan.prefill_block_m) or default_m
+    block_n = (plan and plan.prefill_block_n) or default_n
     warps = (plan and plan.prefill_warps) or (4 if d_pad <= 64 else 8)
     return max(block_pow2(block_m), block_pow2(group)), block_pow2(block_n), warps  # powers of two, >= 16 for tl.dot
 

@@ -97,6 +97,13 @@ class EngineStatsCollector(Collector):
         family.add_metric([self._model], value)
         return family
 
+    def _by_label(self, family: type, name: str, doc: str, label: str, values: Mapping[str, float]) -> Metric:
+        """One family of a value per ``label`` value (tiers, directions)."""
+        metric = family(f"conveyor_{name}", doc, labels=["model_name", label])
+        for key, value in values.items():
+            metric.add_metric([self._model, key], value)
+        return metric
+
     def _families(self, stats: Mapping[str, Any]) -> Iterable[Metric]:
         kv = stats["kv_blocks"]
         yield self._gauge("num_requests_running", "Sequences in the decode batch.", stats["running"])
@@ -132,27 +139,19 @@ class EngineStatsCollector(Collector):
         """The KV tiers: blocks held a tier, blocks and bytes moved each way, corrupt disk files."""
         if not offload.get("enabled"):
             return
-        held = GaugeMetricFamily("conveyor_kv_offload_blocks", "Cached KV blocks held in a lower tier.",
-                                 labels=["model_name", "tier"])
-        for tier, snap in offload["tiers"].items():
-            held.add_metric([self._model, tier], snap["blocks"])
-        yield held
-        moved = CounterMetricFamily("conveyor_kv_offload_bytes", "KV bytes copied between device and host.",
-                                    labels=["model_name", "direction"])
-        moved.add_metric([self._model, "to_host"], offload["bytes_to_host"])
-        moved.add_metric([self._model, "to_device"], offload["bytes_to_device"])
-        yield moved
+        yield self._by_label(GaugeMetricFamily, "kv_offload_blocks", "Cached KV blocks held in a lower tier.", "tier",
+                             {tier: snap["blocks"] for tier, snap in offload["tiers"].items()})
+        yield self._by_label(CounterMetricFamily, "kv_offload_bytes", "KV bytes copied between device and host.",
+                             "direction", {"to_host": offload["bytes_to_host"],
+                                           "to_device": offload["bytes_to_device"]})
         yield self._counter("kv_offload_saved_blocks", "Evicted cached blocks copied to the host tier.",
                             offload["saved_blocks"])
         yield self._counter("kv_offload_restored_blocks", "Cached blocks copied back to the device.",
                             offload["restored_blocks"])
         yield self._counter("kv_offload_disk_restored_blocks", "Of those, read from the disk tier.",
                             offload["disk_restored_blocks"])
-        swaps = CounterMetricFamily("conveyor_kv_offload_swaps", "Preempted sequences swapped to host and back.",
-                                    labels=["model_name", "direction"])
-        swaps.add_metric([self._model, "out"], offload["swapped_out"])
-        swaps.add_metric([self._model, "in"], offload["swapped_in"])
-        yield swaps
+        yield self._by_label(CounterMetricFamily, "kv_offload_swaps", "Preempted sequences swapped to host and back.",
+                             "direction", {"out": offload["swapped_out"], "in": offload["swapped_in"]})
         yield self._counter("kv_offload_dropped_blocks", "Evicted cached blocks not saved (host slots busy).",
                             offload["dropped_blocks"])
         if "disk" in offload["tiers"]:

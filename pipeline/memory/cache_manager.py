@@ -104,14 +104,14 @@ class CacheManager:
         size = self._pool.block_size
         tokens = seq.token_ids
         limit = (len(tokens) - 1) // size
-        keys = extend_block_hashes(seq.block_keys, tokens, size, limit, seq.request.params.cache_salt)
+        whole = len(tokens) % size == 0  # the prompt's last block is full: a whole-prompt hit needs its copy
+        keys = extend_block_hashes(seq.block_keys, tokens, size, limit + whole, seq.request.params.cache_salt)
         run = self._pool.lookup(islice(keys, limit))
         swapped = self._swap_in(seq, keys[:limit], run) if seq.preemptions and self.offload is not None else None
-        whole = len(tokens) % size == 0  # the prompt's last block is full: a whole-prompt hit needs its copy
         if swapped is not None:
             blocks, computed = swapped
         elif self.snapshots is not None:
-            taken = self._take_whole_prompt(seq, keys[:limit], run) if whole else None
+            taken = self._take_whole_prompt(seq, keys[:limit + 1], run) if whole else None
             if taken is None and whole:
                 run = self._pool.lookup(keys[:limit])  # it may have restored some
             blocks = taken if taken is not None else self._take_to_snapshot(seq, keys[:limit], run)
@@ -121,7 +121,7 @@ class CacheManager:
             if self.offload is not None and len(blocks) < limit:
                 blocks += self._restore(keys[len(blocks):limit])
             computed = len(blocks) * size
-            if whole and len(blocks) == limit and (last := self._copy_last_block(self._last_key(seq))) is not None:
+            if whole and len(blocks) == limit and (last := self._copy_last_block(keys[limit])) is not None:
                 blocks.append(last)
                 computed = len(tokens) - 1
         if not blocks:
@@ -131,17 +131,13 @@ class CacheManager:
         seq.num_computed = computed
         return seq.num_computed
 
-    def _last_key(self, seq: Sequence) -> bytes:
-        """The key of the block a block-aligned prompt ends with."""
-        size, tokens = self._pool.block_size, seq.token_ids
-        full = len(tokens) // size
-        return extend_block_hashes(seq.block_keys, tokens, size, full, seq.request.params.cache_salt)[full - 1]
-
     def _take_whole_prompt(self, seq: Sequence, keys: list[bytes], run: list[int]) -> list[int] | None:
-        """Hybrid models: a block-aligned prompt cached whole (device or tiers), with the snapshot of its state one
-        token before its end (``snapshot_after_chunk`` takes it): its blocks, a copy of its last block, that snapshot
-        pinned; only the last token is computed, and the state advances over it once. None otherwise."""
+        """Hybrid models: a block-aligned prompt (``keys``: its every block's) cached whole (device or tiers), with
+        the snapshot of its state one token before its end (``snapshot_after_chunk`` takes it): its blocks, a copy
+        of its last block, that snapshot pinned; only the last token is computed, and the state advances over it
+        once. None otherwise."""
         size, tokens = self._pool.block_size, seq.token_ids
+        keys, last_key = keys[:-1], keys[-1]
         key = self._tail_key(seq, keys, tokens[len(keys) * size:-1])
         if key is None or key not in self.snapshots:
             return None
@@ -151,7 +147,7 @@ class CacheManager:
         blocks = self._pool.acquire(run)
         if len(blocks) < len(keys):
             blocks += self._restore(keys[len(blocks):])
-        last = self._copy_last_block(self._last_key(seq)) if len(blocks) == len(keys) else None
+        last = self._copy_last_block(last_key) if len(blocks) == len(keys) else None
         if last is None:  # restored blocks stay cached, their copies queued
             self._pool.free(blocks[::-1])
             return None
