@@ -139,8 +139,8 @@ class EngineStatsCollector(Collector):
         """The KV tiers: blocks held a tier, blocks and bytes moved each way, corrupt disk files."""
         if not offload.get("enabled"):
             return
-        yield self._by_label(GaugeMetricFamily, "kv_offload_blocks", "Cached KV blocks held in a lower tier.", "tier",
-                             {tier: snap["blocks"] for tier, snap in offload["tiers"].items()})
+        yield self._by_label(GaugeMetricFamily, "kv_offload_blocks", "Cached KV blocks held in a lower tier.",
+                             "tier", {tier: snap["blocks"] for tier, snap in offload["tiers"].items()})
         yield self._by_label(CounterMetricFamily, "kv_offload_bytes", "KV bytes copied between device and host.",
                              "direction", {"to_host": offload["bytes_to_host"],
                                            "to_device": offload["bytes_to_device"]})
@@ -150,8 +150,9 @@ class EngineStatsCollector(Collector):
                             offload["restored_blocks"])
         yield self._counter("kv_offload_disk_restored_blocks", "Of those, read from the disk tier.",
                             offload["disk_restored_blocks"])
-        yield self._by_label(CounterMetricFamily, "kv_offload_swaps", "Preempted sequences swapped to host and back.",
-                             "direction", {"out": offload["swapped_out"], "in": offload["swapped_in"]})
+        yield self._by_label(CounterMetricFamily, "kv_offload_swaps",
+                             "Preempted sequences swapped to host and back.", "direction",
+                             {"out": offload["swapped_out"], "in": offload["swapped_in"]})
         yield self._counter("kv_offload_dropped_blocks", "Evicted cached blocks not saved (host slots busy).",
                             offload["dropped_blocks"])
         if "disk" in offload["tiers"]:
