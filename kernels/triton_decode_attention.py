@@ -7,48 +7,21 @@ each part writes a normalized partial output and its log-sum-exp, and a small re
 ``decode_num_splits`` picks the count from the batch shape; with one split the kernel writes the output directly
 and no reduce runs. The key tile step, the output gate and the plan are
 shared with the prefill kernel (``kernels/triton_paged_attention.py``).
-
-With a ``DecodePrologue`` the kernel also does the qkv prologue's work (``kernels/triton_qkv_prologue.py``: q/k
-norm, rope, the KV write), one kernel boundary fewer a layer at batch 1: every program norms and rotates its query
-heads from the raw projection, and the program whose split holds the step's own position does the same for that
-key, writes key and value to the cache and uses them. No other program reads that position.
-``CONVEYOR_DECODE_PROLOGUE=0`` keeps the prologue kernel (measurements in bench/README.md).
 """
 
 from __future__ import annotations
-
-import os
-from dataclasses import dataclass
 
 import torch
 
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
-from kernels.triton_qkv_prologue import check_prologue, normed_rotated
 from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
                                             dtype_choices, num_sms_of, output_gate, split_reduce_kernel)
 
 MIN_SPLIT_TOKENS = 256  # a decode split below this many keys costs more in partial writes + reduce than it saves
 MAX_SPLITS = 128  # H200, Qwen3.5-35B-A3B B1 after 32k tokens: 333.4 tok/s with 64, 350.9 with 128 (2 KV heads)
 WAVES = 2  # decode aims at this many programs per SM
-FUSED_PROLOGUE = os.environ.get("CONVEYOR_DECODE_PROLOGUE", "1") != "0"
-
-
-@dataclass(slots=True)
-class DecodePrologue:
-    """The qkv prologue's operands (``qkv_prologue_ref``'s contract) for the decode kernel to apply itself; the
-    query goes in raw."""
-
-    k: torch.Tensor  # [B, KVH, D], raw (last dim contiguous)
-    v: torch.Tensor  # [B, KVH, D]
-    q_norm: torch.Tensor | None  # [D] per-head RMSNorm weights, or None (no norm)
-    k_norm: torch.Tensor | None
-    eps: float
-    cos: torch.Tensor  # [B, 1, R]
-    sin: torch.Tensor
-    is_neox_style: bool
-    slot_mapping: torch.Tensor  # [B]; < 0: no KV write (padding rows)
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -62,15 +35,12 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 @_jit(do_not_specialize=['num_splits', 'stride_bt'])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr, gate_ptr,
-    kr_ptr, vr_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, slot_ptr, half, eps,
     qk_scale, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh, stride_gb, stride_gh,
-    stride_krb, stride_krh, stride_vrb, stride_vrh, stride_csb, stride_css,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True, PROLOGUE: tl.constexpr = False, HAS_NORM: tl.constexpr = False,
-    IS_NEOX: tl.constexpr = True,
+    EARLY: tl.constexpr = True,
 ):
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
@@ -105,28 +75,9 @@ def _decode_split_kernel(
     if EARLY:
         pdl_wait(PDL)
     new = (offs_n == seq_len - 1)[:, None] & dim_ok[None, :]  # the step's own key, if it falls in this tile
-    q_rows = q_ptr + b * stride_qb + heads[:, None] * stride_qh
-    if PROLOGUE:  # the prologue's work (module docstring); rounded as its kernel rounds
-        act = q_ptr.dtype.element_ty
-        cs, sn = cos_ptr + b * stride_csb, sin_ptr + b * stride_csb
-        q = normed_rotated(q_rows, qw_ptr, cs, sn, stride_css, dims[None, :], row_ok[:, None], half, eps, HEAD_DIM,
-                           HAS_NORM, IS_NEOX, 1, act)
-        k_new = normed_rotated(kr_ptr + b * stride_krb + kvh * stride_krh, kw_ptr, cs, sn, stride_css, dims,
-                               dims >= 0, half, eps, HEAD_DIM, HAS_NORM, IS_NEOX, 0, act).to(k_ptr.dtype.element_ty)
-        v_new = tl.load(vr_ptr + b * stride_vrb + kvh * stride_vrh + dims, mask=dim_ok, other=0.0)
-        v_new = v_new.to(v_ptr.dtype.element_ty)
-        slot = tl.load(slot_ptr + b).to(tl.int64)
-        if (start <= seq_len - 1) & (seq_len - 1 < end) & (slot >= 0):  # this split holds the step's position
-            dst = (slot // BLOCK_SIZE) * stride_kb + (slot % BLOCK_SIZE) * stride_kt + dims
-            tl.store(k_base + dst, k_new, mask=dim_ok)
-            tl.store(v_base + dst, v_new, mask=dim_ok)
-        tl.debug_barrier()  # the stores are visible to this program's later key tiles
-        k = tl.where(new, k_new[None, :], k)
-        v = tl.where(new, v_new[None, :], v)
-    else:
-        k = tl.where(new, tl.load(k_base + kv_off, mask=new, other=0.0), k)
-        v = tl.where(new, tl.load(v_base + kv_off, mask=new, other=0.0), v)
-        q = tl.load(q_rows + dims[None, :], mask=q_mask, other=0.0)
+    k = tl.where(new, tl.load(k_base + kv_off, mask=new, other=0.0), k)
+    v = tl.where(new, tl.load(v_base + kv_off, mask=new, other=0.0), v)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -164,26 +115,6 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
 
 
-@dataclass(slots=True)
-class _PrologueArgs:
-    pointers: tuple  # raw k, raw v, q/k norm weights, cos, sin, slots, rotary half, eps
-    strides: tuple  # raw k (row, head), raw v (row, head), cos/sin (row, dim)
-    has_norm: bool
-    is_neox: bool
-
-
-def _prologue_args(query: torch.Tensor, kv_cache_layer: torch.Tensor, p: DecodePrologue | None) -> _PrologueArgs:
-    """The kernel's prologue operands (the query itself where it has none: never read)."""
-    if p is None:
-        return _PrologueArgs((query,) * 7 + (0, 0.0), (0,) * 6, False, True)
-    rot = check_prologue(query, p.k, p.v, p.q_norm, p.k_norm, p.cos, p.sin, kv_cache_layer, p.slot_mapping)
-    has_norm = p.q_norm is not None
-    pointers = (p.k, p.v, p.q_norm if has_norm else query, p.k_norm if has_norm else query, p.cos, p.sin,
-                p.slot_mapping, rot // 2, p.eps)
-    strides = (p.k.stride(0), p.k.stride(1), p.v.stride(0), p.v.stride(1), p.cos.stride(0), p.cos.stride(-1))
-    return _PrologueArgs(pointers, strides, has_norm, p.is_neox_style)
-
-
 def paged_decode_attention_triton(
     query: torch.Tensor,  # [B, H, D], one new token per sequence
     kv_cache_layer: torch.Tensor,  # [2, NB, BS, KVH, D]
@@ -191,11 +122,9 @@ def paged_decode_attention_triton(
     scale: float,
     plan: TritonAttentionPlan | None = None,
     gate: torch.Tensor | None = None,  # [B, H, D], last dim contiguous
-    prologue: DecodePrologue | None = None,
 ) -> torch.Tensor:  # [B, H, D]
     """Decode-only batch, split-KV (flash-decoding) with a reduce kernel when there is more than one split.
-    ``gate``: the output is ``out * sigmoid(gate)`` (``output_gate``), applied where the output is stored.
-    ``prologue``: ``query`` is raw and the kernel does the qkv prologue too (module docstring)."""
+    ``gate``: the output is ``out * sigmoid(gate)`` (``output_gate``), applied where the output is stored."""
     query, kvh, group, d = check_query(query, kv_cache_layer)
     if gate is not None and (gate.shape != query.shape or gate.stride(-1) != 1):
         raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
@@ -211,15 +140,13 @@ def paged_decode_attention_triton(
     fp32, precision = dtype_choices(kv_cache_layer)
     k, v = kv_cache_layer[0], kv_cache_layer[1]
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
-    pro = _prologue_args(query, kv_cache_layer, prologue)
     _decode_split_kernel[(B, kvh, splits)](
-        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, g, *pro.pointers, scale * LOG2E,
-        splits, query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
-        out.stride(0), out.stride(1), *g_strides, *pro.strides,
+        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, g, scale * LOG2E, splits,
+        query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
+        out.stride(0), out.stride(1), *g_strides,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2, EARLY=EARLY_LOADS, PROLOGUE=prologue is not None, HAS_NORM=pro.has_norm,
-        IS_NEOX=pro.is_neox, **pdl_launch(query),
+        num_stages=2, EARLY=EARLY_LOADS, **pdl_launch(query),
     )
     if not direct:
         split_reduce_kernel[(B, H)](

@@ -31,49 +31,6 @@ def qkv_prologue_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
     write_kv_padded_ref(k, v, kv_cache_layer, slot_mapping)
 
 
-def check_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
-                   k_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, kv_cache_layer: torch.Tensor,
-                   slot_mapping: torch.Tensor) -> int:
-    """Shape checks shared with the decode attention's fused form; returns the rotary dims."""
-    t, _, d = q.shape
-    n_k = k.shape[1]
-    rot = cos.shape[-1]
-    if (q_norm is None) != (k_norm is None):
-        raise ValueError("q and k are normed together or not at all")
-    if k.shape != (t, n_k, d) or v.shape != k.shape or slot_mapping.shape != (t,):
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
-    if rot % 2 or rot > d or cos.shape != sin.shape or cos.shape[0] != t:
-        raise ValueError(f"bad cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
-    if min(q.stride(-1), k.stride(-1), v.stride(-1)) != 1 or max(q.stride(-1), k.stride(-1), v.stride(-1)) != 1:
-        raise ValueError("q, k and v must be contiguous in their last dim")
-    if kv_cache_layer.shape[-2:] != (n_k, d):
-        raise ValueError(f"cache {tuple(kv_cache_layer.shape)} does not hold [{n_k}, {d}] heads")
-    return rot
-
-
-@_jit
-def normed_rotated(base, w_ptr, cos_ptr, sin_ptr, cs_s1, dims, row_ok, half, eps, HEAD_DIM: tl.constexpr,
-                   HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, AXIS: tl.constexpr, OUT_TY: tl.constexpr):
-    """What the prologue kernel stores for head rows at ``base`` (row pointers broadcast against ``dims``, the
-    head dims along ``AXIS``), rounded as it rounds: each element and its rotation partner are normed, rounded to
-    ``OUT_TY``, rotated in float32 and rounded once; dims past the rotary ones are only normed."""
-    rot = dims < 2 * half
-    if IS_NEOX:
-        partner = tl.where(dims < half, dims + half, dims - half)
-    else:
-        partner = dims ^ 1
-    d_ok = dims < HEAD_DIM
-    x = tl.load(base + dims, mask=row_ok & d_ok, other=0.0).to(tl.float32)
-    xp = tl.load(base + partner, mask=row_ok & rot, other=0.0).to(tl.float32)
-    if HAS_NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=AXIS, keep_dims=True) / HEAD_DIM + eps)
-        x = (x * rstd * tl.load(w_ptr + dims, mask=d_ok, other=0.0).to(tl.float32)).to(OUT_TY).to(tl.float32)
-        xp = (xp * rstd * tl.load(w_ptr + partner, mask=rot, other=0.0).to(tl.float32)).to(OUT_TY).to(tl.float32)
-    c = tl.load(cos_ptr + dims * cs_s1, mask=rot, other=0.0).to(tl.float32)
-    s = tl.load(sin_ptr + dims * cs_s1, mask=rot, other=0.0).to(tl.float32)
-    return tl.where(rot, x * c + xp * s, x).to(OUT_TY)
-
-
 @_jit
 def _prologue_kernel(
     q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
@@ -135,7 +92,17 @@ def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
     fused qkv output are fine), cos/sin [T, 1, R], cache [2, NB, BS, KVH, D], slots [T] (< 0: skip)."""
     t, n_q, d = q.shape
     n_k = k.shape[1]
-    rot = check_prologue(q, k, v, q_norm, k_norm, cos, sin, kv_cache_layer, slot_mapping)
+    rot = cos.shape[-1]
+    if (q_norm is None) != (k_norm is None):
+        raise ValueError("q and k are normed together or not at all")
+    if k.shape != (t, n_k, d) or v.shape != k.shape or slot_mapping.shape != (t,):
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
+    if rot % 2 or rot > d or cos.shape != sin.shape or cos.shape[0] != t:
+        raise ValueError(f"bad cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
+    if min(q.stride(-1), k.stride(-1), v.stride(-1)) != 1 or max(q.stride(-1), k.stride(-1), v.stride(-1)) != 1:
+        raise ValueError("q, k and v must be contiguous in their last dim")
+    if kv_cache_layer.shape[-2:] != (n_k, d):
+        raise ValueError(f"cache {tuple(kv_cache_layer.shape)} does not hold [{n_k}, {d}] heads")
     if t == 0:
         return
     _, nb, bs, _, _ = kv_cache_layer.shape

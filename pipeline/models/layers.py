@@ -13,7 +13,6 @@ from kernels import dispatch
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.triton_norm import rms_norm_ref
-from kernels.triton_decode_attention import FUSED_PROLOGUE, DecodePrologue
 from kernels.triton_paged_attention import paged_attention_triton
 from pipeline.models.forward_context import ForwardContext
 from pipeline.models.rope import apply_rotary_emb_
@@ -271,13 +270,9 @@ class PagedAttention(nn.Module):
             v = qkv[:, qk_end:v_end].view(T, KVH, D)
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            dispatch.qkv_prologue(q, k, v, *norms, cos, sin, self.is_neox_style, kv_cache, meta.slot_mapping)
             gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
-            if meta.is_decode_only and FUSED_PROLOGUE:  # the decode kernel norms, rotates and writes the KV itself
-                prologue = DecodePrologue(k, v, *norms, cos, sin, self.is_neox_style, meta.slot_mapping)
-                out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate, prologue)
-            else:
-                dispatch.qkv_prologue(q, k, v, *norms, cos, sin, self.is_neox_style, kv_cache, meta.slot_mapping)
-                out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
+            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
             return self.o_proj(out.reshape(T, self.q_size))
         rotate = _rotate_ref
         if self.q_norm is None:
