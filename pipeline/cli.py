@@ -51,6 +51,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="hybrid models: device memory for recurrent-state snapshots (where prefixes resume)")
     parser.add_argument("--state-snapshot-interval", type=int, default=defaults.state_snapshot_interval,
                         help="hybrid models: tokens between state snapshots inside a long prompt")
+    parser.add_argument("--state-snapshot-host-gib", type=float, default=None,
+                        help="hybrid models: the part of --kv-offload-host-gib holding the state snapshots the device "
+                             "evicts (default: a quarter of it)")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
@@ -81,6 +84,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_offload_host_gib=args.kv_offload_host_gib, kv_offload_dir=args.kv_offload_dir,
                         kv_offload_disk_gib=args.kv_offload_disk_gib, state_snapshot_gib=args.state_snapshot_gib,
                         state_snapshot_interval=args.state_snapshot_interval,
+                        state_snapshot_host_gib=args.state_snapshot_host_gib,
                         gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))

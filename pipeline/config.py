@@ -39,6 +39,9 @@ class EngineConfig:
     kv_offload_disk_gib: float = 0.0  # disk space for them under kv_offload_dir
     state_snapshot_gib: float = 4.0  # hybrid models: device memory for recurrent-state snapshots (prefix caching)
     state_snapshot_interval: int = 4096  # hybrid models: tokens between snapshots inside a long prompt
+    # hybrid models with a host tier: the part of kv_offload_host_gib that holds the snapshots the device evicts
+    # (None: a quarter of it; pipeline/memory/snapshot_tiers.py)
+    state_snapshot_host_gib: float | None = None
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
@@ -80,6 +83,9 @@ class EngineConfig:
             raise ValueError("kv_offload_host_gib and kv_offload_disk_gib must be >= 0")
         if (self.kv_offload_dir is None) != (self.kv_offload_disk_gib == 0):
             raise ValueError("the disk tier needs both kv_offload_dir and kv_offload_disk_gib")
+        share = self.state_snapshot_host_gib
+        if share is not None and not 0 <= share <= self.kv_offload_host_gib:
+            raise ValueError("state_snapshot_host_gib is a part of kv_offload_host_gib: between 0 and it")
         if self.kv_offload_dir is not None and self.kv_offload_host_gib == 0:
             raise ValueError("the disk tier takes the blocks the host tier evicts: set kv_offload_host_gib too")
 

@@ -22,8 +22,9 @@ from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_s
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.cache_manager import CacheManager
 from pipeline.memory.kv_offload import kv_offload, offload_stats
-from pipeline.memory.state_snapshots import SnapshotPool, snapshot_stats
 from pipeline.memory.kv_blocks import KVBlockPool
+from pipeline.memory.snapshot_tiers import snapshot_pool
+from pipeline.memory.state_snapshots import snapshot_stats
 from pipeline.memory.state_slots import StateSlotPool
 from pipeline.messages import IntakeItem
 from pipeline.output_channel import OutputChannel
@@ -52,9 +53,11 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         states = StateSlotPool(loaded.runner.num_state_slots - 1) if loaded.runner.num_state_slots else None
         snapshots = loaded.runner.snapshots[0].shape[0] if loaded.runner.snapshots else 0
+        pin = str(loaded.runner.device).startswith("cuda")  # the host tiers' pages
         self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states, config.prefix_caching,
                                   kv_offload(config, loaded),
-                                  SnapshotPool(snapshots, config.state_snapshot_interval) if snapshots else None)
+                                  snapshot_pool(config, snapshots, loaded.runner.bytes_per_snapshot, pin)
+                                  if snapshots else None)
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
         self.executor = executor

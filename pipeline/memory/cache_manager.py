@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 from pipeline.memory.block_hashes import chain_root, extend_block_hashes, partial_block_key
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.kv_offload import BlockTransfers, KVOffload
+from pipeline.memory.snapshot_tiers import TieredSnapshots
 from pipeline.memory.state_snapshots import SnapshotPool
 from pipeline.memory.state_slots import StateSlotPool
 
@@ -47,7 +48,7 @@ class CacheManager:
 
     def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None,
                  prefix_caching: bool = True, offload: KVOffload | None = None,
-                 snapshots: SnapshotPool | None = None) -> None:
+                 snapshots: SnapshotPool | TieredSnapshots | None = None) -> None:
         self._pool = pool
         self._states = state_slots
         # a hybrid model resumes a prefix only where a snapshot of its recurrent state was taken
@@ -142,7 +143,7 @@ class CacheManager:
         if key is None or key not in self.snapshots:
             return None
         tiers = self.offload.reach(keys[len(run):]) if self.offload is not None and len(run) < len(keys) else 0
-        if len(run) + tiers < len(keys):
+        if len(run) + tiers < len(keys) or (snapshot := self.snapshots.pin(key)) is None:
             return None
         blocks = self._pool.acquire(run)
         if len(blocks) < len(keys):
@@ -150,8 +151,9 @@ class CacheManager:
         last = self._copy_last_block(last_key) if len(blocks) == len(keys) else None
         if last is None:  # restored blocks stay cached, their copies queued
             self._pool.free(blocks[::-1])
+            self.snapshots.unpin(snapshot)
             return None
-        seq.restore_from = self.snapshots.pin(key)
+        seq.restore_from = snapshot
         seq.snapshot_pos = len(tokens) - 1
         return blocks + [last]
 
@@ -188,14 +190,19 @@ class CacheManager:
                 or (self.snapshots is not None and (state_key is None or state_key not in self.snapshots))
                 or self._pool.num_free < limit - len(run) + bool(tail)):
             return None
+        snapshot = self.snapshots.pin(state_key) if self.snapshots is not None else None
+        if self.snapshots is not None and snapshot is None:  # on host, and no device snapshot to promote it to
+            return None
         blocks = self._pool.acquire(run) + self._restore(keys[len(run):])
         if tail_key is not None:
             blocks += self._restore([tail_key], key_blocks=False)  # written again: its last token comes next
         if len(blocks) < limit + bool(tail):  # a tier failed a block (a corrupt file): give them all back
             self._pool.free(blocks[::-1])
+            if snapshot is not None:
+                self.snapshots.unpin(snapshot)
             return None
-        if self.snapshots is not None:
-            seq.restore_from = self.snapshots.pin(state_key)
+        if snapshot is not None:
+            seq.restore_from = snapshot
             seq.snapshot_pos = limit * size
         self.offload.stats.swapped_in += 1
         return blocks, limit * size + len(tail)
@@ -216,10 +223,14 @@ class CacheManager:
             blocks += self._restore(keys[len(blocks):cut])
             if len(blocks) < cut:  # a lower tier lost some: back to the last snapshot the blocks reach
                 cut = self.snapshots.latest(keys[:len(blocks)])
-                self._pool.free(blocks[cut:][::-1])
-                blocks = blocks[:cut]
-        if cut:
-            seq.restore_from = self.snapshots.pin(keys[cut - 1])
+        snapshot = None
+        while cut and (snapshot := self.snapshots.pin(keys[cut - 1])) is None:  # a host one with no device room
+            cut = self.snapshots.latest(keys[:cut - 1])
+        if len(blocks) > cut:
+            self._pool.free(blocks[cut:][::-1])
+            blocks = blocks[:cut]
+        if snapshot is not None:
+            seq.restore_from = snapshot
             seq.snapshot_pos = cut * self._pool.block_size
         return blocks
 
@@ -259,13 +270,15 @@ class CacheManager:
                     copies.state_saves.append((slot, index))
             self._saves_next, self._saves_after_step = self._saves_after_step, []
             self.snapshots.handed()
-        if not copies.copies and not copies.state_saves and not copies.state_loads:
-            return transfers
         if transfers is not None:
             transfers.copies, transfers.state_saves, transfers.state_loads = (
                 copies.copies, copies.state_saves, copies.state_loads)
-            return transfers
-        return copies
+            copies = transfers
+        # the snapshots' host copies (demotions of the snapshots the saves above evicted, promotions)
+        host = isinstance(self.snapshots, TieredSnapshots) and self.snapshots.take_copies(copies)
+        if copies is transfers or host or copies.copies or copies.state_saves or copies.state_loads:
+            return copies
+        return None
 
     def prompt_stop(self, seq: Sequence) -> int:
         """Where the sequence's next prompt chunk must end at the latest (hybrid models, for a state snapshot there):

@@ -36,8 +36,8 @@ SETTLE_TIMEOUT_S = 60.0  # a runner that has not run a handed-over transfer by t
 @dataclass(slots=True)
 class BlockTransfers:
     """Copies a step runs before its forward, in order: device blocks to host slots, device blocks to device blocks,
-    host slots to blocks, then (hybrid models) state slots to snapshots and snapshots to state slots
-    (pipeline/memory/state_snapshots.py). Saves read first, so a block both evicted and written in one plan is
+    host slots to blocks, then (hybrid models) snapshots to their host slots, host slots to snapshots, state slots
+    to snapshots and snapshots to state slots (pipeline/memory/state_snapshots.py, snapshot_tiers.py). Saves read first, so a block both evicted and written in one plan is
     saved before its new content arrives; block copies read before loads write (a copy's source may be a block
     evicted and refilled in the same plan)."""
 
@@ -47,6 +47,11 @@ class BlockTransfers:
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     state_saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
     state_loads: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
+    # the snapshots' host tier (pipeline/memory/snapshot_tiers.py): its buffer [slots, snapshot bytes] (uint8),
+    # demotions (snapshot, host slot) and promotions (host slot, snapshot), run before the state copies
+    snapshot_host: torch.Tensor | None = None
+    snapshot_saves: list[tuple[int, int]] = field(default_factory=list)
+    snapshot_loads: list[tuple[int, int]] = field(default_factory=list)
     done: threading.Event = field(default_factory=threading.Event)  # the runner has queued every copy
     copied: torch.cuda.Event | None = None  # CUDA: when the queued copies have landed
 
@@ -81,7 +86,7 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
     scatters them.
     ``states`` and ``snapshots``: each recurrent cache ``[slots, ...]`` and its snapshots ``[snapshots, ...]``."""
     try:
-        device = caches[0].device if caches else None
+        device = caches[0].device if caches else snapshots[0].device if snapshots else None
         side = copy_stream if device is not None and device.type == "cuda" else None
         for i in range(0, len(transfers.saves), TRANSFER_CHUNK):
             part = transfers.saves[i:i + TRANSFER_CHUNK]
@@ -104,8 +109,10 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
                 piece = data[:, offset:offset + size].contiguous().view(c.dtype)
                 c.index_copy_(1, blocks, piece.view(len(part), 2, *c.shape[2:]).transpose(0, 1))
                 offset += size
+        _snapshot_host_copies(transfers, snapshots, side)
         _copy_states(transfers, states, snapshots)
-        if device is not None and device.type == "cuda" and (transfers.saves or transfers.loads):
+        host_copies = transfers.saves or transfers.loads or transfers.snapshot_saves or transfers.snapshot_loads
+        if device is not None and device.type == "cuda" and host_copies:
             transfers.copied = torch.cuda.Event()
             transfers.copied.record(side)  # the host slots' last use (None: the current stream)
     finally:
@@ -131,6 +138,28 @@ def _on_side(side: torch.cuda.Stream | None, copy: Callable[[], torch.Tensor | N
         compute.wait_stream(side)
         out.record_stream(compute)
     return out
+
+
+def _snapshot_host_copies(transfers: BlockTransfers, snapshots: Sequence[torch.Tensor],
+                          side: torch.cuda.Stream | None) -> None:
+    """Demotions (snapshots to host slots, gathered on the compute stream) then promotions (host slots to
+    snapshots). A snapshot's bytes in a host slot are each recurrent cache's snapshot in cache order."""
+    host = transfers.snapshot_host
+    if transfers.snapshot_saves:
+        pairs = transfers.snapshot_saves
+        index = torch.tensor([i for i, _ in pairs], device=snapshots[0].device)
+        data = torch.cat([s.index_select(0, index).reshape(len(pairs), -1).view(torch.uint8) for s in snapshots], 1)
+        _on_side(side, lambda: _to_slots(host, [slot for _, slot in pairs], data), staged=data)
+    if transfers.snapshot_loads:
+        pairs = transfers.snapshot_loads
+        index = torch.tensor([i for _, i in pairs], device=snapshots[0].device)
+        data = _on_side(side, lambda: _from_slots(host, [slot for slot, _ in pairs], snapshots[0].device))
+        offset = 0
+        for s in snapshots:
+            size = s[0].numel() * s.element_size()
+            piece = data[:, offset:offset + size].contiguous().view(s.dtype).view(len(pairs), *s.shape[1:])
+            s.index_copy_(0, index, piece)
+            offset += size
 
 
 def _copy_states(transfers: BlockTransfers, states: Sequence[torch.Tensor],
@@ -284,14 +313,18 @@ class KVOffload:
 
 
 def kv_offload(config: EngineConfig, loaded: LoadedModel) -> KVOffload | None:
-    """The configured tiers (None without a host tier or with prefix caching off)."""
+    """The configured tiers (None without a host tier or with prefix caching off). A hybrid model's snapshots take
+    their part of the host memory (pipeline/memory/snapshot_tiers.py), the blocks the rest."""
+    from pipeline.memory.snapshot_tiers import snapshot_host_gib  # that module builds on this one
+
     runner = loaded.runner
     if config.kv_offload_host_gib <= 0 or not config.prefix_caching:
         return None
+    host_gib = config.kv_offload_host_gib - snapshot_host_gib(config, bool(runner.bytes_per_snapshot))
     size = block_bytes(runner.paged_caches)
     disk = (DiskKVTier(config.kv_offload_dir, int(config.kv_offload_disk_gib * (1 << 30)), (size,), torch.uint8)
             if config.kv_offload_dir is not None else None)
-    host = HostKVTier(int(config.kv_offload_host_gib * (1 << 30)), (size,), torch.uint8,
+    host = HostKVTier(int(host_gib * (1 << 30)), (size,), torch.uint8,
                       pin_memory=torch.device(runner.device).type == "cuda", spill=disk)
     return KVOffload(host, disk)
 

@@ -10,12 +10,13 @@ rest: the match never ends inside a block and no block needs a bigger size.
 
 This pool is bookkeeping only: the snapshot tensors are the runner's (one per GDN cache, ``[snapshots, ...]``)
 and the copies ride in the step plans (pipeline/memory/kv_offload.py ``BlockTransfers``). Least recently used
-snapshots are evicted, never one that a waiting prompt pinned or a queued copy still reads.
+snapshots are evicted, never one that a waiting prompt pinned or a queued copy still reads or writes. With a host
+tier (pipeline/memory/snapshot_tiers.py) an evicted snapshot is demoted there first (``on_evict``).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -36,6 +37,8 @@ class SnapshotPool:
         self._index: OrderedDict[bytes, int] = OrderedDict()  # key -> snapshot, least recently used first
         self._free = list(range(capacity - 1, -1, -1))
         self._reading: set[int] = set()  # snapshots a queued (not yet handed over) copy reads
+        self._writing: set[int] = set()  # snapshots a queued copy fills (a save or a promotion from host)
+        self.on_evict: Callable[[bytes, int], None] | None = None  # (key, snapshot): before the slot is reused
         self._pins: dict[int, int] = {}  # snapshots prompts wait to restore (pin count)
         self.stats = SnapshotStats()
 
@@ -87,27 +90,42 @@ class SnapshotPool:
         if key in self._index:
             self._index.move_to_end(key)
             return None
+        index = self.take_index(key)
+        if index is not None:
+            self.stats.taken += 1
+        return index
+
+    def take_index(self, key: bytes) -> int | None:
+        """A snapshot for ``key`` (absent) that a queued copy fills: a free one, else the least recently used one
+        no queued copy touches and no prompt pinned (evicted: ``on_evict`` first); None when there is none."""
         if self._free:
             index = self._free.pop()
         else:
-            victim = next((k for k, i in self._index.items() if i not in self._reading and i not in self._pins),
-                          None)
+            busy = self._reading | self._writing
+            victim = next((k for k, i in self._index.items() if i not in busy and i not in self._pins), None)
             if victim is None:
                 return None
             index = self._index.pop(victim)
             self.stats.evictions += 1
+            if self.on_evict is not None:
+                self.on_evict(victim, index)
         self._index[key] = index
-        self.stats.taken += 1
+        self._writing.add(index)
         return index
 
     def handed(self) -> None:
         """The queued copies went into a step plan: the runner runs them before any later plan's."""
         self._reading.clear()
+        self._writing.clear()
 
 
 def snapshot_stats(pool: SnapshotPool | None) -> dict[str, Any]:
     """The engine's stats entry."""
     if pool is None:
         return {"enabled": False}
-    return {"enabled": True, "capacity": pool.capacity, "held": len(pool), "pinned": pool.num_pinned,
-            **asdict(pool.stats)}
+    entry = {"enabled": True, "capacity": pool.capacity, "held": len(pool), "pinned": pool.num_pinned,
+             **asdict(pool.stats)}
+    host_entry = getattr(pool, "host_entry", None)  # a TieredSnapshots (pipeline/memory/snapshot_tiers.py)
+    if host_entry is not None:
+        entry["host"] = host_entry()
+    return entry

@@ -230,3 +230,62 @@ def test_hybrid_preempted_sequences_swap_out_and_back(hybrid_dir):
     assert got == expected and stats["preemptions"] > 0
     assert stats["kv_offload"]["swapped_out"] > 0 and stats["kv_offload"]["swapped_in"] > 0
     assert stats["state_snapshots"]["pinned"] == 0
+
+
+def test_snapshots_the_device_evicts_come_back_from_host(hybrid_dir, sizes):
+    """Room for one device snapshot: three conversations take turns, so each one's snapshot is evicted before its
+    next turn. With a host tier for snapshots the next turn resumes from its snapshot, promoted back from host;
+    without one it recomputes. The same tokens either way, and as with caching off."""
+    convs = [BASE] + [[random.Random(80 + i).randrange(100, 49000) for _ in range(33)] for i in range(2)]
+
+    async def main(**overrides) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(hybrid_dir, **overrides))
+        try:
+            first = [await outputs(engine, prompt, greedy()) for prompt in convs]
+            hits_before = engine.stats()["prefix_cache"]["hit_tokens"]
+            second = [await outputs(engine, prompt + reply[0] + [11, 12], greedy())
+                      for prompt, reply in zip(convs, first)]
+            await settle(engine)
+            assert_no_leaks(engine)
+            stats = engine.stats()
+            return first + second, {**stats, "next_turn_hits": stats["prefix_cache"]["hit_tokens"] - hits_before}
+        finally:
+            await engine.shutdown()
+
+    one = 1.5 * sizes[0] / (1 << 30)
+    off, _ = run_async(main(prefix_caching=False))
+    device_only, stats = run_async(main(state_snapshot_gib=one))
+    assert device_only == off and stats["state_snapshots"]["capacity"] == 1
+    assert stats["next_turn_hits"] <= 32  # only the last conversation's snapshot is still there
+    host = dict(kv_offload_host_gib=64 / 1024, state_snapshot_host_gib=16 * sizes[0] / (1 << 30))
+    tiered, stats = run_async(main(state_snapshot_gib=one, **host))
+    assert tiered == off
+    snapshots = stats["state_snapshots"]
+    assert snapshots["host"]["demoted"] >= 2 and snapshots["host"]["promoted"] >= 2 and snapshots["pinned"] == 0
+    assert stats["next_turn_hits"] >= 32 * 3  # every next turn resumed where its prompt's last full block ends
+
+
+def test_preempted_hybrid_states_go_through_the_snapshot_host_tier(hybrid_dir, sizes):
+    """Preemption with room for two device snapshots: the preempted sequences' states are demoted to host and
+    promoted back when they resume; the same tokens as with room for everything."""
+    batch = [[random.Random(90 + i).randrange(100, 49000) for _ in range(5 + 3 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    async def main(**overrides) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(hybrid_dir, **overrides))
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=params) for p in batch])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [r[0].token_ids for r in results], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    expected, _ = run_async(main())
+    tight = dict(num_kv_blocks=25, max_num_batched_tokens=16, kv_offload_host_gib=64 / 1024,
+                 state_snapshot_gib=2.5 * sizes[0] / (1 << 30), state_snapshot_host_gib=32 * sizes[0] / (1 << 30))
+    got, stats = run_async(main(**tight))
+    assert got == expected and stats["preemptions"] > 0
+    host = stats["state_snapshots"]["host"]
+    assert stats["kv_offload"]["swapped_in"] > 0 and host["demoted"] > 0 and host["promoted"] > 0
+    assert stats["state_snapshots"]["pinned"] == 0
