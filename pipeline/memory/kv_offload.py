@@ -90,18 +90,18 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
         side = copy_stream if device is not None and device.type == "cuda" else None
         for i in range(0, len(transfers.saves), TRANSFER_CHUNK):
             part = transfers.saves[i:i + TRANSFER_CHUNK]
-            blocks = torch.tensor([b for b, _ in part], device=device)
+            blocks = _indices([b for b, _ in part], device)
             data = torch.cat([c.index_select(1, blocks).transpose(0, 1).contiguous().view(len(part), -1)
                               .view(torch.uint8) for c in caches], dim=1)
             _on_side(side, lambda: _to_slots(transfers.host, [s for _, s in part], data), staged=data)
         if transfers.copies:
-            src = torch.tensor([a for a, _ in transfers.copies], device=device)
-            dst = torch.tensor([b for _, b in transfers.copies], device=device)
+            src = _indices([a for a, _ in transfers.copies], device)
+            dst = _indices([b for _, b in transfers.copies], device)
             for c in caches:
                 c.index_copy_(1, dst, c.index_select(1, src))
         for i in range(0, len(transfers.loads), TRANSFER_CHUNK):
             part = transfers.loads[i:i + TRANSFER_CHUNK]
-            blocks = torch.tensor([b for _, b in part], device=device)
+            blocks = _indices([b for _, b in part], device)
             data = _on_side(side, lambda: _from_slots(transfers.host, [s for s, _ in part], device))
             offset = 0
             for c in caches:
@@ -140,6 +140,15 @@ def _on_side(side: torch.cuda.Stream | None, copy: Callable[[], torch.Tensor | N
     return out
 
 
+def _indices(values: list[int], device: torch.device | None) -> torch.Tensor:
+    """int64 indices on ``device``; on CUDA through pinned memory without blocking: a pageable copy would hold the
+    runner's thread until the device had drained everything queued before it."""
+    tensor = torch.tensor(values, dtype=torch.int64)
+    if device is not None and device.type == "cuda":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor if device is None else tensor.to(device)
+
+
 def _snapshot_host_copies(transfers: BlockTransfers, snapshots: Sequence[torch.Tensor],
                           side: torch.cuda.Stream | None) -> None:
     """Demotions (snapshots to host slots, gathered on the compute stream) then promotions (host slots to
@@ -147,12 +156,12 @@ def _snapshot_host_copies(transfers: BlockTransfers, snapshots: Sequence[torch.T
     host = transfers.snapshot_host
     if transfers.snapshot_saves:
         pairs = transfers.snapshot_saves
-        index = torch.tensor([i for i, _ in pairs], device=snapshots[0].device)
+        index = _indices([i for i, _ in pairs], snapshots[0].device)
         data = torch.cat([s.index_select(0, index).reshape(len(pairs), -1).view(torch.uint8) for s in snapshots], 1)
         _on_side(side, lambda: _to_slots(host, [slot for _, slot in pairs], data), staged=data)
     if transfers.snapshot_loads:
         pairs = transfers.snapshot_loads
-        index = torch.tensor([i for _, i in pairs], device=snapshots[0].device)
+        index = _indices([i for _, i in pairs], snapshots[0].device)
         data = _on_side(side, lambda: _from_slots(host, [slot for slot, _ in pairs], snapshots[0].device))
         offset = 0
         for s in snapshots:
@@ -168,8 +177,8 @@ def _copy_states(transfers: BlockTransfers, states: Sequence[torch.Tensor],
     for pairs, save in ((transfers.state_saves, True), (transfers.state_loads, False)):
         if not pairs:
             continue
-        src = torch.tensor([a for a, _ in pairs], device=states[0].device)
-        dst = torch.tensor([b for _, b in pairs], device=states[0].device)
+        src = _indices([a for a, _ in pairs], states[0].device)
+        dst = _indices([b for _, b in pairs], states[0].device)
         for state, snapshot in zip(states, snapshots):
             if save:
                 snapshot.index_copy_(0, dst, state.index_select(0, src))
