@@ -12,7 +12,12 @@ For caching on and off, each on a fresh engine with random weights (--load-forma
   tokens of new tool output, growing to ~32k tokens: TTFT per turn, the last against the first;
 * ``host_restore`` (its own engines, a device pool of about 1.1 prompts): an 8,192-token prompt, another one
   that evicts it from the device, then the first again: its TTFT with the blocks copied back from the host tier
-  against the same run without a host tier (recomputed).
+  against the same run without a host tier (recomputed);
+* ``snapshot_host`` (hybrid shapes, its own engines, room for 2.5 state snapshots on the device): four 8,192-token
+  conversations, then each one's next turn (its reply and 1,536 new tokens): TTFT with its snapshot promoted back
+  from the snapshots' host tier against the same run without a host tier (recomputed from the start).
+
+``--sections`` runs a subset (``caching``: the first three, on and off).
 
 Greedy, ignore_eos, the loop guard off (random weights repeat themselves). Writes JSON; asserts nothing.
 """
@@ -97,6 +102,37 @@ async def host_restore(a: argparse.Namespace, model_dir: str, sizes: dict, host_
         await engine.shutdown()
 
 
+def snapshot_bytes(shape: dict) -> int:
+    """One state snapshot of a hybrid shape: every Gated DeltaNet layer's fp32 state and bf16 conv window."""
+    layers = shape["num_hidden_layers"] - shape["num_hidden_layers"] // shape["full_attention_interval"]
+    hk, hv = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
+    dk, dv = shape["linear_key_head_dim"], shape["linear_value_head_dim"]
+    conv = (2 * hk * dk + hv * dv) * (shape["linear_conv_kernel_dim"] - 1) * 2
+    return layers * (hv * dk * dv * 4 + conv)
+
+
+async def snapshot_host(a: argparse.Namespace, model_dir: str, sizes: dict, shape: dict, host: bool) -> dict:
+    """Next turns of four conversations whose snapshots the device pool (2.5 of them) evicted: promoted back from
+    the host tier (``host``) or recomputed."""
+    room = 2.5 * snapshot_bytes(shape) / (1 << 30)
+    tiers = dict(kv_offload_host_gib=sizes["host_gib"]) if host else {}
+    engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=8, state_snapshot_gib=room,
+                                               max_model_len=sizes["same"] + sizes["turn"] + 256, **tiers))
+    try:
+        rng = random.Random(13)
+        await run_one(engine, tokens(sizes["same"], rng), 4)  # warm-up
+        convs = [tokens(sizes["same"], rng) for _ in range(4)]
+        replies = [await run_one(engine, prompt, sizes["reply"]) for prompt in convs]
+        turns = [await run_one(engine, prompt + reply["ids"] + tokens(sizes["turn"], rng), 1)
+                 for prompt, reply in zip(convs, replies)]
+        stats = engine.stats()
+        return {"host": host, "first_ttft_ms": [ttft_ms(r) for r in replies],
+                "next_turn_ttft_ms": [ttft_ms(r) for r in turns], "state_snapshots": stats["state_snapshots"],
+                "prefix_cache": stats["prefix_cache"]}
+    finally:
+        await engine.shutdown()
+
+
 async def run(a: argparse.Namespace, model_dir: str, caching: bool, sizes: dict) -> dict:
     engine = await Engine.create(engine_config(a, model_dir, prefix_caching=caching, max_num_seqs=64,
                                                max_model_len=sizes["max_model_len"]))
@@ -108,6 +144,25 @@ async def run(a: argparse.Namespace, model_dir: str, caching: bool, sizes: dict)
         await engine.shutdown()
 
 
+def vs_off(report: dict) -> dict:
+    """Each workload's figure with caching (or a tier) against without, for the sections that ran."""
+    out: dict = {}
+    if "on" in report:
+        on, off = report["on"], report["off"]
+        out["same_prompt_second_ttft"] = on["same_prompt"]["second_ttft_ms"] / off["same_prompt"]["second_ttft_ms"]
+        out["shared_prefix_ttft_p50"] = on["shared_prefix"]["ttft_ms_p50"] / off["shared_prefix"]["ttft_ms_p50"]
+        out["conversation_last_ttft"] = (on["conversation"]["turns"][-1]["ttft_ms"]
+                                         / off["conversation"]["turns"][-1]["ttft_ms"])
+    if "host_restore" in report:
+        restore = report["host_restore"]
+        out["host_restore_ttft"] = restore[0]["again_ttft_ms"] / restore[1]["again_ttft_ms"]
+    if "snapshot_host" in report:
+        tiered, device_only = report["snapshot_host"]
+        out["snapshot_host_next_turn_ttft_p50"] = (pct(tiered["next_turn_ttft_ms"], 50)
+                                                   / pct(device_only["next_turn_ttft_ms"], 50))
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
@@ -117,6 +172,8 @@ def main() -> None:
         __file__))), ".peer", "tokenizer"))
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefix_cache.json"))
+    ap.add_argument("--sections", nargs="+", default=["host_restore", "snapshot_host", "caching"],
+                    choices=["host_restore", "snapshot_host", "caching"])
     a = ap.parse_args()
     shape = SHAPES[a.shape]
     if a.quick:
@@ -133,26 +190,24 @@ def main() -> None:
         import torch
 
         report["device"] = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
-        for host_gib in (sizes["host_gib"], 0.0):
-            report.setdefault("host_restore", []).append(asyncio.run(host_restore(a, model_dir, sizes, host_gib)))
-        for caching in (True, False):
+        if "host_restore" in a.sections:
+            for host_gib in (sizes["host_gib"], 0.0):
+                report.setdefault("host_restore", []).append(asyncio.run(host_restore(a, model_dir, sizes,
+                                                                                      host_gib)))
+        if "snapshot_host" in a.sections and shape.get("linear_num_value_heads"):
+            report["snapshot_host"] = [asyncio.run(snapshot_host(a, model_dir, sizes, shape, host))
+                                       for host in (True, False)]
+        for caching in (True, False) if "caching" in a.sections else ():
             report["on" if caching else "off"] = asyncio.run(run(a, model_dir, caching, sizes))
             with open(a.out, "w") as handle:
                 json.dump(report, handle, indent=1)
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
-    on, off = report["on"], report["off"]
-    report["vs_off"] = {
-        "same_prompt_second_ttft": on["same_prompt"]["second_ttft_ms"] / off["same_prompt"]["second_ttft_ms"],
-        "shared_prefix_ttft_p50": on["shared_prefix"]["ttft_ms_p50"] / off["shared_prefix"]["ttft_ms_p50"],
-        "conversation_last_ttft": (on["conversation"]["turns"][-1]["ttft_ms"]
-                                   / off["conversation"]["turns"][-1]["ttft_ms"]),
-        "host_restore_ttft": report["host_restore"][0]["again_ttft_ms"] / report["host_restore"][1]["again_ttft_ms"],
-    }
+    report["vs_off"] = vs_off(report)
     with open(a.out, "w") as handle:
         json.dump(report, handle, indent=1)
     print(json.dumps({k: report[k] for k in ("device", "shape", "vs_off")}, indent=1))
-    for mode in ("on", "off"):
+    for mode in ("on", "off") if "on" in report else ():
         r = report[mode]
         print(mode, "same 2nd/1st", round(r["same_prompt"]["second_over_first"], 3), "shared p50 ms",
               round(r["shared_prefix"]["ttft_ms_p50"], 1), "conv last/first",
