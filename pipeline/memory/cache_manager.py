@@ -27,9 +27,10 @@ from collections.abc import Callable
 from itertools import islice
 from typing import TYPE_CHECKING
 
-from pipeline.memory.block_hashes import chain_root, extend_block_hashes, partial_block_key
+from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.kv_offload import BlockTransfers, KVOffload
+from pipeline.memory.snapshot_positions import SnapshotSchedule, tail_block_key
 from pipeline.memory.snapshot_tiers import TieredSnapshots
 from pipeline.memory.state_snapshots import SnapshotPool
 from pipeline.memory.state_slots import StateSlotPool
@@ -44,7 +45,7 @@ class CacheManager:
     of a sequence's blocks and state slot goes through it."""
 
     __slots__ = ("_pool", "_states", "prefix_caching", "prefix_queried_tokens", "prefix_hit_tokens", "offload",
-                 "snapshots", "_copies", "_saves_next", "_saves_after_step")
+                 "snapshots", "_copies", "_schedule")
 
     def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None,
                  prefix_caching: bool = True, offload: KVOffload | None = None,
@@ -59,8 +60,7 @@ class CacheManager:
         if self.offload is not None:
             pool.on_evict = self.offload.save
         self._copies = BlockTransfers(None)  # device-side copies queued for the next plan (blocks, state restores)
-        self._saves_next: list[tuple[int, bytes]] = []  # (state slot, key): snapshots the next plan takes
-        self._saves_after_step: list[tuple[int, bytes]] = []  # the same, of the plan being built (the one after)
+        self._schedule = SnapshotSchedule(self.snapshots, pool.block_size) if self.snapshots is not None else None
         self.prefix_queried_tokens = 0  # prompt tokens looked up (each start of a prompt)
         self.prefix_hit_tokens = 0  # of those, found cached
 
@@ -139,7 +139,7 @@ class CacheManager:
         once. None otherwise."""
         size, tokens = self._pool.block_size, seq.token_ids
         keys, last_key = keys[:-1], keys[-1]
-        key = self._tail_key(seq, keys, tokens[len(keys) * size:-1])
+        key = tail_block_key(seq, keys, tokens[len(keys) * size:-1])
         if key is None or key not in self.snapshots:
             return None
         tiers = self.offload.reach(keys[len(run):]) if self.offload is not None and len(run) < len(keys) else 0
@@ -183,7 +183,7 @@ class CacheManager:
         size, tokens = self._pool.block_size, seq.token_ids
         limit = len(keys)
         tail = tokens[limit * size:len(tokens) - 1]
-        tail_key = self._tail_key(seq, keys, tail)
+        tail_key = tail_block_key(seq, keys, tail)
         state_key = tail_key or (keys[-1] if keys else None)
         if (len(run) + self.offload.reach(keys[len(run):]) < limit
                 or (tail_key is not None and not self.offload.reach([tail_key]))
@@ -206,12 +206,6 @@ class CacheManager:
             seq.snapshot_pos = limit * size
         self.offload.stats.swapped_in += 1
         return blocks, limit * size + len(tail)
-
-    def _tail_key(self, seq: Sequence, keys: list[bytes], tail: list[int]) -> bytes | None:
-        """The key a swapped-out sequence's partial last block (and state, hybrid) is kept under."""
-        if not tail:
-            return None
-        return partial_block_key(keys[-1] if keys else chain_root(seq.request.params.cache_salt), tail)
 
     def _take_to_snapshot(self, seq: Sequence, keys: list[bytes], run: list[int]) -> list[int]:
         """Hybrid models: the prompt's cached blocks (the device's ``run``, then the lower tiers') up to the last
@@ -263,12 +257,8 @@ class CacheManager:
         starting now."""
         transfers = self.offload.take_transfers() if self.offload is not None else None
         copies, self._copies = self._copies, BlockTransfers(None)
-        if self.snapshots is not None:
-            for slot, key in self._saves_next:
-                index = self.snapshots.reserve(key)
-                if index is not None:
-                    copies.state_saves.append((slot, index))
-            self._saves_next, self._saves_after_step = self._saves_after_step, []
+        if self._schedule is not None:
+            copies.state_saves.extend(self._schedule.take_saves())
             self.snapshots.handed()
         if transfers is not None:
             transfers.copies, transfers.state_saves, transfers.state_loads = (
@@ -281,40 +271,15 @@ class CacheManager:
         return None
 
     def prompt_stop(self, seq: Sequence) -> int:
-        """Where the sequence's next prompt chunk must end at the latest (hybrid models, for a state snapshot there):
-        its prompt's last full block, before the tokens after it; one token before the end of a prompt that ends at
-        a block boundary (its exact repeat restores that state and computes one token); else its end."""
-        end = len(seq.token_ids)
-        if self.snapshots is None:
-            return end
-        size = self._pool.block_size
-        aligned = end // size * size
-        if seq.num_computed < aligned < end:
-            return aligned
-        if aligned == end and size > 1 and seq.num_computed < end - 1:
-            return end - 1
-        return end
+        """Where the sequence's next prompt chunk must end at the latest: its end, or for hybrid models a snapshot
+        position before it (``SnapshotSchedule.prompt_stop``)."""
+        return len(seq.token_ids) if self._schedule is None else self._schedule.prompt_stop(seq)
 
     def snapshot_after_chunk(self, seq: Sequence, end: int) -> None:
-        """A chunk of the plan being built ends the sequence's computed tokens at ``end``: snapshot its state there
-        (after the step) if that is a snapshot position: its prompt's last full block, a block boundary at least
-        the pool's interval after its last snapshot, or one token before the end of a block-aligned prompt (under
-        the key of the partial block it ends)."""
-        size, total = self._pool.block_size, len(seq.token_ids)
-        if self.snapshots is None or end <= seq.snapshot_pos or seq.state_slot is None:
-            return
-        salt = seq.request.params.cache_salt
-        if end % size:
-            if total % size or end != total - 1:
-                return
-            keys = extend_block_hashes(seq.block_keys, seq.token_ids, size, end // size, salt)
-            key = self._tail_key(seq, keys[:end // size], seq.token_ids[end // size * size:end])
-        else:
-            if end != total // size * size and end - seq.snapshot_pos < self.snapshots.interval:
-                return
-            key = extend_block_hashes(seq.block_keys, seq.token_ids, size, end // size, salt)[end // size - 1]
-        self._saves_after_step.append((seq.state_slot.index, key))
-        seq.snapshot_pos = end
+        """A chunk of the plan being built ends the sequence's computed tokens at ``end`` (hybrid models: a state
+        snapshot there if that is a snapshot position, ``SnapshotSchedule.after_chunk``)."""
+        if self._schedule is not None:
+            self._schedule.after_chunk(seq, end)
 
     def count_prefix_query(self, seq: Sequence) -> None:
         """A prompt starts: its tokens were looked up, its computed ones were found (metrics)."""
@@ -362,7 +327,7 @@ class CacheManager:
     def preempt(self, seq: Sequence) -> None:
         """A running sequence gives its memory back, to resume later. With a host tier its computed tokens are
         swapped out first: its full blocks to the tier under their prefix keys, its partial last block under a key
-        of its own (``_tail_key``) and, for hybrid models, its state into a snapshot under that key (or the last
+        of its own (``tail_block_key``) and, for hybrid models, its state into a snapshot under that key (or the last
         full block's); ``_swap_in`` takes them back. Where there is no room, what is missing is recomputed."""
         if self.offload is not None and seq.num_computed:
             self.register_computed(seq)
@@ -371,12 +336,12 @@ class CacheManager:
             keys = seq.block_keys[:full]
             for block, key in zip(seq.block_ids[:full], keys):
                 self.offload.save(block, key)
-            tail_key = self._tail_key(seq, keys, seq.token_ids[full * size:seq.num_computed])
+            tail_key = tail_block_key(seq, keys, seq.token_ids[full * size:seq.num_computed])
             if tail_key is not None:
                 self.offload.save(seq.block_ids[full], tail_key)
             state_key = tail_key or (keys[-1] if keys else None)
             if self.snapshots is not None and seq.state_slot is not None and state_key is not None:
-                self._saves_next.append((seq.state_slot.index, state_key))  # the next plan's, before its forward
+                self._schedule.after_preempt(seq.state_slot.index, state_key)
             self.offload.stats.swapped_out += 1
         self.free(seq)
 
