@@ -54,6 +54,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-snapshot-host-gib", type=float, default=None,
                         help="hybrid models: the part of --kv-offload-host-gib holding the state snapshots the device "
                              "evicts (default: a quarter of it)")
+    parser.add_argument("--speculative-method", choices=["ngram"], default=None,
+                        help="draft tokens and verify them in the decode step's forward (exactly the output without)")
+    parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
+                        help="drafts a sequence offers per step (with --speculative-method)")
+    parser.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
+                        help="n-gram drafter: the shortest suffix it looks up in the prompt and output")
+    parser.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
+                        help="n-gram drafter: the longest suffix it looks up")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
@@ -85,6 +93,9 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_offload_disk_gib=args.kv_offload_disk_gib, state_snapshot_gib=args.state_snapshot_gib,
                         state_snapshot_interval=args.state_snapshot_interval,
                         state_snapshot_host_gib=args.state_snapshot_host_gib,
+                        speculative_method=args.speculative_method,
+                        num_speculative_tokens=args.num_speculative_tokens,
+                        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                         gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))

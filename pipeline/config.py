@@ -42,6 +42,10 @@ class EngineConfig:
     # hybrid models with a host tier: the part of kv_offload_host_gib that holds the snapshots the device evicts
     # (None: a quarter of it; pipeline/memory/snapshot_tiers.py)
     state_snapshot_host_gib: float | None = None
+    speculative_method: str | None = None  # "ngram": drafts verified in the decode step's forward (pipeline/spec/)
+    num_speculative_tokens: int = 0  # drafts a sequence offers per step (K)
+    prompt_lookup_min: int = 2  # n-gram drafter: the shortest suffix it looks up
+    prompt_lookup_max: int = 4  # and the longest
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
@@ -88,6 +92,17 @@ class EngineConfig:
             raise ValueError("state_snapshot_host_gib is a part of kv_offload_host_gib: between 0 and it")
         if self.kv_offload_dir is not None and self.kv_offload_host_gib == 0:
             raise ValueError("the disk tier takes the blocks the host tier evicts: set kv_offload_host_gib too")
+        if self.speculative_method not in (None, "ngram"):
+            raise ValueError(f"speculative_method {self.speculative_method!r}: the drafters are 'ngram'")
+        if (self.speculative_method is None) != (self.num_speculative_tokens == 0):
+            raise ValueError("speculation needs both speculative_method and num_speculative_tokens >= 1")
+        if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"num_speculative_tokens must be between 0 and {MAX_SPECULATIVE_TOKENS}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+
+
+MAX_SPECULATIVE_TOKENS = 15  # a verify row of K + 1 tokens stays within the decode CUDA graphs' rows of q <= 16
 
 
 @dataclass(frozen=True, slots=True)

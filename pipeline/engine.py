@@ -14,6 +14,7 @@ import gc
 import logging
 import time
 from collections.abc import AsyncIterator, Callable
+from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import EngineConfig
@@ -32,6 +33,7 @@ from pipeline.prompt import PromptRenderer
 from pipeline.request import CancelReason, OutputDelta, Request, SamplingParams, new_request_id
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.scheduler import SeatPool, WaitingGauge
+from pipeline.spec.drafter import make_drafter
 from pipeline.stage import Stage
 from pipeline.stages.decode import DecodeStage
 from pipeline.stages.detokenize import DetokenizeStage
@@ -68,7 +70,9 @@ class Engine:
         shared = dict(cache=self.cache, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
         self.planner = StepPlanner(cache=self.cache, seats=self.seats, executor=self.executor,
                                    token_budget=config.max_num_batched_tokens)
-        self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead, **shared)
+        self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead,
+                                  drafter=make_drafter(config), num_speculative_tokens=config.num_speculative_tokens,
+                                  **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, planner=self.planner,
                                     decode=self.decode, **shared)
         self.planner.bind(decode=self.decode, prefill=self.prefill)
@@ -245,6 +249,7 @@ class Engine:
             "preemptions": self.decode.preemptions,
             "device_steps": self.executor.steps,
             "mixed_steps": self.planner.mixed_steps,
+            "speculation": {"method": self.config.speculative_method, **asdict(self.decode.spec)},
         }
 
     async def shutdown(self) -> None:

@@ -110,7 +110,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
     if device.type == "cuda" and config.cuda_graphs:
         say(f"capturing CUDA graphs for decode batches up to {config.cuda_graph_max_batch}")
-        runner.capture_decode_graphs(config.cuda_graph_max_batch, max_model_len)
+        runner.capture_decode_graphs(config.cuda_graph_max_batch, max_model_len, config.num_speculative_tokens + 1)
     elif device.type == "cuda":
         runner.fix_decode_partition(config.cuda_graph_max_batch, max_model_len)
     limits = ModelLimits(

@@ -82,6 +82,7 @@ class Sequence:
     missed_at: int = -1  # the pool's keys_added at a prefix lookup that found nothing (none again until it grows)
     snapshot_pos: int = 0  # hybrid models: where its state was last snapshotted (or restored from)
     restore_from: int | None = None  # hybrid models: the pinned snapshot its state slot gets when allocated
+    draft_history: Any = None  # the drafter's copy of token_ids (pipeline/spec/ngram.py), grown as they are
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

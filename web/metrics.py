@@ -128,12 +128,39 @@ class EngineStatsCollector(Collector):
             yield self._counter("state_snapshots_taken", "Recurrent states copied into a snapshot.", snapshots["taken"])
             yield self._counter("state_snapshots_restored", "Snapshots restored into a starting sequence.",
                                 snapshots["restored"])
+            if "host" in snapshots:
+                host = snapshots["host"]
+                yield self._by_label(GaugeMetricFamily, "state_snapshots_held_tier", "Snapshots held by tier.",
+                                     "tier", {"device": snapshots["held"], "host": host["held"]})
+                yield self._by_label(CounterMetricFamily, "state_snapshots_moved",
+                                     "Snapshots demoted to host and promoted back to the device.", "direction",
+                                     {"to_host": host["demoted"], "to_device": host["promoted"]})
+        yield from self._speculation_families(stats.get("speculation", {}))
         yield self._gauge("seats_held", "Sequence seats held.", stats["seats"]["held"])
         yield self._gauge("seats_capacity", "Sequence seats in all (max_num_seqs).", stats["seats"]["capacity"])
         yield self._counter("preemptions", "Sequences preempted back to prefill.", stats["preemptions"])
         yield self._counter("device_steps", "Device executor steps.", stats["device_steps"])
         yield self._counter("mixed_steps", "Device steps that held both decode rows and prompt chunks.", stats["mixed_steps"])
         yield from self._stage_families(stats["stages"])
+
+    def _speculation_families(self, spec: Mapping[str, Any]) -> Iterable[Metric]:
+        """Drafts offered and accepted, per drafter, and a histogram of how many of a verify row's were."""
+        if not spec.get("method"):
+            return
+        labels = {"drafter": spec["method"]}
+        for name, doc, key in (("spec_drafted_tokens", "Draft tokens verified.", "drafted_tokens"),
+                               ("spec_accepted_tokens", "Draft tokens accepted.", "accepted_tokens"),
+                               ("spec_verify_rows", "Sequence rows that verified drafts.", "verify_rows")):
+            yield self._by_label(CounterMetricFamily, name, doc, "drafter", {labels["drafter"]: spec[key]})
+        per_row = spec["accepted_per_row"]
+        family = HistogramMetricFamily("conveyor_spec_acceptance_length", "Drafts accepted in a verify row.",
+                                       labels=["model_name", "drafter"])
+        buckets, total = [], 0
+        for accepted, rows in enumerate(per_row):
+            total += rows
+            buckets.append((str(accepted) if accepted < len(per_row) - 1 else "+Inf", total))
+        family.add_metric([self._model, spec["method"]], buckets, sum(a * r for a, r in enumerate(per_row)))
+        yield family
 
     def _offload_families(self, offload: Mapping[str, Any]) -> Iterable[Metric]:
         """The KV tiers: blocks held a tier, blocks and bytes moved each way, corrupt disk files."""

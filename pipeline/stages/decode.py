@@ -17,13 +17,14 @@ writes is safe: every later use of a block is a later step on the same device st
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
 from pipeline.runner.sampler import SamplerOutput
 from pipeline.runner.step_plan import ScheduledChunk
 from pipeline.scheduler import RunningRow
+from pipeline.spec.drafter import Drafter
 from pipeline.sequence import Sequence
 from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
 from pipeline.step_planner import WAIT_FOR_STEP, ComposedStep, StepPlanner
@@ -33,10 +34,21 @@ from pipeline.step_planner import WAIT_FOR_STEP, ComposedStep, StepPlanner
 class InFlightStep:
     """A launched step whose tokens the host has not read yet."""
 
-    batch: list[Sequence]  # row i sampled batch[i]'s next token
+    batch: list[Sequence]  # in row order: each sequence's next token, then one row per draft of it (speculation)
     step: LaunchedStep
     launched_at: float
-    rows: dict[int, int]  # seq_id -> row
+    rows: dict[int, int]  # seq_id -> row (steps without drafts: what the next step feeds from the device)
+    drafts: list[list[int]] | None = None  # per sequence of the batch: the drafts its rows verify
+
+
+@dataclass(slots=True)
+class SpecStats:
+    """Speculation counters (pipeline/spec/): drafts offered and accepted, and how many of a row's drafts were."""
+
+    verify_rows: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_row: list[int] = field(default_factory=list)  # [a]: rows that accepted a drafts (0..K)
 
 
 def _last_token_in_flight(seq: Sequence) -> bool:
@@ -47,9 +59,14 @@ def _last_token_in_flight(seq: Sequence) -> bool:
 class DecodeStage(DeviceStage):
     name = "decode"
 
-    def __init__(self, inbox_size: int, *, planner: StepPlanner, run_ahead: bool = True, **resources) -> None:
+    def __init__(self, inbox_size: int, *, planner: StepPlanner, run_ahead: bool = True, drafter: Drafter | None = None,
+                 num_speculative_tokens: int = 0, **resources) -> None:
         super().__init__(inbox_size, **resources)
         self.planner = planner
+        self.drafter = drafter  # speculation: a sequence's row feeds its drafts too, and samples at each of them
+        self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
+        self.spec = SpecStats(accepted_per_row=[0] * (self.num_speculative_tokens + 1))
+        self._drafts: dict[int, list[int]] = {}  # seq_id -> drafts offered for the step being composed
         self.running: list[Sequence] = []
         self.run_ahead = run_ahead
         self.preemptions = 0
@@ -66,7 +83,9 @@ class DecodeStage(DeviceStage):
             self.running.extend(self.receive_ready())
             events = StepTokensBuilder()
             output: SamplerOutput | None = None
-            can_run_ahead = self.run_ahead and not self._reap_cancelled(events)
+            reads_own_tokens = self._reap_cancelled(events)
+            # with speculation a row's drafts follow its last token, which the host must have read
+            can_run_ahead = self.run_ahead and self.drafter is None and not reads_own_tokens
             if in_flight is not None and not can_run_ahead:
                 output = await self._complete(in_flight, events)
                 in_flight = None
@@ -81,8 +100,10 @@ class DecodeStage(DeviceStage):
                     composed = self.planner.compose(rows_in_flight=False)
                 if isinstance(composed, ComposedStep) and composed.batch:
                     self.steps_ahead += in_flight is not None
+                    drafts = [self._drafts.get(seq.seq_id, []) for seq in composed.batch] if self.drafter else None
                     launched = InFlightStep(composed.batch, composed.step, time.monotonic(),
-                                            {seq.seq_id: i for i, seq in enumerate(composed.batch)})
+                                            {seq.seq_id: i for i, seq in enumerate(composed.batch)}, drafts)
+                self._drafts.clear()
             if in_flight is not None:
                 output = await self._complete(in_flight, events)
             self.in_flight = launched
@@ -124,13 +145,28 @@ class DecodeStage(DeviceStage):
         the step samples it on the device and the next step feeds it from there)."""
         cache = self.cache
         rows: list[RunningRow] = []
+        self._drafts.clear()
         for seq in self.running:
             ahead = self._ahead(seq)
             if ahead < 0:
                 continue
-            rows.append(RunningRow(seq.seq_id, seq.arrival, 1, cache.blocks_needed(seq, seq.num_pending, ahead),
-                                   len(seq.block_ids)))
+            drafts = self._propose(seq) if self.drafter is not None else ()
+            if drafts:
+                self._drafts[seq.seq_id] = drafts
+            rows.append(RunningRow(seq.seq_id, seq.arrival, 1 + len(drafts),
+                                   cache.blocks_needed(seq, seq.num_pending + len(drafts), ahead), len(seq.block_ids)))
         return rows
+
+    def _propose(self, seq: Sequence) -> list[int]:
+        """The drafts ``seq``'s next row verifies: up to K, no more than its length limit leaves room for after its
+        next token. None yet for a sequence whose rows read state that drafts would have to advance and roll back
+        (a grammar, penalties, a thinking budget) or whose recurrent state they would (hybrid models)."""
+        if (seq.grammar is not None or seq.token_counts is not None or seq.thinking is not None
+                or seq.state_slot is not None or seq.num_pending != 1):
+            return []
+        room = seq.request.max_total_tokens - len(seq.token_ids) - 1
+        k = min(self.num_speculative_tokens, room)
+        return self.drafter.propose(seq, k) if k > 0 else []
 
     def preempt_now(self, seq_id: int) -> Sequence:
         """Resume later: give the KV back (swapped to host, or to be recomputed), keep the tokens and the seat;
@@ -153,10 +189,17 @@ class DecodeStage(DeviceStage):
             if seq.seq_id not in chosen:
                 continue
             row = rows.get(seq.seq_id, -1)
-            if not self.cache.allocate_slots(seq, seq.num_pending, 1 if row >= 0 else 0):
+            drafts = self._drafts.get(seq.seq_id)
+            if not self.cache.allocate_slots(seq, seq.num_pending + (len(drafts) if drafts else 0),
+                                             1 if row >= 0 else 0):
                 raise RuntimeError("the planner counted blocks the cache does not have")
             num_tokens = len(seq.token_ids)
-            if row >= 0:  # its token is still on the device: feed it from there
+            if drafts:  # its last token and its drafts, a token picked after each (the verify row)
+                count = len(drafts) + 1
+                chunk = ScheduledChunk(seq.token_ids[seq.num_computed:] + drafts, seq.num_computed, seq.block_ids,
+                                       [self.sampling_row(seq, None, i) for i in range(count)], -1,
+                                       list(range(count)), seq.state_slot)
+            elif row >= 0:  # its token is still on the device: feed it from there
                 # positional arguments: this runs per sequence per step, and keywords cost more
                 chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row,
                                        None, seq.state_slot)
@@ -171,8 +214,10 @@ class DecodeStage(DeviceStage):
         """Read a step's tokens and record them; rows of sequences that ended meanwhile are dropped."""
         output = await self.executor.fetch(in_flight.step)
         tokens = output.token_ids.tolist()
+        if in_flight.drafts is not None:
+            self._complete_verify(in_flight, tokens, events)
         block_size = self.cache.block_size
-        for row, seq in enumerate(in_flight.batch):
+        for row, seq in enumerate(in_flight.batch if in_flight.drafts is None else ()):
             if seq.finish_reason is not None:
                 continue  # ended by the previous step or cancelled while this one ran
             seq.num_computed += 1
@@ -183,3 +228,32 @@ class DecodeStage(DeviceStage):
         batch_size = len(in_flight.batch)
         self.record(in_flight.launched_at, batch_size, batch_size)
         return output
+
+    def _complete_verify(self, in_flight: InFlightStep, tokens: list[int], events: StepTokensBuilder) -> None:
+        """A step of verify rows: each sequence's rows picked a token after its last one and after each draft, every
+        one as plain decoding would have (the same logits pipeline and the same random draw at each output
+        position), so the drafts are accepted while they equal those picks and the picks up to the first
+        difference are the sequence's next tokens: exactly the tokens decoding one at a time gives. The KV of
+        the rejected drafts stays past ``num_computed`` and is written over by the next steps."""
+        block_size, spec = self.cache.block_size, self.spec
+        row = 0
+        for seq, drafts in zip(in_flight.batch, in_flight.drafts):
+            first, row = row, row + len(drafts) + 1
+            if seq.finish_reason is not None:
+                continue  # ended by the previous step or cancelled while this one ran
+            accepted = 0
+            while accepted < len(drafts) and tokens[first + accepted] == drafts[accepted]:
+                accepted += 1
+            if drafts:
+                spec.verify_rows += 1
+                spec.drafted_tokens += len(drafts)
+                spec.accepted_tokens += accepted
+                spec.accepted_per_row[accepted] += 1
+            before = seq.num_computed
+            seq.num_computed += 1 + accepted  # its last token and the accepted drafts
+            if seq.num_computed // block_size != before // block_size:  # a block filled: the prefix cache may key it
+                self.cache.register_computed(seq)
+            for i in range(accepted + 1):
+                if not self.record_token(seq, tokens[first + i], first + i, events):
+                    break
+

@@ -244,3 +244,26 @@ def test_cumulative_buckets_adds_missing_inf() -> None:
     assert cumulative_buckets({"2": 1, "1": 2}) == [("1.0", 2.0), ("2.0", 3.0), ("+Inf", 3.0)]
     assert cumulative_buckets({"1": 2, "+Inf": 1}) == [("1.0", 2.0), ("+Inf", 3.0)]
 
+
+
+def test_speculation_and_snapshot_tier_families(stages: list[Stage]) -> None:
+    """Drafts offered and accepted per drafter with the acceptance-length histogram; snapshots by tier."""
+    stats = make_stats(stages)
+    stats["speculation"] = {"method": "ngram", "verify_rows": 10, "drafted_tokens": 30, "accepted_tokens": 12,
+                            "accepted_per_row": [4, 3, 1, 2]}
+    stats["state_snapshots"] = {"enabled": True, "held": 2, "taken": 9, "restored": 3,
+                                "host": {"held": 5, "demoted": 7, "promoted": 2}}
+    f = scrape(ServerMetrics(lambda: stats, MODEL))
+    assert value(f, "conveyor_spec_drafted_tokens", "conveyor_spec_drafted_tokens_total", drafter="ngram") == 30
+    assert value(f, "conveyor_spec_accepted_tokens", "conveyor_spec_accepted_tokens_total", drafter="ngram") == 12
+    assert value(f, "conveyor_spec_verify_rows", "conveyor_spec_verify_rows_total", drafter="ngram") == 10
+    hist = "conveyor_spec_acceptance_length"
+    assert value(f, hist, hist + "_bucket", drafter="ngram", le="0") == 4
+    assert value(f, hist, hist + "_bucket", drafter="ngram", le="2") == 8
+    assert value(f, hist, hist + "_bucket", drafter="ngram", le="+Inf") == 10
+    assert value(f, hist, hist + "_sum", drafter="ngram") == 3 + 2 + 6
+    assert value(f, "conveyor_state_snapshots_held_tier", "conveyor_state_snapshots_held_tier", tier="host") == 5
+    moved = "conveyor_state_snapshots_moved"
+    assert value(f, moved, moved + "_total", direction="to_host") == 7
+    assert value(f, moved, moved + "_total", direction="to_device") == 2
+    assert "conveyor_spec_drafted_tokens" not in scrape(ServerMetrics(lambda: make_stats(stages), MODEL))

@@ -1,0 +1,150 @@
+"""Speculation through the whole stage graph (n-gram drafts verified in the decode step's forward): the output
+equals decoding without it, token for token, greedy and seeded, alone and in batches, with the features its rows
+meet; drafts are offered and accepted; nothing leaks."""
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from pipeline.engine import Engine
+from pipeline.request import SamplingParams
+from tests.conftest import run_async
+from tests.engine_utils import assert_no_leaks, collect, config_for, settle
+
+pytestmark = pytest.mark.usefixtures("single_torch_thread")
+
+SPEC = dict(speculative_method="ngram", num_speculative_tokens=4, prompt_lookup_min=1, prompt_lookup_max=3)
+
+
+def prompts(count: int) -> list[list[int]]:
+    """Prompts that repeat themselves (as code and quoted tool output do): the n-gram drafter has matches."""
+    out = []
+    for i in range(count):
+        rng = random.Random(100 + i)
+        motif = [rng.randrange(100, 40000) for _ in range(6 + i)]
+        out.append(motif * 3 + [rng.randrange(100, 40000) for _ in range(3)] + motif[:4])
+    return out
+
+
+async def run(model_dir, batch: list[list[int]], params: list[SamplingParams], **overrides) -> tuple[list, dict]:
+    engine = await Engine.create(config_for(model_dir, **overrides))
+    try:
+        results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q) for p, q in zip(batch, params)])
+        await settle(engine)
+        assert_no_leaks(engine)
+        return [[s.token_ids for s in r] for r in results], engine.stats()
+    finally:
+        await engine.shutdown()
+
+
+def greedy(max_tokens: int = 220, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kwargs)
+
+
+@pytest.mark.parametrize("batch_size", [1, 3, 8])
+def test_greedy_equals_plain_decoding(tiny_model_dir, batch_size):
+    batch = prompts(batch_size)
+    params = [greedy() for _ in batch]
+    plain, _ = run_async(run(tiny_model_dir, batch, params))
+    spec, stats = run_async(run(tiny_model_dir, batch, params, **SPEC))
+    assert spec == plain
+    assert all(len(r[0]) == 220 for r in spec)
+    counted = stats["speculation"]
+    assert counted["method"] == "ngram" and counted["drafted_tokens"] > 0 and counted["accepted_tokens"] > 0
+    assert sum(counted["accepted_per_row"]) == counted["verify_rows"]
+
+
+def test_seeded_sampling_equals_plain_decoding(tiny_model_dir):
+    """Each verified position draws with the random key plain decoding uses there, so a seeded request gives the
+    same tokens with drafts or without; n > 1 too."""
+    batch = prompts(4)
+    params = [SamplingParams(max_tokens=120, temperature=0.8, top_p=0.9, top_k=50, seed=7 + i, ignore_eos=True,
+                             n=2 if i == 0 else 1) for i in range(len(batch))]
+    plain, _ = run_async(run(tiny_model_dir, batch, params))
+    spec, stats = run_async(run(tiny_model_dir, batch, params, **SPEC))
+    assert spec == plain and stats["speculation"]["verify_rows"] > 0
+
+
+def test_stops_limits_bias_and_the_loop_guard_act_on_accepted_tokens(tiny_model_dir):
+    """max_tokens that ends inside a verified run, stop ids, min_tokens holding eos back, logit_bias, logprobs, and
+    the loop guard (which greedy random weights trip): the same tokens and finish reasons as without drafts."""
+    batch = prompts(5)
+    params = [greedy(37), greedy(150, stop_token_ids=[batch[1][2], batch[1][5]]),
+              SamplingParams(max_tokens=60, temperature=0.0, min_tokens=40),
+              greedy(80, logit_bias={batch[3][0]: 5.0}, logprobs=2),
+              SamplingParams(max_tokens=400, temperature=0.0, ignore_eos=True)]
+
+    async def main(**overrides) -> list:
+        engine = await Engine.create(config_for(tiny_model_dir, **overrides))
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[(s.token_ids, s.finish_reason, [round(lp.logprob, 4) for lp in s.logprobs]) for s in r]
+                    for r in results]
+        finally:
+            await engine.shutdown()
+
+    assert run_async(main(**SPEC)) == run_async(main())
+
+
+def test_speculation_options_are_checked(tiny_model_dir):
+    with pytest.raises(ValueError, match="both"):
+        config_for(tiny_model_dir, speculative_method="ngram").validate()
+    with pytest.raises(ValueError, match="drafters"):
+        config_for(tiny_model_dir, speculative_method="eagle", num_speculative_tokens=2).validate()
+    with pytest.raises(ValueError, match="between"):
+        config_for(tiny_model_dir, speculative_method="ngram", num_speculative_tokens=99).validate()
+
+
+class ScriptedDrafter:
+    """Drafts from the known plain-decoding output, each one wrong with probability ``error``: long accepted runs
+    and rejections at every position of a row (what no random model's n-gram matches give)."""
+
+    name = "scripted"
+
+    def __init__(self, expected: dict[tuple[int, ...], list[int]], error: float, seed: int = 0) -> None:
+        self.expected = expected
+        self.error = error
+        self.rng = random.Random(seed)
+
+    def propose(self, seq, k: int) -> list[int]:
+        out = self.expected[tuple(seq.request.prompt_token_ids)]
+        pos = seq.num_output_tokens
+        drafts = out[pos:pos + k]
+        return [t + 1 if self.rng.random() < self.error else t for t in drafts]
+
+
+@pytest.mark.parametrize("error", [0.0, 0.3])
+def test_long_accepted_runs_and_rejections_anywhere_equal_plain_decoding(tiny_model_dir, error):
+    """Eight requests, 220 tokens each, greedy and seeded: drafts mostly right (or all right) give the same tokens
+    as plain decoding, and are accepted as often as they are right."""
+    batch = prompts(8)
+    params = [greedy() if i % 2 else SamplingParams(max_tokens=220, temperature=0.7, seed=i, ignore_eos=True)
+              for i in range(len(batch))]
+    plain, _ = run_async(run(tiny_model_dir, batch, params))
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+
+    async def main() -> tuple[list, dict]:
+        engine = await Engine.create(config_for(tiny_model_dir, **{**SPEC, "num_speculative_tokens": 6}))
+        engine.decode.drafter = ScriptedDrafter(expected, error)
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[s.token_ids for s in r] for r in results], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    spec, stats = run_async(main())
+    assert spec == plain
+    counted = stats["speculation"]
+    # a row of 6 drafts each wrong with probability e accepts sum(0.7 ** i for i in 1..6) ~ 1.9 of them at e = 0.3
+    assert counted["accepted_tokens"] > (0.9 if not error else 0.25) * counted["drafted_tokens"]
+    if error:
+        assert sum(counted["accepted_per_row"][:-1]) > 0  # rejections happened at some position of a row
+    assert stats["device_steps"] < 8 * 220 / 2  # fewer steps than one token a step
