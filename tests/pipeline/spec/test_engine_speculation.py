@@ -148,3 +148,28 @@ def test_long_accepted_runs_and_rejections_anywhere_equal_plain_decoding(tiny_mo
     if error:
         assert sum(counted["accepted_per_row"][:-1]) > 0  # rejections happened at some position of a row
     assert stats["device_steps"] < 8 * 220 / 2  # fewer steps than one token a step
+
+
+@pytest.mark.gpu
+def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir):
+    """On CUDA (fp32), the verify rows of K + 1 tokens replay the graphs captured for them: the scripted drafts give
+    the tokens of plain decoding on the same device."""
+    batch = prompts(4)
+    params = [greedy(120) for _ in batch]
+    plain, _ = run_async(run(tiny_model_dir, batch, params, device="cuda"))
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+
+    async def main() -> tuple[list, dict]:
+        engine = await Engine.create(config_for(tiny_model_dir, device="cuda", **SPEC))
+        engine.decode.drafter = ScriptedDrafter(expected, 0.0)
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[s.token_ids for s in r] for r in results], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    spec, stats = run_async(main())
+    assert spec == plain and stats["speculation"]["accepted_tokens"] > 0
