@@ -83,6 +83,7 @@ class Sequence:
     snapshot_pos: int = 0  # hybrid models: where its state was last snapshotted (or restored from)
     restore_from: int | None = None  # hybrid models: the pinned snapshot its state slot gets when allocated
     draft_history: Any = None  # the drafter's copy of token_ids (pipeline/spec/ngram.py), grown as they are
+    draft_acceptance: float = 1.0  # average share of its drafts accepted (pipeline/spec/budget.py)
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

@@ -24,6 +24,7 @@ from pipeline.runner.executor import LaunchedStep
 from pipeline.runner.sampler import SamplerOutput
 from pipeline.runner.step_plan import ScheduledChunk
 from pipeline.scheduler import RunningRow
+from pipeline.spec.budget import DraftBudget
 from pipeline.spec.drafter import Drafter
 from pipeline.sequence import Sequence
 from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
@@ -65,6 +66,7 @@ class DecodeStage(DeviceStage):
         self.planner = planner
         self.drafter = drafter  # speculation: a sequence's row feeds its drafts too, and samples at each of them
         self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
+        self.draft_budget = DraftBudget(self.num_speculative_tokens)
         self.spec = SpecStats(accepted_per_row=[0] * (self.num_speculative_tokens + 1))
         self._drafts: dict[int, list[int]] = {}  # seq_id -> drafts offered for the step being composed
         self.running: list[Sequence] = []
@@ -146,26 +148,28 @@ class DecodeStage(DeviceStage):
         cache = self.cache
         rows: list[RunningRow] = []
         self._drafts.clear()
+        limit = self.draft_budget.for_step(len(self.running)) if self.drafter is not None else 0
         for seq in self.running:
             ahead = self._ahead(seq)
             if ahead < 0:
                 continue
-            drafts = self._propose(seq) if self.drafter is not None else ()
+            drafts = self._propose(seq, limit) if limit else ()
             if drafts:
                 self._drafts[seq.seq_id] = drafts
             rows.append(RunningRow(seq.seq_id, seq.arrival, 1 + len(drafts),
                                    cache.blocks_needed(seq, seq.num_pending + len(drafts), ahead), len(seq.block_ids)))
         return rows
 
-    def _propose(self, seq: Sequence) -> list[int]:
-        """The drafts ``seq``'s next row verifies: up to K, no more than its length limit leaves room for after its
-        next token. None yet for a sequence whose rows read state that drafts would have to advance and roll back
-        (a grammar, penalties, a thinking budget) or whose recurrent state they would (hybrid models)."""
+    def _propose(self, seq: Sequence, limit: int) -> list[int]:
+        """The drafts ``seq``'s next row verifies: up to ``limit`` (pipeline/spec/budget.py), no more than its length
+        limit leaves room for after its next token. None yet for a sequence whose rows read state that drafts would
+        have to advance and roll back (a grammar, penalties, a thinking budget) or whose recurrent state they would
+        (hybrid models)."""
         if (seq.grammar is not None or seq.token_counts is not None or seq.thinking is not None
                 or seq.state_slot is not None or seq.num_pending != 1):
             return []
         room = seq.request.max_total_tokens - len(seq.token_ids) - 1
-        k = min(self.num_speculative_tokens, room)
+        k = min(self.draft_budget.for_sequence(limit, seq.draft_acceptance), room)
         return self.drafter.propose(seq, k) if k > 0 else []
 
     def preempt_now(self, seq_id: int) -> Sequence:
@@ -249,6 +253,7 @@ class DecodeStage(DeviceStage):
                 spec.drafted_tokens += len(drafts)
                 spec.accepted_tokens += accepted
                 spec.accepted_per_row[accepted] += 1
+                seq.draft_acceptance = DraftBudget.observe(seq.draft_acceptance, len(drafts), accepted)
             before = seq.num_computed
             seq.num_computed += 1 + accepted  # its last token and the accepted drafts
             if seq.num_computed // block_size != before // block_size:  # a block filled: the prefix cache may key it

@@ -173,3 +173,31 @@ def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir):
 
     spec, stats = run_async(main())
     assert spec == plain and stats["speculation"]["accepted_tokens"] > 0
+
+
+def test_drafts_shrink_where_they_fail_and_stop_in_large_batches(tiny_model_dir):
+    """Drafts that are always wrong: after a few rows each sequence verifies one draft a step (the output still
+    equal). A batch above the budget's row limit drafts nothing until it shrinks to the limit."""
+    batch = prompts(4)
+    params = [greedy(100) for _ in batch]
+    plain, _ = run_async(run(tiny_model_dir, batch, params))
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+
+    async def main(error: float, max_rows: int) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(tiny_model_dir, **{**SPEC, "num_speculative_tokens": 6}))
+        engine.decode.drafter = ScriptedDrafter(expected, error)
+        engine.decode.draft_budget.max_rows = max_rows
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            return [[s.token_ids for s in r] for r in results], engine.stats()["speculation"]
+        finally:
+            await engine.shutdown()
+
+    wrong, counted = run_async(main(1.0, 32))
+    assert wrong == plain and counted["accepted_tokens"] == 0
+    assert counted["drafted_tokens"] < 1.5 * counted["verify_rows"]  # mostly one draft a row
+    limited, counted = run_async(main(0.0, 3))
+    # four sequences, 100 tokens each: rows draft only once fewer than four run (their ends, if staggered)
+    assert limited == plain and counted["verify_rows"] < 100
