@@ -23,6 +23,14 @@ cdef class TokenCounts:
         for token in tokens:
             self.add(token)
 
+    def with_tokens(self, tokens):
+        """A copy with ``tokens`` added to the output (the prompt's set shared, not copied)."""
+        cdef TokenCounts copy = TokenCounts.__new__(TokenCounts)
+        copy.prompt = self.prompt
+        copy.output = dict(self.output)
+        copy.add_all(tokens)
+        return copy
+
 
 def penalty_inputs(list seen_rows, list counted_rows, long long vocab_size):
     cdef Py_ssize_t n_seen = 0, n_counted = 0, i

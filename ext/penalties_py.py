@@ -25,6 +25,15 @@ class TokenCounts:
         for token in tokens:
             self.add(token)
 
+    def with_tokens(self, tokens) -> TokenCounts:
+        """A copy with ``tokens`` added to the output (the prompt's set shared, not copied): a speculative verify
+        row's counts, as if the drafts before it were accepted."""
+        copy = TokenCounts.__new__(TokenCounts)
+        copy.prompt = self.prompt
+        copy.output = dict(self.output)
+        copy.add_all(tokens)
+        return copy
+
 
 def penalty_inputs(seen_rows: list, counted_rows: list, vocab_size: int):
     """Flat (row * V + token) indices for the batch.

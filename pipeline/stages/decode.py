@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
 from pipeline.runner.sampler import SamplerOutput
+from pipeline.runner.sampling_batch import SamplingRow
 from pipeline.runner.step_plan import ScheduledChunk
 from pipeline.scheduler import RunningRow
 from pipeline.spec.budget import DraftBudget
@@ -163,10 +164,10 @@ class DecodeStage(DeviceStage):
     def _propose(self, seq: Sequence, limit: int) -> list[int]:
         """The drafts ``seq``'s next row verifies: up to ``limit`` (pipeline/spec/budget.py), no more than its length
         limit leaves room for after its next token. None yet for a sequence whose rows read state that drafts would
-        have to advance and roll back (a grammar, penalties, a thinking budget) or whose recurrent state they would
-        (hybrid models)."""
-        if (seq.grammar is not None or seq.token_counts is not None or seq.thinking is not None
-                or seq.state_slot is not None or seq.num_pending != 1):
+        have to advance and roll back (a grammar, a thinking budget) or whose recurrent state they would (hybrid
+        models)."""
+        if (seq.grammar is not None or seq.thinking is not None or seq.state_slot is not None
+                or seq.num_pending != 1):
             return []
         room = seq.request.max_total_tokens - len(seq.token_ids) - 1
         k = min(self.draft_budget.for_sequence(limit, seq.draft_acceptance), room)
@@ -199,10 +200,9 @@ class DecodeStage(DeviceStage):
                 raise RuntimeError("the planner counted blocks the cache does not have")
             num_tokens = len(seq.token_ids)
             if drafts:  # its last token and its drafts, a token picked after each (the verify row)
-                count = len(drafts) + 1
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:] + drafts, seq.num_computed, seq.block_ids,
-                                       [self.sampling_row(seq, None, i) for i in range(count)], -1,
-                                       list(range(count)), seq.state_slot)
+                                       self._verify_rows(seq, drafts), -1, list(range(len(drafts) + 1)),
+                                       seq.state_slot)
             elif row >= 0:  # its token is still on the device: feed it from there
                 # positional arguments: this runs per sequence per step, and keywords cost more
                 chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row,
@@ -213,6 +213,16 @@ class DecodeStage(DeviceStage):
             batch.append(seq)
             chunks.append(chunk)
         return batch, chunks
+
+    def _verify_rows(self, seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
+        """The sampling rows after the last token and after each draft, each as plain decoding would have it if the
+        drafts before it were accepted: its output position (the random key, min_tokens) and, with penalties, the
+        counts with those drafts added."""
+        rows = [self.sampling_row(seq, None, i) for i in range(len(drafts) + 1)]
+        if seq.token_counts is not None:
+            for i in range(1, len(rows)):
+                rows[i].counts = seq.token_counts.with_tokens(drafts[:i])
+        return rows
 
     async def _complete(self, in_flight: InFlightStep, events: StepTokensBuilder) -> SamplerOutput:
         """Read a step's tokens and record them; rows of sequences that ended meanwhile are dropped."""

@@ -31,3 +31,14 @@ def test_sparse_inputs_equal_direct_counts(module, seed):
     expected_counts = {r * vocab + t: n for r, _, o, _ in rows for t, n in Counter(o).items()}
     assert dict(zip(counted.tolist(), values.tolist())) == expected_counts
     assert seen.dtype == np.int64 and counted.dtype == np.int64 and values.dtype == np.float32
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_with_tokens_counts_drafts_without_touching_the_original(module):
+    counts = module.TokenCounts([1, 2, 3])
+    counts.add_all([4, 4, 5])
+    draft = counts.with_tokens([4, 6])
+    assert draft.output == {4: 3, 5: 1, 6: 1} and draft.prompt == {1, 2, 3}
+    assert counts.output == {4: 2, 5: 1}  # the sequence's own counts unchanged
+    _, counted, values = module.penalty_inputs([], [(0, draft)], 10)
+    assert dict(zip(counted.tolist(), values.tolist())) == {4: 3.0, 5: 1.0, 6: 1.0}

@@ -201,3 +201,31 @@ def test_drafts_shrink_where_they_fail_and_stop_in_large_batches(tiny_model_dir)
     limited, counted = run_async(main(0.0, 3))
     # four sequences, 100 tokens each: rows draft only once fewer than four run (their ends, if staggered)
     assert limited == plain and counted["verify_rows"] < 100
+
+
+def test_penalties_count_the_drafts_before_each_position(tiny_model_dir):
+    """Repetition, presence and frequency penalties: each verified position counts the drafts before it as if
+    accepted, so the tokens equal plain decoding's, greedy and seeded, with drafts right and wrong."""
+    batch = prompts(4)
+    # negative presence/frequency penalties pull the output towards its own tokens: a row that missed the drafts
+    # before it would pick differently
+    params = [SamplingParams(max_tokens=150, temperature=0.0 if i % 2 else 0.8, seed=i, ignore_eos=True,
+                             repetition_penalty=1.3 if i < 2 else 0.7, presence_penalty=-2.0, frequency_penalty=-1.0)
+              for i in range(len(batch))]
+    plain, _ = run_async(run(tiny_model_dir, batch, params))
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+
+    async def main() -> tuple[list, dict]:
+        engine = await Engine.create(config_for(tiny_model_dir, **SPEC))
+        engine.decode.drafter = ScriptedDrafter(expected, 0.2)
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[s.token_ids for s in r] for r in results], engine.stats()["speculation"]
+        finally:
+            await engine.shutdown()
+
+    spec, counted = run_async(main())
+    assert spec == plain and counted["accepted_tokens"] > counted["verify_rows"]
