@@ -173,9 +173,33 @@ def bitmask_words(vocab_size: int) -> int:
     return (vocab_size + 31) // 32
 
 
+def fill_draft_rows(array: np.ndarray, tensor: torch.Tensor,
+                    draft_rows: list[tuple[int, GrammarState, tuple[int, ...]]]) -> None:
+    """Speculative verify rows after drafts (their state's row before the drafts is filled already, its matcher
+    at that position): each matcher takes the drafts in order, fills the row after each, and is rolled back to
+    where it was. Past a draft it refuses, or a stop token, the rows get the last mask it could fill, or allow
+    everything: their positions are rejected anyway (the token picked there differs from the draft)."""
+    by_state: dict[int, tuple[GrammarState, list[tuple[int, int, tuple[int, ...]]]]] = {}
+    for row, state, drafts in draft_rows:
+        by_state.setdefault(id(state), (state, []))[1].append((len(drafts), row, drafts))
+    for state, rows in by_state.values():
+        matcher, taken, stuck = state.matcher, 0, state.ended or state.refused
+        for count, row, drafts in sorted(rows):
+            if not stuck and taken < count:
+                stuck = not matcher.accept_token(drafts[count - 1])
+                taken += not stuck
+            if state.ended or matcher.is_terminated():
+                array[row] = -1
+            else:
+                matcher.fill_next_token_bitmask(tensor, row)
+        if taken:
+            matcher.rollback(taken)
+
+
 def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vocab_size: int,
                        device: torch.device, staging: HostStaging | None = None,
-                       accepts: TokenRound | None = None) -> torch.Tensor:
+                       accepts: TokenRound | None = None,
+                       draft_rows: list[tuple[int, GrammarState, tuple[int, ...]]] = ()) -> torch.Tensor:
     """The step's int32 bitmask [S, ceil(V/32)] (bit j of word w allows token 32w + j) on `device`.
 
     Rows without a grammar allow everything. `accepts` (take_tokens' last round, kept) is given to
@@ -195,6 +219,8 @@ def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vo
     _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda rows: _fill_rows(states, host, array, rows, accepts))
     if accepts is not None and not states:  # no row to fill: the accepts alone
         accepts.take()
+    if draft_rows:
+        fill_draft_rows(array, host, draft_rows)
     if device.type == "cuda":
         return host.pin_memory().to(device, non_blocking=True)
     return host

@@ -54,6 +54,9 @@ class SamplingRow:
     forced_token: int | None = None  # the only token this row may pick (e.g. closing a thinking budget)
     counts: Any = None  # the sequence's TokenCounts (ext/penalties), kept up to date per token
     num_output_tokens: int | None = None  # None: len(output_token_ids)
+    # a speculative verify row after drafts: the drafts before its position, which the grammar's matcher takes
+    # before it fills the row's mask (and gives back after)
+    grammar_drafts: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -105,6 +108,7 @@ class SamplingBatch:
     # the forward is launched (fill_grammar_bitmask); forced tokens as indices [2, F]
     # (row, state, previous row, output position being picked)
     grammar_rows: list[tuple[int, Any, int, int]] = field(default_factory=list)
+    grammar_draft_rows: list[tuple[int, Any, tuple[int, ...]]] = field(default_factory=list)  # (row, state, drafts)
     grammar_bitmask: Tensor | None = None
     forced_index: Tensor | None = None
     staging: HostStaging | None = None  # the runner's reused host buffers (the bitmask's too)
@@ -113,7 +117,7 @@ class SamplingBatch:
         """Fill the grammar rows' masks from their states (host work the device step hides). Each
         state first takes the tokens it is missing, in one batched call with the fill: a row one step
         ahead takes its previous token from `previous_tokens()`, the host ids of the stage's previous step."""
-        if not self.grammar_rows:
+        if not self.grammar_rows and not self.grammar_draft_rows:
             return
         from pipeline.grammar.state import fill_batch_bitmask, plan_rows
 
@@ -124,7 +128,7 @@ class SamplingBatch:
         # the accepts go to the matchers with the fill, in one GIL release
         accepts, states = plan_rows(self.grammar_rows, host)
         self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device, self.staging,
-                                                  accepts)
+                                                  accepts, self.grammar_draft_rows)
 
     @property
     def all_greedy(self) -> bool:
@@ -196,6 +200,7 @@ class SamplingBatch:
             num_logprobs=r.num_logprobs,
             max_num_logprobs=r.max_num_logprobs,
             grammar_rows=r.grammar_rows,
+            grammar_draft_rows=r.grammar_draft_rows,
             forced_index=upload.shaped(on_device["forced_index"], (2, num_forced)) if num_forced else None,
             staging=staging,
         )

@@ -53,6 +53,7 @@ class SamplingRows:
     forced_index: np.ndarray  # int64 [2F]: rows, then their only allowed token
     num_logprobs: np.ndarray  # int64 [S], -1 = none asked
     max_num_logprobs: int | None  # None: no row asked
+    grammar_draft_rows: list[tuple[int, Any, tuple[int, ...]]]  # (row, state, drafts before it): verify rows
 
 
 def _splitmix64(x: int) -> int:
@@ -94,6 +95,7 @@ def gather(rows: list, vocab_size: int, counts_of: Callable[[Any], Any]) -> Samp
     bias: list[tuple[int, int, float]] = []
     suppress: list[tuple[int, int]] = []
     grammar_rows: list[tuple[int, Any, int, int]] = []
+    grammar_draft_rows: list[tuple[int, Any, tuple[int, ...]]] = []
     forced: list[tuple[int, int]] = []
     num_logprobs = np.full(num_rows, -1, dtype=np.int64)
 
@@ -137,7 +139,10 @@ def gather(rows: list, vocab_size: int, counts_of: Callable[[Any], Any]) -> Samp
         if p.logprobs is not None:
             num_logprobs[i] = p.logprobs
         if row.grammar is not None:
-            grammar_rows.append((i, row.grammar, row.grammar_previous_row, row.counter))
+            if row.grammar_drafts:
+                grammar_draft_rows.append((i, row.grammar, row.grammar_drafts))
+            else:
+                grammar_rows.append((i, row.grammar, row.grammar_previous_row, row.counter))
         if row.forced_token is not None and 0 <= row.forced_token < vocab:
             forced.append((i, row.forced_token))
 
@@ -169,4 +174,5 @@ def gather(rows: list, vocab_size: int, counts_of: Callable[[Any], Any]) -> Samp
         forced_index=_i64([f[j] for j in range(2) for f in forced]),
         num_logprobs=num_logprobs,
         max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        grammar_draft_rows=grammar_draft_rows,
     )

@@ -43,6 +43,7 @@ def reference(rows: list[SamplingRow], vocab: int, counts_of) -> dict[str, Any]:
     rep, presence, frequency = [1.0] * num_rows, [0.0] * num_rows, [0.0] * num_rows
     random_rows, rng_keys, top_k_rows, top_k, top_p_rows, top_p, top_p_sort_k = [], [], [], [], [], [], []
     seen_rows, counted_rows, bias, suppress, grammar_rows, forced = [], [], [], [], [], []
+    grammar_draft_rows = []
     num_logprobs = np.full(num_rows, -1, dtype=np.int64)
 
     for i, row in enumerate(rows):
@@ -81,7 +82,9 @@ def reference(rows: list[SamplingRow], vocab: int, counts_of) -> dict[str, Any]:
             suppress += [(i, tok) for tok in sorted(stops) if 0 <= tok < vocab]
         if p.logprobs is not None:
             num_logprobs[i] = p.logprobs
-        if row.grammar is not None:
+        if row.grammar is not None and row.grammar_drafts:
+            grammar_draft_rows.append((i, row.grammar, row.grammar_drafts))
+        elif row.grammar is not None:
             grammar_rows.append((i, row.grammar, row.grammar_previous_row, row.counter))
         if row.forced_token is not None and 0 <= row.forced_token < vocab:
             forced.append((i, row.forced_token))
@@ -102,6 +105,7 @@ def reference(rows: list[SamplingRow], vocab: int, counts_of) -> dict[str, Any]:
         suppress_index=i64([s[j] for j in range(2) for s in suppress]), grammar_rows=grammar_rows,
         forced_index=i64([f[j] for j in range(2) for f in forced]), num_logprobs=num_logprobs,
         max_num_logprobs=int(num_logprobs.max()) if (num_logprobs >= 0).any() else None,
+        grammar_draft_rows=grammar_draft_rows,
     )
 
 
@@ -140,6 +144,7 @@ def random_row(rng: random.Random, vocab: int) -> SamplingRow:
         grammar_previous_row=rng.randrange(-1, 8) if grammar is not None else -1,
         forced_token=pick([None, None, 0, 5, vocab - 1, vocab, vocab + 7, -1]),
         num_output_tokens=pick([None, 0, len(output), 50]),
+        grammar_drafts=pick([(), (), (3,), (4, 1, 9)]) if grammar is not None else (),
     )
 
 

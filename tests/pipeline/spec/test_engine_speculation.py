@@ -229,3 +229,36 @@ def test_penalties_count_the_drafts_before_each_position(tiny_model_dir):
 
     spec, counted = run_async(main())
     assert spec == plain and counted["accepted_tokens"] > counted["verify_rows"]
+
+
+def test_grammars_mask_each_position_after_the_drafts_before_it(tiny_model_dir):
+    """json_schema, regex and choice requests, greedy and seeded: each verified position's mask is the grammar's
+    after the drafts before it (the matcher takes them and is rolled back); wrong drafts, some of which the grammar
+    refuses, are rejected. The same tokens as plain decoding, and the outputs still match their grammars."""
+    from pipeline.grammar.spec import GrammarSpec
+    from tests.pipeline.grammar.test_structured_output import SCHEMA
+
+    specs = [GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", r"[a-c]{3}-[0-9]{2}( [a-z]{2,6}){1,5}"),
+             GrammarSpec.choice(["alpha beta gamma delta", "epsilon zeta"]), GrammarSpec.json_schema(SCHEMA)]
+    batch = [[100, 200, 300 + i] for i in range(len(specs))]
+    params = [SamplingParams(max_tokens=80, temperature=0.0 if i % 2 else 0.9, seed=i, grammar=spec)
+              for i, spec in enumerate(specs)]
+
+    async def main(drafter_of=None, **overrides) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(tiny_model_dir, **overrides))
+        if drafter_of is not None:
+            engine.decode.drafter = drafter_of
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[(s.token_ids, s.finish_reason) for s in r] for r in results], engine.stats()["speculation"]
+        finally:
+            await engine.shutdown()
+
+    plain, _ = run_async(main())
+    expected = {tuple(p): out[0][0] for p, out in zip(batch, plain)}
+    for error in (0.0, 0.3):
+        spec, counted = run_async(main(ScriptedDrafter(expected, error), **SPEC))
+        assert spec == plain and counted["accepted_tokens"] > 0
