@@ -45,6 +45,17 @@ class ThinkingBudget:
         """Whether the budget may still force a token (its sequence must wait for each token)."""
         return self.inside or self.used < self.budget
 
+    def forced_after(self, tokens: list[int]) -> int | None:
+        """``forced_token`` once ``tokens`` are observed, this budget left as it is (a speculative verify row's, after
+        the drafts before it)."""
+        copy = ThinkingBudget(self.tags, self.budget, self.inside, self.used, self.forcing, list(self.recent))
+        for token in tokens:
+            forced = copy.forced_token
+            if forced is not None and token != forced:  # a draft the budget would not allow: rejected there, so
+                return forced  # the rows after it are never used
+            copy.observe(token)
+        return copy.forced_token
+
     def observe(self, token_id: int) -> None:
         recent = self.recent
         recent.append(token_id)

@@ -163,9 +163,9 @@ class DecodeStage(DeviceStage):
 
     def _propose(self, seq: Sequence, limit: int) -> list[int]:
         """The drafts ``seq``'s next row verifies: up to ``limit`` (pipeline/spec/budget.py), no more than its length
-        limit leaves room for after its next token. None yet for a sequence with a thinking budget (its forced token
-        would depend on the drafts) or whose recurrent state the drafts would advance (hybrid models)."""
-        if seq.thinking is not None or seq.state_slot is not None or seq.num_pending != 1:
+        limit leaves room for after its next token. None yet for a sequence whose recurrent state the drafts would
+        advance (hybrid models)."""
+        if seq.state_slot is not None or seq.num_pending != 1:
             return []
         room = seq.request.max_total_tokens - len(seq.token_ids) - 1
         k = min(self.draft_budget.for_sequence(limit, seq.draft_acceptance), room)
@@ -215,7 +215,8 @@ class DecodeStage(DeviceStage):
     def _verify_rows(self, seq: Sequence, drafts: list[int]) -> list[SamplingRow]:
         """The sampling rows after the last token and after each draft, each as plain decoding would have it if the
         drafts before it were accepted: its output position (the random key, min_tokens), with penalties the counts
-        with those drafts added, with a grammar the mask after them (``fill_draft_rows``)."""
+        with those drafts added, with a grammar the mask after them (``fill_draft_rows``), with a thinking budget the
+        token it forces after them."""
         rows = [self.sampling_row(seq, None, i) for i in range(len(drafts) + 1)]
         if seq.token_counts is not None:
             for i in range(1, len(rows)):
@@ -223,6 +224,9 @@ class DecodeStage(DeviceStage):
         if seq.grammar is not None:
             for i in range(1, len(rows)):
                 rows[i].grammar_drafts = tuple(drafts[:i])
+        if seq.thinking is not None:
+            for i in range(1, len(rows)):
+                rows[i].forced_token = seq.thinking.forced_after(drafts[:i])
         return rows
 
     async def _complete(self, in_flight: InFlightStep, events: StepTokensBuilder) -> SamplerOutput:

@@ -262,3 +262,29 @@ def test_grammars_mask_each_position_after_the_drafts_before_it(tiny_model_dir):
     for error in (0.0, 0.3):
         spec, counted = run_async(main(ScriptedDrafter(expected, error), **SPEC))
         assert spec == plain and counted["accepted_tokens"] > 0
+
+
+def test_a_thinking_budget_forces_its_closing_tag_at_the_same_position(tiny_model_dir):
+    """A budget spent inside a verify row: the row after the drafts that spend it forces the closing tag there, as
+    plain decoding does; drafts that skip the tag are rejected."""
+    async def main(drafter=None, **overrides) -> tuple[list[list[int]], list]:
+        engine = await Engine.create(config_for(tiny_model_dir, **overrides))
+        if drafter is not None:
+            engine.decode.drafter = drafter
+        try:
+            start = list(engine.loaded.limits.thinking_tags.start_ids)
+            prompts_ = [[100, 200, *start, i] for i in range(3)]  # the prompts open the thinking block
+            params = [SamplingParams(max_tokens=40, temperature=t, seed=1, ignore_eos=True, thinking_token_budget=b)
+                      for t, b in ((0.0, 5), (0.8, 9), (0.0, 0))]
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(prompts_, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return prompts_, [r[0].token_ids for r in results]
+        finally:
+            await engine.shutdown()
+
+    prompts_, plain = run_async(main())
+    expected = {tuple(p): out for p, out in zip(prompts_, plain)}
+    for error in (0.0, 0.3):
+        assert run_async(main(ScriptedDrafter(expected, error), **SPEC))[1] == plain
