@@ -10,6 +10,7 @@ import pytest
 
 from pipeline.engine import Engine
 from pipeline.request import SamplingParams
+from pipeline.spec.replay import ReplayDrafter
 from tests.conftest import run_async
 from tests.engine_utils import assert_no_leaks, collect, config_for, settle
 
@@ -100,24 +101,6 @@ def test_speculation_options_are_checked(tiny_model_dir):
         config_for(tiny_model_dir, speculative_method="ngram", num_speculative_tokens=99).validate()
 
 
-class ScriptedDrafter:
-    """Drafts from the known plain-decoding output, each one wrong with probability ``error``: long accepted runs
-    and rejections at every position of a row (what no random model's n-gram matches give)."""
-
-    name = "scripted"
-
-    def __init__(self, expected: dict[tuple[int, ...], list[int]], error: float, seed: int = 0) -> None:
-        self.expected = expected
-        self.error = error
-        self.rng = random.Random(seed)
-
-    def propose(self, seq, k: int) -> list[int]:
-        out = self.expected[tuple(seq.request.prompt_token_ids)]
-        pos = seq.num_output_tokens
-        drafts = out[pos:pos + k]
-        return [t + 1 if self.rng.random() < self.error else t for t in drafts]
-
-
 @pytest.mark.parametrize("error", [0.0, 0.3])
 def test_long_accepted_runs_and_rejections_anywhere_equal_plain_decoding(tiny_model_dir, error):
     """Eight requests, 220 tokens each, greedy and seeded: drafts mostly right (or all right) give the same tokens
@@ -130,7 +113,7 @@ def test_long_accepted_runs_and_rejections_anywhere_equal_plain_decoding(tiny_mo
 
     async def main() -> tuple[list, dict]:
         engine = await Engine.create(config_for(tiny_model_dir, **{**SPEC, "num_speculative_tokens": 6}))
-        engine.decode.drafter = ScriptedDrafter(expected, error)
+        engine.decode.drafter = ReplayDrafter(expected, error)
         try:
             results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
                                              for p, q in zip(batch, params)])
@@ -161,7 +144,7 @@ def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir):
 
     async def main() -> tuple[list, dict]:
         engine = await Engine.create(config_for(tiny_model_dir, device="cuda", **SPEC))
-        engine.decode.drafter = ScriptedDrafter(expected, 0.0)
+        engine.decode.drafter = ReplayDrafter(expected, 0.0)
         try:
             results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
                                              for p, q in zip(batch, params)])
@@ -185,7 +168,7 @@ def test_drafts_shrink_where_they_fail_and_stop_in_large_batches(tiny_model_dir)
 
     async def main(error: float, max_rows: int) -> tuple[list, dict]:
         engine = await Engine.create(config_for(tiny_model_dir, **{**SPEC, "num_speculative_tokens": 6}))
-        engine.decode.drafter = ScriptedDrafter(expected, error)
+        engine.decode.drafter = ReplayDrafter(expected, error)
         engine.decode.draft_budget.max_rows = max_rows
         try:
             results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
@@ -217,7 +200,7 @@ def test_penalties_count_the_drafts_before_each_position(tiny_model_dir):
 
     async def main() -> tuple[list, dict]:
         engine = await Engine.create(config_for(tiny_model_dir, **SPEC))
-        engine.decode.drafter = ScriptedDrafter(expected, 0.2)
+        engine.decode.drafter = ReplayDrafter(expected, 0.2)
         try:
             results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
                                              for p, q in zip(batch, params)])
@@ -260,7 +243,7 @@ def test_grammars_mask_each_position_after_the_drafts_before_it(tiny_model_dir):
     plain, _ = run_async(main())
     expected = {tuple(p): out[0][0] for p, out in zip(batch, plain)}
     for error in (0.0, 0.3):
-        spec, counted = run_async(main(ScriptedDrafter(expected, error), **SPEC))
+        spec, counted = run_async(main(ReplayDrafter(expected, error), **SPEC))
         assert spec == plain and counted["accepted_tokens"] > 0
 
 
@@ -287,4 +270,4 @@ def test_a_thinking_budget_forces_its_closing_tag_at_the_same_position(tiny_mode
     prompts_, plain = run_async(main())
     expected = {tuple(p): out for p, out in zip(prompts_, plain)}
     for error in (0.0, 0.3):
-        assert run_async(main(ScriptedDrafter(expected, error), **SPEC))[1] == plain
+        assert run_async(main(ReplayDrafter(expected, error), **SPEC))[1] == plain
