@@ -82,6 +82,7 @@ def main() -> None:
         __file__))), ".peer", "tokenizer"))
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 7])
     ap.add_argument("--errors", type=float, nargs="+", default=[0.0, 0.3])
+    ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--commit", default=None)
     ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "spec.json"))
     a = ap.parse_args()
@@ -89,6 +90,7 @@ def main() -> None:
     if a.quick:
         shape = {**shape, **(QUICK_MOE if shape.get("num_experts") else QUICK)}
     sizes = dict(prompt=32, new=24, batches=[1, 4]) if a.quick else dict(prompt=128, new=256, batches=[1, 16, 64])
+    sizes["batches"] = a.batches or sizes["batches"]
     model_dir = write_model_dir(shape, a.tokenizer)
     report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "date": time.strftime("%Y-%m-%d %H:%M"),
                     "sizes": sizes}
@@ -98,9 +100,11 @@ def main() -> None:
         report["device"] = torch.cuda.get_device_name(0) if a.device == "cuda" else "cpu"
 
         async def run() -> list[dict]:
+            # prefix caching off: a repeated prompt would start from its cached blocks, its first token computed
+            # by a one-token row instead of the prompt's last, which on a GPU is a different bf16 sum
             engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=max(sizes["batches"]),
                                                        max_model_len=1024, speculative_method="ngram",
-                                                       num_speculative_tokens=max(a.ks)))
+                                                       num_speculative_tokens=max(a.ks), prefix_caching=False))
             try:
                 return await workloads(engine, sizes, a.ks, a.errors)
             finally:
