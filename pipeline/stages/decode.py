@@ -87,8 +87,9 @@ class DecodeStage(DeviceStage):
             events = StepTokensBuilder()
             output: SamplerOutput | None = None
             reads_own_tokens = self._reap_cancelled(events)
-            # with speculation a row's drafts follow its last token, which the host must have read
-            can_run_ahead = self.run_ahead and self.drafter is None and not reads_own_tokens
+            # a row's drafts follow its last token, which the host must have read: no running ahead while rows draft
+            drafting = self.drafter is not None and self.draft_budget.for_step(len(self.running)) > 0
+            can_run_ahead = self.run_ahead and not drafting and not reads_own_tokens
             if in_flight is not None and not can_run_ahead:
                 output = await self._complete(in_flight, events)
                 in_flight = None
@@ -103,7 +104,7 @@ class DecodeStage(DeviceStage):
                     composed = self.planner.compose(rows_in_flight=False)
                 if isinstance(composed, ComposedStep) and composed.batch:
                     self.steps_ahead += in_flight is not None
-                    drafts = [self._drafts.get(seq.seq_id, []) for seq in composed.batch] if self.drafter else None
+                    drafts = [self._drafts.get(seq.seq_id, []) for seq in composed.batch] if self._drafts else None
                     launched = InFlightStep(composed.batch, composed.step, time.monotonic(),
                                             {seq.seq_id: i for i, seq in enumerate(composed.batch)}, drafts)
                 self._drafts.clear()
@@ -154,7 +155,7 @@ class DecodeStage(DeviceStage):
             ahead = self._ahead(seq)
             if ahead < 0:
                 continue
-            drafts = self._propose(seq, limit) if limit else ()
+            drafts = self._propose(seq, limit) if limit and not ahead else ()  # (drafts follow the last token)
             if drafts:
                 self._drafts[seq.seq_id] = drafts
             rows.append(RunningRow(seq.seq_id, seq.arrival, 1 + len(drafts),
