@@ -13,6 +13,7 @@ from pipeline.models.config import ModelArchConfig
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
 from pipeline.models.registry import build_model
 from pipeline.runner.model_runner import ModelRunner
+from pipeline.spec.budget import MAX_DRAFT_ROWS
 from pipeline.stages.intake import ModelLimits, generation_defaults
 from pipeline.thinking import ThinkingTags
 from pipeline.tokenizer import Tokenizer
@@ -90,8 +91,10 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers) "
         f"as {dtype} on {device}")
     model = build_model(arch, None if dummy else iter_weights(path), dtype, device)
+    # hybrid models with speculation: a spare state slot for each sequence that may draft (pipeline/spec/budget.py)
+    spare = min(config.max_num_seqs, MAX_DRAFT_ROWS) if config.speculative_method else 0
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
-                         max_num_seqs=config.max_num_seqs)
+                         max_num_seqs=config.max_num_seqs + spare)
     cpu_memory = (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes
                   if device.type != "cuda" and not config.num_kv_blocks else None)
     snapshots = num_snapshots(config, runner, cpu_memory)

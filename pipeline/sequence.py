@@ -84,6 +84,7 @@ class Sequence:
     restore_from: int | None = None  # hybrid models: the pinned snapshot its state slot gets when allocated
     draft_history: Any = None  # the drafter's copy of token_ids (pipeline/spec/ngram.py), grown as they are
     draft_acceptance: float = 1.0  # average share of its drafts accepted (pipeline/spec/budget.py)
+    spare_slot: StateSlot | None = None  # hybrid models with drafts: its state before a verify step (kept, rewound)
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

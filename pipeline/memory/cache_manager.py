@@ -261,14 +261,37 @@ class CacheManager:
             copies.state_saves.extend(self._schedule.take_saves())
             self.snapshots.handed()
         if transfers is not None:
-            transfers.copies, transfers.state_saves, transfers.state_loads = (
-                copies.copies, copies.state_saves, copies.state_loads)
+            transfers.copies, transfers.state_saves, transfers.state_loads, transfers.state_copies = (
+                copies.copies, copies.state_saves, copies.state_loads, copies.state_copies)
             copies = transfers
         # the snapshots' host copies (demotions of the snapshots the saves above evicted, promotions)
         host = isinstance(self.snapshots, TieredSnapshots) and self.snapshots.take_copies(copies)
-        if copies is transfers or host or copies.copies or copies.state_saves or copies.state_loads:
+        if (copies is transfers or host or copies.copies or copies.state_saves or copies.state_loads
+                or copies.state_copies):
             return copies
         return None
+
+    def keep_state(self, seq: Sequence) -> bool:
+        """Hybrid models, before a step that verifies drafts: copy the sequence's state into a spare slot of its
+        own (taken on first use), so ``rewind_state`` can put it back if drafts are rejected. False when no slot
+        is free (the row verifies no drafts then)."""
+        if seq.spare_slot is None:
+            seq.spare_slot = self._states.allocate()
+            if seq.spare_slot is None:
+                return False
+        self._copies.state_copies.append((seq.state_slot.index, seq.spare_slot.index))
+        return True
+
+    def can_keep_state(self, seq: Sequence) -> bool:
+        return seq.spare_slot is not None or self._states.num_free > 0
+
+    def rewind_state(self, seq: Sequence) -> None:
+        """The state kept before the last verify step goes back into the sequence's slot before the next one."""
+        self._copies.state_copies.append((seq.spare_slot.index, seq.state_slot.index))
+
+    @property
+    def has_state_slots(self) -> bool:
+        return self._states is not None
 
     def prompt_stop(self, seq: Sequence) -> int:
         """Where the sequence's next prompt chunk must end at the latest: its end, or for hybrid models a snapshot
@@ -351,6 +374,9 @@ class CacheManager:
         if seq.state_slot is not None:
             slot, seq.state_slot = seq.state_slot, None
             self._states.free(slot)
+        if seq.spare_slot is not None:
+            spare, seq.spare_slot = seq.spare_slot, None
+            self._states.free(spare)
         if seq.restore_from is not None:
             self.snapshots.unpin(seq.restore_from)
             seq.restore_from = None

@@ -37,7 +37,8 @@ SETTLE_TIMEOUT_S = 60.0  # a runner that has not run a handed-over transfer by t
 class BlockTransfers:
     """Copies a step runs before its forward, in order: device blocks to host slots, device blocks to device blocks,
     host slots to blocks, then (hybrid models) snapshots to their host slots, host slots to snapshots, state slots
-    to snapshots and snapshots to state slots (pipeline/memory/state_snapshots.py, snapshot_tiers.py). Saves read first, so a block both evicted and written in one plan is
+    to state slots, state slots to snapshots and snapshots to state slots (pipeline/memory/state_snapshots.py,
+    snapshot_tiers.py). Saves read first, so a block both evicted and written in one plan is
     saved before its new content arrives; block copies read before loads write (a copy's source may be a block
     evicted and refilled in the same plan)."""
 
@@ -47,6 +48,7 @@ class BlockTransfers:
     loads: list[tuple[int, int]] = field(default_factory=list)  # (host slot, device block)
     state_saves: list[tuple[int, int]] = field(default_factory=list)  # (state slot, snapshot)
     state_loads: list[tuple[int, int]] = field(default_factory=list)  # (snapshot, state slot)
+    state_copies: list[tuple[int, int]] = field(default_factory=list)  # (state slot, state slot): speculation
     # the snapshots' host tier (pipeline/memory/snapshot_tiers.py): its buffer [slots, snapshot bytes] (uint8),
     # demotions (snapshot, host slot) and promotions (host slot, snapshot), run before the state copies
     snapshot_host: torch.Tensor | None = None
@@ -173,7 +175,13 @@ def _snapshot_host_copies(transfers: BlockTransfers, snapshots: Sequence[torch.T
 
 def _copy_states(transfers: BlockTransfers, states: Sequence[torch.Tensor],
                  snapshots: Sequence[torch.Tensor]) -> None:
-    """Device copies between state slots and snapshots: saves first (a restore in the same plan may read one)."""
+    """Device copies between state slots (a speculating sequence's state kept, or put back: pipeline/spec/), then
+    between state slots and snapshots: saves first (a restore in the same plan may read one)."""
+    if transfers.state_copies:
+        src = _indices([a for a, _ in transfers.state_copies], states[0].device)
+        dst = _indices([b for _, b in transfers.state_copies], states[0].device)
+        for state in states:
+            state.index_copy_(0, dst, state.index_select(0, src))
     for pairs, save in ((transfers.state_saves, True), (transfers.state_loads, False)):
         if not pairs:
             continue

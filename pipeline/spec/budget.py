@@ -11,12 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SMOOTHING = 0.2  # weight of the latest row in a sequence's acceptance average
+MAX_DRAFT_ROWS = 32  # running sequences above which no row drafts (hybrid models keep a spare state slot for each)
 
 
 @dataclass(slots=True)
 class DraftBudget:
     k: int  # the configured drafts per row
-    max_rows: int = 32  # running sequences above which no row drafts
+    max_rows: int = MAX_DRAFT_ROWS  # running sequences above which no row drafts
     low_acceptance: float = 0.3  # below this average a sequence verifies one draft a step
 
     def for_step(self, running: int) -> int:

@@ -158,15 +158,15 @@ class DecodeStage(DeviceStage):
             drafts = self._propose(seq, limit) if limit and not ahead else ()  # (drafts follow the last token)
             if drafts:
                 self._drafts[seq.seq_id] = drafts
-            rows.append(RunningRow(seq.seq_id, seq.arrival, 1 + len(drafts),
+            rows.append(RunningRow(seq.seq_id, seq.arrival, seq.num_pending + len(drafts),
                                    cache.blocks_needed(seq, seq.num_pending + len(drafts), ahead), len(seq.block_ids)))
         return rows
 
     def _propose(self, seq: Sequence, limit: int) -> list[int]:
         """The drafts ``seq``'s next row verifies: up to ``limit`` (pipeline/spec/budget.py), no more than its length
-        limit leaves room for after its next token. None yet for a sequence whose recurrent state the drafts would
-        advance (hybrid models)."""
-        if seq.state_slot is not None or seq.num_pending != 1:
+        limit leaves room for after its next token. A hybrid model's sequence drafts only with a spare state slot to
+        keep its state in (``CacheManager.keep_state``); one that re-feeds tokens after a rejection does not."""
+        if seq.num_pending != 1 or (seq.state_slot is not None and not self.cache.can_keep_state(seq)):
             return []
         room = seq.request.max_total_tokens - len(seq.token_ids) - 1
         k = min(self.draft_budget.for_sequence(limit, seq.draft_acceptance), room)
@@ -194,6 +194,8 @@ class DecodeStage(DeviceStage):
                 continue
             row = rows.get(seq.seq_id, -1)
             drafts = self._drafts.get(seq.seq_id)
+            if drafts and seq.state_slot is not None and not self.cache.keep_state(seq):
+                drafts = self._drafts[seq.seq_id] = []  # no spare slot after all: a plain row
             if not self.cache.allocate_slots(seq, seq.num_pending + (len(drafts) if drafts else 0),
                                              1 if row >= 0 else 0):
                 raise RuntimeError("the planner counted blocks the cache does not have")
@@ -240,8 +242,9 @@ class DecodeStage(DeviceStage):
         for row, seq in enumerate(in_flight.batch if in_flight.drafts is None else ()):
             if seq.finish_reason is not None:
                 continue  # ended by the previous step or cancelled while this one ran
-            seq.num_computed += 1
-            if seq.num_computed % block_size == 0:  # a block filled: the prefix cache may key it
+            before = seq.num_computed
+            seq.num_computed = len(seq.token_ids)  # the row fed its pending tokens (one, or more after a rewind)
+            if seq.num_computed // block_size != before // block_size:  # a block filled: the prefix cache may key it
                 self.cache.register_computed(seq)
             self.record_token(seq, tokens[row], row, events)
         self.running = [seq for seq in self.running if seq.finish_reason is None]
@@ -254,7 +257,9 @@ class DecodeStage(DeviceStage):
         one as plain decoding would have (the same logits pipeline and the same random draw at each output
         position), so the drafts are accepted while they equal those picks and the picks up to the first
         difference are the sequence's next tokens: exactly the tokens decoding one at a time gives. The KV of
-        the rejected drafts stays past ``num_computed`` and is written over by the next steps."""
+        the rejected drafts stays past ``num_computed`` and is written over by the next steps. A hybrid model's
+        recurrent state cannot be trimmed that way: on a rejection it is rewound to before the step (kept in a spare
+        slot) and the accepted tokens are fed again with the next one."""
         block_size, spec = self.cache.block_size, self.spec
         row = 0
         for seq, drafts in zip(in_flight.batch, in_flight.drafts):
@@ -271,7 +276,12 @@ class DecodeStage(DeviceStage):
                 spec.accepted_per_row[accepted] += 1
                 seq.draft_acceptance = DraftBudget.observe(seq.draft_acceptance, len(drafts), accepted)
             before = seq.num_computed
-            seq.num_computed += 1 + accepted  # its last token and the accepted drafts
+            if seq.state_slot is not None and accepted < len(drafts):
+                # hybrid: the state went past the rejected drafts; it goes back to before this step, and the next
+                # row feeds the tokens again (their KV is written over with the same values)
+                self.cache.rewind_state(seq)
+            else:
+                seq.num_computed = len(seq.token_ids) + accepted  # its pending tokens and the accepted drafts
             if seq.num_computed // block_size != before // block_size:  # a block filled: the prefix cache may key it
                 self.cache.register_computed(seq)
             for i in range(accepted + 1):

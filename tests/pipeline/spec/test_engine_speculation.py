@@ -134,9 +134,12 @@ def test_long_accepted_runs_and_rejections_anywhere_equal_plain_decoding(tiny_mo
 
 
 @pytest.mark.gpu
-def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir):
-    """On CUDA (fp32), the verify rows of K + 1 tokens replay the graphs captured for them: the scripted drafts give
-    the tokens of plain decoding on the same device."""
+@pytest.mark.parametrize("model", ["llama", "qwen3_5_moe_text"])
+def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir, make_model_dir, model):
+    """On CUDA (fp32), the verify rows of K + 1 tokens replay the graphs captured for them (and, hybrid, keep and
+    rewind their states): drafts replaying plain decoding's tokens give those tokens on the same device."""
+    if model != "llama":
+        tiny_model_dir = make_model_dir(model, seed=5)
     batch = prompts(4)
     params = [greedy(120) for _ in batch]
     plain, _ = run_async(run(tiny_model_dir, batch, params, device="cuda"))
@@ -144,7 +147,7 @@ def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir):
 
     async def main() -> tuple[list, dict]:
         engine = await Engine.create(config_for(tiny_model_dir, device="cuda", **SPEC))
-        engine.decode.drafter = ReplayDrafter(expected, 0.0)
+        engine.decode.drafter = ReplayDrafter(expected, 0.2)
         try:
             results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
                                              for p, q in zip(batch, params)])
@@ -271,3 +274,42 @@ def test_a_thinking_budget_forces_its_closing_tag_at_the_same_position(tiny_mode
     expected = {tuple(p): out for p, out in zip(prompts_, plain)}
     for error in (0.0, 0.3):
         assert run_async(main(ReplayDrafter(expected, error), **SPEC))[1] == plain
+
+
+@pytest.fixture(scope="module")
+def hybrid_dir(make_model_dir):
+    return make_model_dir("qwen3_5_moe_text", seed=5)
+
+
+@pytest.mark.parametrize("error", [0.0, 0.3])
+def test_hybrid_model_rewinds_its_state_after_a_rejection(hybrid_dir, error):
+    """Gated DeltaNet layers: a row's state is kept in a spare slot before the step; after a rejection it goes back
+    and the accepted tokens are fed again, so the tokens equal plain decoding's (greedy, seeded, n > 1, a prefix
+    cache hit on the repeated prompt), and every slot, spare ones included, is given back."""
+    batch = prompts(5) + [prompts(1)[0]]  # the last repeats the first: its prompt comes from the cache
+    params = [greedy(90) if i % 2 else SamplingParams(max_tokens=90, temperature=0.8, seed=i, ignore_eos=True,
+                                                       n=2 if i == 2 else 1) for i in range(len(batch))]
+
+    async def main(drafter=None, **overrides) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(hybrid_dir, **overrides))
+        if drafter is not None:
+            engine.decode.drafter = drafter
+        try:
+            results = []
+            for group in (batch[:5], batch[5:]):
+                results += await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                                  for p, q in zip(group, params[len(results):])])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[s.token_ids for s in r] for r in results], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    plain, _ = run_async(main())
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+    spec, stats = run_async(main(ReplayDrafter(expected, error), **SPEC))
+    assert spec == plain
+    counted = stats["speculation"]
+    assert counted["accepted_tokens"] > 0 and stats["state_slots_used"] == 0
+    if error:
+        assert sum(counted["accepted_per_row"][:-1]) > 0  # rejections: rewinds happened
