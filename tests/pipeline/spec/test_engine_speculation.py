@@ -29,8 +29,14 @@ def prompts(count: int) -> list[list[int]]:
     return out
 
 
-async def run(model_dir, batch: list[list[int]], params: list[SamplingParams], **overrides) -> tuple[list, dict]:
+async def run(model_dir, batch: list[list[int]], params: list[SamplingParams], drafter=None,
+              budget_rows: int | None = None, **overrides) -> tuple[list, dict]:
+    """Each sample's tokens and the engine's stats; ``drafter`` replaces the configured one (``**SPEC`` sets K)."""
     engine = await Engine.create(config_for(model_dir, **overrides))
+    if drafter is not None:
+        engine.decode.drafter = drafter
+    if budget_rows is not None:
+        engine.decode.draft_budget.max_rows = budget_rows
     try:
         results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q) for p, q in zip(batch, params)])
         await settle(engine)
@@ -111,19 +117,8 @@ def test_long_accepted_runs_and_rejections_anywhere_equal_plain_decoding(tiny_mo
     plain, _ = run_async(run(tiny_model_dir, batch, params))
     expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
 
-    async def main() -> tuple[list, dict]:
-        engine = await Engine.create(config_for(tiny_model_dir, **{**SPEC, "num_speculative_tokens": 6}))
-        engine.decode.drafter = ReplayDrafter(expected, error)
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
-                                             for p, q in zip(batch, params)])
-            await settle(engine)
-            assert_no_leaks(engine)
-            return [[s.token_ids for s in r] for r in results], engine.stats()
-        finally:
-            await engine.shutdown()
-
-    spec, stats = run_async(main())
+    spec, stats = run_async(run(tiny_model_dir, batch, params, ReplayDrafter(expected, error),
+                                **{**SPEC, "num_speculative_tokens": 6}))
     assert spec == plain
     counted = stats["speculation"]
     # a row of 6 drafts each wrong with probability e accepts sum(0.7 ** i for i in 1..6) ~ 1.9 of them at e = 0.3
@@ -145,19 +140,7 @@ def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir, make_model_dir, mod
     plain, _ = run_async(run(tiny_model_dir, batch, params, device="cuda"))
     expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
 
-    async def main() -> tuple[list, dict]:
-        engine = await Engine.create(config_for(tiny_model_dir, device="cuda", **SPEC))
-        engine.decode.drafter = ReplayDrafter(expected, 0.2)
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
-                                             for p, q in zip(batch, params)])
-            await settle(engine)
-            assert_no_leaks(engine)
-            return [[s.token_ids for s in r] for r in results], engine.stats()
-        finally:
-            await engine.shutdown()
-
-    spec, stats = run_async(main())
+    spec, stats = run_async(run(tiny_model_dir, batch, params, ReplayDrafter(expected, 0.2), device="cuda", **SPEC))
     assert spec == plain and stats["speculation"]["accepted_tokens"] > 0
 
 
@@ -169,22 +152,15 @@ def test_drafts_shrink_where_they_fail_and_stop_in_large_batches(tiny_model_dir)
     plain, _ = run_async(run(tiny_model_dir, batch, params))
     expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
 
-    async def main(error: float, max_rows: int) -> tuple[list, dict]:
-        engine = await Engine.create(config_for(tiny_model_dir, **{**SPEC, "num_speculative_tokens": 6}))
-        engine.decode.drafter = ReplayDrafter(expected, error)
-        engine.decode.draft_budget.max_rows = max_rows
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
-                                             for p, q in zip(batch, params)])
-            await settle(engine)
-            return [[s.token_ids for s in r] for r in results], engine.stats()["speculation"]
-        finally:
-            await engine.shutdown()
+    def main(error: float, max_rows: int) -> tuple[list, dict]:
+        out, stats = run_async(run(tiny_model_dir, batch, params, ReplayDrafter(expected, error), max_rows,
+                                   **{**SPEC, "num_speculative_tokens": 6}))
+        return out, stats["speculation"]
 
-    wrong, counted = run_async(main(1.0, 32))
+    wrong, counted = main(1.0, 32)
     assert wrong == plain and counted["accepted_tokens"] == 0
     assert counted["drafted_tokens"] < 1.5 * counted["verify_rows"]  # mostly one draft a row
-    limited, counted = run_async(main(0.0, 3))
+    limited, counted = main(0.0, 3)
     # four sequences, 100 tokens each: rows draft only once fewer than four run (their ends, if staggered)
     assert limited == plain and counted["verify_rows"] < 100
 
@@ -201,19 +177,8 @@ def test_penalties_count_the_drafts_before_each_position(tiny_model_dir):
     plain, _ = run_async(run(tiny_model_dir, batch, params))
     expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
 
-    async def main() -> tuple[list, dict]:
-        engine = await Engine.create(config_for(tiny_model_dir, **SPEC))
-        engine.decode.drafter = ReplayDrafter(expected, 0.2)
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
-                                             for p, q in zip(batch, params)])
-            await settle(engine)
-            assert_no_leaks(engine)
-            return [[s.token_ids for s in r] for r in results], engine.stats()["speculation"]
-        finally:
-            await engine.shutdown()
-
-    spec, counted = run_async(main())
+    spec, stats = run_async(run(tiny_model_dir, batch, params, ReplayDrafter(expected, 0.2), **SPEC))
+    counted = stats["speculation"]
     assert spec == plain and counted["accepted_tokens"] > counted["verify_rows"]
 
 
