@@ -10,7 +10,7 @@ import random
 import pytest
 
 from pipeline.engine import Engine
-from pipeline.request import SamplingParams
+from pipeline.request import FinishReason, SamplingParams
 from pipeline.spec.replay import ReplayDrafter
 from tests.conftest import run_async
 from tests.engine_utils import assert_no_leaks, collect, config_for, settle
@@ -329,3 +329,74 @@ def test_sampled_token_at_a_verified_position_follows_the_target_distribution(ti
     variation += 0.5 * sum(t not in weights for t in second) / len(second)
     assert variation < 0.08, (variation, len(second))
     assert abs(second.count(guess) / len(second) - weights[guess] / total) < 0.08  # the draft accepted that often
+
+
+def test_stop_strings_end_inside_a_verified_run(tiny_model_dir):
+    """A stop string that completes in the middle of a row's accepted tokens: the text ends before it and the
+    tokens after it are dropped, as without drafts."""
+    batch = prompts(3)
+    plain, _ = run_async(run(tiny_model_dir, batch, [greedy(60) for _ in batch]))
+
+    async def texts(drafter=None, **overrides) -> list[tuple[str, object]]:
+        engine = await Engine.create(config_for(tiny_model_dir, **overrides))
+        if drafter is not None:
+            engine.decode.drafter = drafter
+        try:
+            stops = [engine.tokenizer.decode(out[0][20 + 7 * i:22 + 7 * i]) for i, out in enumerate(plain)]
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=greedy(60, stop=[stop]))
+                                             for p, stop in zip(batch, stops)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [(r[0].text, r[0].finish_reason) for r in results]
+        finally:
+            await engine.shutdown()
+
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+    without = run_async(texts())
+    assert all(reason == FinishReason.STOP for _, reason in without)
+    assert run_async(texts(ReplayDrafter(expected), **SPEC)) == without
+
+
+def test_prefix_cache_hits_and_host_restores_then_verify(tiny_model_dir):
+    """Drafts verified over a prompt taken from the prefix cache, and over one whose blocks came back from the host
+    tier after the device evicted them: every attention path reads the same blocks, the tokens equal plain
+    decoding's."""
+    batch = prompts(4)
+    others = [[random.Random(200 + i).randrange(100, 40000) for _ in range(60)] for i in range(3)]
+    order = batch + others + batch  # the second round hits the cache or the host tier
+    params = [greedy(40) for _ in order]
+
+    async def sequential(drafter=None, **overrides) -> tuple[list, dict]:
+        engine = await Engine.create(config_for(tiny_model_dir, **overrides))
+        if drafter is not None:
+            engine.decode.drafter = drafter
+        try:
+            results = [(await collect(engine, prompt_token_ids=p, params=q))[0].token_ids for p, q in
+                       zip(order, params)]
+            await settle(engine)
+            assert_no_leaks(engine)
+            return results, engine.stats()
+        finally:
+            await engine.shutdown()
+
+    plain, _ = run_async(sequential(prefix_caching=False))
+    expected = {tuple(p): out for p, out in zip(order, plain)}
+    cached, stats = run_async(sequential(ReplayDrafter(expected, 0.3), **SPEC))
+    assert cached == plain and stats["prefix_cache"]["hit_tokens"] > 0 and stats["speculation"]["verify_rows"] > 0
+    tiers = dict(num_kv_blocks=60, kv_offload_host_gib=16 / 1024)
+    restored, stats = run_async(sequential(ReplayDrafter(expected, 0.3), **SPEC, **tiers))
+    assert restored == plain and stats["kv_offload"]["restored_blocks"] > 0
+
+
+def test_preemption_between_verify_steps(tiny_model_dir, make_model_dir):
+    """A pool too small for every sequence: sequences that verify drafts are preempted (recomputed, or swapped to
+    host and back) and resume; the tokens equal those with room, for a dense and a hybrid model."""
+    for model_dir in (tiny_model_dir, make_model_dir("qwen3_5_moe_text", seed=6)):
+        batch = [[random.Random(300 + i).randrange(100, 40000) for _ in range(5 + 3 * i)] for i in range(8)]
+        params = [greedy(30) for _ in batch]
+        plain, _ = run_async(run(model_dir, batch, params))
+        expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+        tight = dict(num_kv_blocks=25, max_num_batched_tokens=16, **SPEC)
+        for extra in ({}, {"kv_offload_host_gib": 16 / 1024}):
+            got, stats = run_async(run(model_dir, batch, params, ReplayDrafter(expected, 0.3), **tight, **extra))
+            assert got == plain and stats["preemptions"] > 0 and stats["speculation"]["verify_rows"] > 0
