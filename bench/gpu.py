@@ -35,7 +35,7 @@ from gpu_moe import moe_kernel  # noqa: E402
 from gpu_steps import step_profile, verify_profile  # noqa: E402
 from gpu_util import (T0, active_params, free_device, layer_kinds, log, num_params, pct,  # noqa: E402
                       state_bytes_per_seq, time_ms)
-from gpu_shapes import QUICK, QUICK_HYBRID, QUICK_MOE, SHAPES  # noqa: E402
+from gpu_shapes import SHAPES, chosen_shape  # noqa: E402
 
 SECTIONS = ("ceilings", "correctness", "graphs", "b1", "off", "steps", "verify", "serve", "kernels", "moe", "peer")
 
@@ -362,10 +362,7 @@ def main() -> None:
                             "transformers": transformers.__version__, "python": sys.version.split()[0],
                             "gpu_memory_gib": props and props.total_memory / 2**30,
                             "sm_count": props and props.multi_processor_count, "argv": sys.argv[1:]}}
-    shape = SHAPES[a.shape]
-    if a.quick:  # the same family, tiny
-        shape = {**shape, **(QUICK_HYBRID if shape.get("linear_num_value_heads") else
-                             QUICK_MOE if shape.get("num_experts") else QUICK)}
+    shape = chosen_shape(a.shape, a.quick)  # with --quick the same family, tiny
     params = num_params(shape)
     # B1 reads every weight a token uses once per step: all of a dense model; a MoE model's top-k experts; a
     # hybrid model also reads and writes each GDN layer's recurrent state

@@ -27,3 +27,25 @@ QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_at
 QUICK_MOE = dict(QUICK, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)
 QUICK_HYBRID = dict(QUICK_MOE, num_hidden_layers=4, linear_num_key_heads=2, linear_num_value_heads=4,
                     linear_key_head_dim=64, linear_value_head_dim=64, shared_expert_intermediate_size=128)
+
+
+def chosen_shape(name: str, quick: bool) -> dict:
+    """SHAPES[name], or with --quick its family's tiny form (hybrid, MoE or dense)."""
+    shape = SHAPES[name]
+    if not quick:
+        return shape
+    return {**shape, **(QUICK_HYBRID if shape.get("linear_num_value_heads") else
+                        QUICK_MOE if shape.get("num_experts") else QUICK)}
+
+
+def add_engine_args(ap, out_name: str) -> None:
+    """The options every engine-shape benchmark takes: --shape, --quick, --device, --tokenizer, --commit, --out."""
+    import os
+
+    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
+    ap.add_argument("--quick", action="store_true", help="tiny shape and sizes (the control flow)")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--tokenizer", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
+        __file__))), ".peer", "tokenizer"))
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), out_name))

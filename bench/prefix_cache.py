@@ -38,8 +38,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, run_one, write_model_dir  # noqa: E402
-from gpu_shapes import QUICK, QUICK_HYBRID, QUICK_MOE, SHAPES  # noqa: E402
-from gpu_util import pct  # noqa: E402
+from gpu_shapes import add_engine_args, chosen_shape  # noqa: E402
+from gpu_util import pct, state_bytes_per_seq  # noqa: E402
 
 
 def tokens(n: int, rng: random.Random) -> list[int]:
@@ -102,19 +102,10 @@ async def host_restore(a: argparse.Namespace, model_dir: str, sizes: dict, host_
         await engine.shutdown()
 
 
-def snapshot_bytes(shape: dict) -> int:
-    """One state snapshot of a hybrid shape: every Gated DeltaNet layer's fp32 state and bf16 conv window."""
-    layers = shape["num_hidden_layers"] - shape["num_hidden_layers"] // shape["full_attention_interval"]
-    hk, hv = shape["linear_num_key_heads"], shape["linear_num_value_heads"]
-    dk, dv = shape["linear_key_head_dim"], shape["linear_value_head_dim"]
-    conv = (2 * hk * dk + hv * dv) * (shape["linear_conv_kernel_dim"] - 1) * 2
-    return layers * (hv * dk * dv * 4 + conv)
-
-
 async def snapshot_host(a: argparse.Namespace, model_dir: str, sizes: dict, shape: dict, host: bool) -> dict:
     """Next turns of four conversations whose snapshots the device pool (2.5 of them) evicted: promoted back from
     the host tier (``host``) or recomputed."""
-    room = 2.5 * snapshot_bytes(shape) / (1 << 30)
+    room = 2.5 * state_bytes_per_seq(shape) / (1 << 30)
     tiers = dict(kv_offload_host_gib=sizes["host_gib"]) if host else {}
     engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=8, state_snapshot_gib=room,
                                                max_model_len=sizes["same"] + sizes["turn"] + 256, **tiers))
@@ -165,20 +156,11 @@ def vs_off(report: dict) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--quick", action="store_true", help="tiny shape and sizes (the control flow)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tokenizer", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), ".peer", "tokenizer"))
-    ap.add_argument("--commit", default=None)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "prefix_cache.json"))
+    add_engine_args(ap, "prefix_cache.json")
     ap.add_argument("--sections", nargs="+", default=["host_restore", "snapshot_host", "caching"],
                     choices=["host_restore", "snapshot_host", "caching"])
     a = ap.parse_args()
-    shape = SHAPES[a.shape]
-    if a.quick:
-        shape = {**shape, **(QUICK_HYBRID if shape.get("linear_num_value_heads") else
-                             QUICK_MOE if shape.get("num_experts") else QUICK)}
+    shape = chosen_shape(a.shape, a.quick)
     sizes = (dict(same=256, prefix=128, tail=8, requests=8, shared_out=4, turn=48, reply=4, turns=5,
                   max_model_len=1024, host_gib=0.05) if a.quick else
              dict(same=8192, prefix=4096, tail=64, requests=32, shared_out=32, turn=1536, reply=64, turns=20,

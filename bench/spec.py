@@ -29,7 +29,7 @@ from pipeline.engine import Engine  # noqa: E402
 from pipeline.spec.replay import ReplayDrafter  # noqa: E402
 
 from gpu import engine_config, prompts, run_one, write_model_dir  # noqa: E402
-from gpu_shapes import QUICK, QUICK_MOE, SHAPES  # noqa: E402
+from gpu_shapes import add_engine_args, chosen_shape  # noqa: E402
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -57,7 +57,7 @@ async def workloads(engine: Engine, sizes: dict, ks: list[int], errors: list[flo
         for k in ks:
             for error in errors:
                 decode.drafter = ReplayDrafter(continuations, error)
-                decode.num_speculative_tokens = decode.draft_budget.k = k
+                decode.draft_budget.k = k
                 before = dataclasses.replace(decode.spec, accepted_per_row=list(decode.spec.accepted_per_row))
                 ids, rate = await batch_run(engine, batch, sizes["new"])
                 spec = decode.spec
@@ -75,20 +75,12 @@ async def workloads(engine: Engine, sizes: dict, ks: list[int], errors: list[flo
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", default="qwen3-8b", choices=sorted(SHAPES))
-    ap.add_argument("--quick", action="store_true", help="tiny shape and sizes (the control flow)")
-    ap.add_argument("--device", default="cuda")
-    ap.add_argument("--tokenizer", default=os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
-        __file__))), ".peer", "tokenizer"))
+    add_engine_args(ap, "spec.json")
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 7])
     ap.add_argument("--errors", type=float, nargs="+", default=[0.0, 0.3])
     ap.add_argument("--batches", type=int, nargs="+", default=None)
-    ap.add_argument("--commit", default=None)
-    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "spec.json"))
     a = ap.parse_args()
-    shape = SHAPES[a.shape]
-    if a.quick:
-        shape = {**shape, **(QUICK_MOE if shape.get("num_experts") else QUICK)}
+    shape = chosen_shape(a.shape, a.quick)
     sizes = dict(prompt=32, new=24, batches=[1, 4]) if a.quick else dict(prompt=128, new=256, batches=[1, 16, 64])
     sizes["batches"] = a.batches or sizes["batches"]
     model_dir = write_model_dir(shape, a.tokenizer)

@@ -31,7 +31,6 @@ from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.kv_offload import BlockTransfers, KVOffload
 from pipeline.memory.snapshot_positions import SnapshotSchedule, tail_block_key
-from pipeline.memory.snapshot_tiers import TieredSnapshots
 from pipeline.memory.state_snapshots import SnapshotPool
 from pipeline.memory.state_slots import StateSlotPool
 
@@ -49,7 +48,7 @@ class CacheManager:
 
     def __init__(self, pool: KVBlockPool, state_slots: StateSlotPool | None = None,
                  prefix_caching: bool = True, offload: KVOffload | None = None,
-                 snapshots: SnapshotPool | TieredSnapshots | None = None) -> None:
+                 snapshots: SnapshotPool | None = None) -> None:
         self._pool = pool
         self._states = state_slots
         # a hybrid model resumes a prefix only where a snapshot of its recurrent state was taken
@@ -265,7 +264,7 @@ class CacheManager:
                 copies.copies, copies.state_saves, copies.state_loads, copies.state_copies)
             copies = transfers
         # the snapshots' host copies (demotions of the snapshots the saves above evicted, promotions)
-        host = isinstance(self.snapshots, TieredSnapshots) and self.snapshots.take_copies(copies)
+        host = self.snapshots is not None and self.snapshots.take_copies(copies)
         if (copies is transfers or host or copies.copies or copies.state_saves or copies.state_loads
                 or copies.state_copies):
             return copies

@@ -13,7 +13,6 @@ from typing import TYPE_CHECKING
 from pipeline.memory.block_hashes import chain_root, extend_block_hashes, partial_block_key
 
 if TYPE_CHECKING:
-    from pipeline.memory.snapshot_tiers import TieredSnapshots
     from pipeline.memory.state_snapshots import SnapshotPool
     from pipeline.sequence import Sequence
 
@@ -29,7 +28,7 @@ def tail_block_key(seq: Sequence, keys: list[bytes], tail: list[int]) -> bytes |
 class SnapshotSchedule:
     __slots__ = ("snapshots", "block_size", "_next", "_after_step")
 
-    def __init__(self, snapshots: SnapshotPool | TieredSnapshots, block_size: int) -> None:
+    def __init__(self, snapshots: SnapshotPool, block_size: int) -> None:
         self.snapshots = snapshots
         self.block_size = block_size
         self._next: list[tuple[int, bytes]] = []  # (state slot, key): snapshots the next plan takes

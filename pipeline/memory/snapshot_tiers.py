@@ -7,8 +7,8 @@ block in the host tier. So an evicted snapshot is demoted to pinned host memory,
 host snapshot has it promoted back into the device pool before its state slot takes it; a preempted sequence's
 state (saved into the device pool) goes the same way.
 
-``TieredSnapshots`` answers what the cache manager asks the device pool (it keeps its interface) and queues the
-copies, which ride in the next step plan (``BlockTransfers``): demotions (device snapshot -> host slot) run before
+``TieredSnapshots`` is the device pool with the host tier behind it (a key in either tier counts as held) and queues
+the copies, which ride in the next step plan (``BlockTransfers``): demotions (device snapshot -> host slot) run before
 anything writes that snapshot in the plan, promotions (host slot -> device snapshot) before the state loads that read
 it (pipeline/memory/kv_offload.py ``run_block_transfers``). A host slot is reused only when no queued copy and no
 copy handed to the runner and not yet landed touches it.
@@ -39,11 +39,12 @@ def snapshot_host_gib(config: EngineConfig, hybrid: bool) -> float:
     return config.kv_offload_host_gib * HOST_SHARE if share is None else share
 
 
-def snapshot_pool(config: EngineConfig, count: int, nbytes: int, pin_memory: bool) -> SnapshotPool | TieredSnapshots:
+def snapshot_pool(config: EngineConfig, count: int, nbytes: int, pin_memory: bool) -> SnapshotPool:
     """The engine's snapshot pool: ``count`` device snapshots of ``nbytes``, tiered when there is host room."""
-    device = SnapshotPool(count, config.state_snapshot_interval)
     host_count = int(snapshot_host_gib(config, True) * (1 << 30)) // nbytes
-    return TieredSnapshots(device, host_count, nbytes, pin_memory) if host_count else device
+    if host_count:
+        return TieredSnapshots(count, config.state_snapshot_interval, host_count, nbytes, pin_memory)
+    return SnapshotPool(count, config.state_snapshot_interval)
 
 
 @dataclass(slots=True)
@@ -59,81 +60,45 @@ class HostSnapshotStats:
     bytes_to_device: int = 0
 
 
-class TieredSnapshots:
-    """The device ``SnapshotPool`` with a host tier of ``host_capacity`` snapshots of ``nbytes`` each behind it."""
+class TieredSnapshots(SnapshotPool):
+    """A device ``SnapshotPool`` of ``capacity`` snapshots with a host tier of ``host_capacity`` snapshots of
+    ``nbytes`` each behind it."""
 
-    def __init__(self, device: SnapshotPool, host_capacity: int, nbytes: int, pin_memory: bool = False) -> None:
+    def __init__(self, capacity: int, interval: int, host_capacity: int, nbytes: int, pin_memory: bool = False) -> None:
         if host_capacity < 0 or nbytes <= 0:
             raise ValueError("a snapshot host tier needs host_capacity >= 0 and nbytes > 0")
-        self.device = device
-        device.on_evict = self._demote
+        super().__init__(capacity, interval)
         pin = pin_memory and torch.cuda.is_available()
         self.buffer = torch.empty((host_capacity, nbytes), dtype=torch.uint8, pin_memory=pin)
         self.nbytes = nbytes
         self._host: OrderedDict[bytes, int] = OrderedDict()  # key -> host slot, least recently used first
-        self._free = list(range(host_capacity - 1, -1, -1))
+        self._free_host = list(range(host_capacity - 1, -1, -1))
         self._demotions: list[tuple[int, int]] = []  # (device snapshot, host slot), for the next plan
         self._promotions: list[tuple[int, int]] = []  # (host slot, device snapshot)
         self._handed: list[tuple[BlockTransfers, set[int]]] = []  # plans' copies and the host slots they touch
         self.host_stats = HostSnapshotStats(capacity=host_capacity)
 
-    # --- the device pool's interface -------------------------------------------------------------------------
-    @property
-    def capacity(self) -> int:
-        return self.device.capacity
-
-    @property
-    def interval(self) -> int:
-        return self.device.interval
-
-    @property
-    def stats(self):
-        return self.device.stats
-
-    @property
-    def num_pinned(self) -> int:
-        return self.device.num_pinned
-
-    def __len__(self) -> int:
-        return len(self.device)
-
     def __contains__(self, key: bytes) -> bool:
-        return key in self.device or key in self._host
+        return key in self._index or key in self._host
 
-    def latest(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` lead to the last one with a snapshot on the device or on host (0: none)."""
-        for count in range(len(keys), 0, -1):
-            if keys[count - 1] in self:
-                return count
-        return 0
+    def on_device(self, key: bytes) -> bool:
+        return key in self._index
 
     def pin(self, key: bytes) -> int | None:
         """``SnapshotPool.pin``; a snapshot only on host is first promoted into a device snapshot (its copy queued).
         None when that cannot be done now (every device snapshot pinned or in a queued copy)."""
-        if key not in self.device:
+        if key not in self._index:
             slot = self._host.get(key)
             if slot is None:
                 return None
-            index = self.device.take_index(key)
+            index = self.take_index(key)
             if index is None:
                 return None
             self._host.move_to_end(key)
             self._promotions.append((slot, index))
             self.host_stats.promoted += 1
             self.host_stats.bytes_to_device += self.nbytes
-        return self.device.pin(key)
-
-    def unpin(self, index: int) -> None:
-        self.device.unpin(index)
-
-    def read(self, index: int) -> int:
-        return self.device.read(index)
-
-    def reserve(self, key: bytes) -> int | None:
-        return self.device.reserve(key)
-
-    def handed(self) -> None:
-        self.device.handed()
+        return super().pin(key)
 
     # --- the host tier ---------------------------------------------------------------------------------------
     def take_copies(self, transfers: BlockTransfers) -> bool:
@@ -147,7 +112,7 @@ class TieredSnapshots:
         self._demotions, self._promotions = [], []
         return True
 
-    def _demote(self, key: bytes, index: int) -> None:
+    def evicted(self, key: bytes, index: int) -> None:
         """The device pool evicts ``key``'s snapshot ``index``: copy it to host first (before the plan's copies
         write ``index`` again), unless host holds that key already."""
         if key in self._host:
@@ -165,8 +130,8 @@ class TieredSnapshots:
 
     def _host_slot(self) -> int | None:
         """A free host slot, else the least recently used one that no queued or unlanded copy touches."""
-        if self._free:
-            return self._free.pop()
+        if self._free_host:
+            return self._free_host.pop()
         self._handed = [(t, slots) for t, slots in self._handed if not t.landed()]
         busy = {slot for _, slot in self._demotions} | {slot for slot, _ in self._promotions}
         for _, slots in self._handed:
@@ -177,6 +142,6 @@ class TieredSnapshots:
         self.host_stats.evictions += 1
         return self._host.pop(victim)
 
-    def host_entry(self) -> dict[str, Any]:
+    def host_entry(self) -> dict[str, Any] | None:
         self.host_stats.held = len(self._host)
         return asdict(self.host_stats)

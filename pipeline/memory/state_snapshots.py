@@ -11,12 +11,12 @@ rest: the match never ends inside a block and no block needs a bigger size.
 This pool is bookkeeping only: the snapshot tensors are the runner's (one per GDN cache, ``[snapshots, ...]``)
 and the copies ride in the step plans (pipeline/memory/kv_offload.py ``BlockTransfers``). Least recently used
 snapshots are evicted, never one that a waiting prompt pinned or a queued copy still reads or writes. With a host
-tier (pipeline/memory/snapshot_tiers.py) an evicted snapshot is demoted there first (``on_evict``).
+tier (pipeline/memory/snapshot_tiers.py) an evicted snapshot is demoted there first (``evicted``).
 """
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -38,7 +38,6 @@ class SnapshotPool:
         self._free = list(range(capacity - 1, -1, -1))
         self._reading: set[int] = set()  # snapshots a queued (not yet handed over) copy reads
         self._writing: set[int] = set()  # snapshots a queued copy fills (a save or a promotion from host)
-        self.on_evict: Callable[[bytes, int], None] | None = None  # (key, snapshot): before the slot is reused
         self._pins: dict[int, int] = {}  # snapshots prompts wait to restore (pin count)
         self.stats = SnapshotStats()
 
@@ -54,10 +53,10 @@ class SnapshotPool:
         return key in self._index
 
     def latest(self, keys: Sequence[bytes]) -> int:
-        """How many of ``keys`` (a prefix's block keys, in order) lead to the last one holding a snapshot: the
-        blocks a prompt takes when it restores that snapshot (0: none)."""
+        """How many of ``keys`` (a prefix's block keys, in order) lead to the last one holding a snapshot (in any
+        tier): the blocks a prompt takes when it restores that snapshot (0: none)."""
         for count in range(len(keys), 0, -1):
-            if keys[count - 1] in self._index:
+            if keys[count - 1] in self:
                 return count
         return 0
 
@@ -97,7 +96,7 @@ class SnapshotPool:
 
     def take_index(self, key: bytes) -> int | None:
         """A snapshot for ``key`` (absent) that a queued copy fills: a free one, else the least recently used one
-        no queued copy touches and no prompt pinned (evicted: ``on_evict`` first); None when there is none."""
+        no queued copy touches and no prompt pinned (evicted: ``evicted`` first); None when there is none."""
         if self._free:
             index = self._free.pop()
         else:
@@ -107,8 +106,7 @@ class SnapshotPool:
                 return None
             index = self._index.pop(victim)
             self.stats.evictions += 1
-            if self.on_evict is not None:
-                self.on_evict(victim, index)
+            self.evicted(victim, index)
         self._index[key] = index
         self._writing.add(index)
         return index
@@ -118,6 +116,17 @@ class SnapshotPool:
         self._reading.clear()
         self._writing.clear()
 
+    def host_entry(self) -> dict[str, Any] | None:
+        """The host tier's stats entry (None: no host tier)."""
+        return None
+
+    def evicted(self, key: bytes, index: int) -> None:
+        """``key``'s snapshot ``index`` is about to be reused (a host tier demotes it first)."""
+
+    def take_copies(self, transfers: Any) -> bool:
+        """Copies below the device for the plan being built (a host tier's); whether there were any."""
+        return False
+
 
 def snapshot_stats(pool: SnapshotPool | None) -> dict[str, Any]:
     """The engine's stats entry."""
@@ -125,7 +134,5 @@ def snapshot_stats(pool: SnapshotPool | None) -> dict[str, Any]:
         return {"enabled": False}
     entry = {"enabled": True, "capacity": pool.capacity, "held": len(pool), "pinned": pool.num_pinned,
              **asdict(pool.stats)}
-    host_entry = getattr(pool, "host_entry", None)  # a TieredSnapshots (pipeline/memory/snapshot_tiers.py)
-    if host_entry is not None:
-        entry["host"] = host_entry()
-    return entry
+    host = pool.host_entry()
+    return entry if host is None else {**entry, "host": host}

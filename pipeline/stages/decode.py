@@ -66,9 +66,8 @@ class DecodeStage(DeviceStage):
         super().__init__(inbox_size, **resources)
         self.planner = planner
         self.drafter = drafter  # speculation: a sequence's row feeds its drafts too, and samples at each of them
-        self.num_speculative_tokens = num_speculative_tokens if drafter is not None else 0
-        self.draft_budget = DraftBudget(self.num_speculative_tokens)
-        self.spec = SpecStats(accepted_per_row=[0] * (self.num_speculative_tokens + 1))
+        self.draft_budget = DraftBudget(num_speculative_tokens if drafter is not None else 0)
+        self.spec = SpecStats(accepted_per_row=[0] * (self.draft_budget.k + 1))
         self._drafts: dict[int, list[int]] = {}  # seq_id -> drafts offered for the step being composed
         self.running: list[Sequence] = []
         self.run_ahead = run_ahead
@@ -107,7 +106,6 @@ class DecodeStage(DeviceStage):
                     drafts = [self._drafts.get(seq.seq_id, []) for seq in composed.batch] if self._drafts else None
                     launched = InFlightStep(composed.batch, composed.step, time.monotonic(),
                                             {seq.seq_id: i for i, seq in enumerate(composed.batch)}, drafts)
-                self._drafts.clear()
             if in_flight is not None:
                 output = await self._complete(in_flight, events)
             self.in_flight = launched
@@ -221,15 +219,14 @@ class DecodeStage(DeviceStage):
         with those drafts added, with a grammar the mask after them (``fill_draft_rows``), with a thinking budget the
         token it forces after them."""
         rows = [self.sampling_row(seq, None, i) for i in range(len(drafts) + 1)]
-        if seq.token_counts is not None:
-            for i in range(1, len(rows)):
-                rows[i].counts = seq.token_counts.with_tokens(drafts[:i])
-        if seq.grammar is not None:
-            for i in range(1, len(rows)):
-                rows[i].grammar_drafts = tuple(drafts[:i])
-        if seq.thinking is not None:
-            for i in range(1, len(rows)):
-                rows[i].forced_token = seq.thinking.forced_after(drafts[:i])
+        for i in range(1, len(rows)):
+            before = drafts[:i]
+            if seq.token_counts is not None:
+                rows[i].counts = seq.token_counts.with_tokens(before)
+            if seq.grammar is not None:
+                rows[i].grammar_drafts = tuple(before)
+            if seq.thinking is not None:
+                rows[i].forced_token = seq.thinking.forced_after(before)
         return rows
 
     async def _complete(self, in_flight: InFlightStep, events: StepTokensBuilder) -> SamplerOutput:

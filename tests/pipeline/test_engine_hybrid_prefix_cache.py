@@ -208,25 +208,26 @@ def test_hybrid_blocks_come_back_from_host_and_disk_to_a_snapshot(hybrid_dir, tm
     assert corrupted == off and stats["kv_offload"]["tiers"]["disk"]["corrupt"] > 0
 
 
+async def eight_prompts(model_dir, seed: int, **overrides) -> tuple[list, dict]:
+    """Eight prompts of 5..26 tokens generating 24 greedy tokens at once: each one's tokens and the stats."""
+    batch = [[random.Random(seed + i).randrange(100, 49000) for _ in range(5 + 3 * i)] for i in range(8)]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    engine = await Engine.create(config_for(model_dir, **overrides))
+    try:
+        results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=params) for p in batch])
+        await settle(engine)
+        assert_no_leaks(engine)
+        return [r[0].token_ids for r in results], engine.stats()
+    finally:
+        await engine.shutdown()
+
+
 def test_hybrid_preempted_sequences_swap_out_and_back(hybrid_dir):
     """Eight prompts generating 24 tokens where one fits: with a host tier a preempted sequence's blocks go to
     host and its state into a snapshot, and it resumes at its last token; the same tokens as with room."""
-    batch = [[random.Random(70 + i).randrange(100, 49000) for _ in range(5 + 3 * i)] for i in range(8)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    async def main(**overrides) -> tuple[list, dict]:
-        engine = await Engine.create(config_for(hybrid_dir, **overrides))
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=params) for p in batch])
-            await settle(engine)
-            assert_no_leaks(engine)
-            return [r[0].token_ids for r in results], engine.stats()
-        finally:
-            await engine.shutdown()
-
-    expected, _ = run_async(main())
+    expected, _ = run_async(eight_prompts(hybrid_dir, 70))
     tight = dict(num_kv_blocks=25, max_num_batched_tokens=16, kv_offload_host_gib=64 / 1024)
-    got, stats = run_async(main(**tight))
+    got, stats = run_async(eight_prompts(hybrid_dir, 70, **tight))
     assert got == expected and stats["preemptions"] > 0
     assert stats["kv_offload"]["swapped_out"] > 0 and stats["kv_offload"]["swapped_in"] > 0
     assert stats["state_snapshots"]["pinned"] == 0
@@ -268,23 +269,10 @@ def test_snapshots_the_device_evicts_come_back_from_host(hybrid_dir, sizes):
 def test_preempted_hybrid_states_go_through_the_snapshot_host_tier(hybrid_dir, sizes):
     """Preemption with room for two device snapshots: the preempted sequences' states are demoted to host and
     promoted back when they resume; the same tokens as with room for everything."""
-    batch = [[random.Random(90 + i).randrange(100, 49000) for _ in range(5 + 3 * i)] for i in range(8)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
-
-    async def main(**overrides) -> tuple[list, dict]:
-        engine = await Engine.create(config_for(hybrid_dir, **overrides))
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=params) for p in batch])
-            await settle(engine)
-            assert_no_leaks(engine)
-            return [r[0].token_ids for r in results], engine.stats()
-        finally:
-            await engine.shutdown()
-
-    expected, _ = run_async(main())
+    expected, _ = run_async(eight_prompts(hybrid_dir, 90))
     tight = dict(num_kv_blocks=25, max_num_batched_tokens=16, kv_offload_host_gib=64 / 1024,
                  state_snapshot_gib=2.5 * sizes[0] / (1 << 30), state_snapshot_host_gib=32 * sizes[0] / (1 << 30))
-    got, stats = run_async(main(**tight))
+    got, stats = run_async(eight_prompts(hybrid_dir, 90, **tight))
     assert got == expected and stats["preemptions"] > 0
     host = stats["state_snapshots"]["host"]
     assert stats["kv_offload"]["swapped_in"] > 0 and host["demoted"] > 0 and host["promoted"] > 0

@@ -16,7 +16,7 @@ def key(i: int) -> bytes:
 
 
 def tiered(device: int = 2, host: int = 2) -> TieredSnapshots:
-    return TieredSnapshots(SnapshotPool(device, 16), host, 64)
+    return TieredSnapshots(device, 16, host, 64)
 
 
 def plan(snaps: TieredSnapshots) -> BlockTransfers:
@@ -33,12 +33,12 @@ def test_an_evicted_snapshot_is_demoted_and_promoted_back_when_pinned():
     a, b = snaps.reserve(key(1)), snaps.reserve(key(2))
     plan(snaps)
     c = snaps.reserve(key(3))  # evicts key 1 (least recently used): demoted first
-    assert c == a and key(1) not in snaps.device and key(1) in snaps
+    assert c == a and not snaps.on_device(key(1)) and key(1) in snaps
     first = plan(snaps)
     assert first.snapshot_saves == [(a, 0)] and first.snapshot_loads == [] and first.snapshot_host is snaps.buffer
     assert snaps.latest([key(0), key(1), key(9)]) == 2  # host snapshots count
     pinned = snaps.pin(key(1))  # promoted into the least recently used device snapshot (key 2's, demoted too)
-    assert pinned == b and key(1) in snaps.device and key(2) in snaps and key(2) not in snaps.device
+    assert pinned == b and snaps.on_device(key(1)) and key(2) in snaps and not snaps.on_device(key(2))
     second = plan(snaps)
     assert second.snapshot_saves == [(b, 1)] and second.snapshot_loads == [(0, b)]
     stats = snapshot_stats(snaps)
@@ -55,7 +55,7 @@ def test_a_key_on_host_already_is_not_copied_again_and_pin_fails_without_device_
     assert snaps.pin(key(1)) is not None  # promoted (key 2 demoted): key 1 now on host and on device
     plan(snaps)
     assert snaps.pin(key(2)) is None  # the one device snapshot is pinned: no room to promote into
-    index = snaps.device.pin(key(1))
+    index = SnapshotPool.pin(snaps, key(1))
     snaps.unpin(index)
     snaps.unpin(index)
     snaps.reserve(key(3))  # evicts key 1 again: host holds it, nothing copied
@@ -83,16 +83,16 @@ def test_demotion_and_promotion_move_the_bytes_of_every_recurrent_cache():
     conv = torch.randn(3, 4, 3).to(torch.bfloat16)
     rec = torch.randn(3, 2, 5, 5)
     nbytes = conv[0].numel() * 2 + rec[0].numel() * 4
-    snaps = TieredSnapshots(SnapshotPool(3, 16), 2, nbytes)
-    snaps.device._index[key(7)] = 1  # (as if a save had filled snapshot 1)
-    snaps.device._free.remove(1)
+    snaps = TieredSnapshots(3, 16, 2, nbytes)
+    snaps._index[key(7)] = 1  # (as if a save had filled snapshot 1)
+    snaps._free.remove(1)
     saved = (conv[1].clone(), rec[1].clone())
-    snaps._demote(key(7), 1)
+    snaps.evicted(key(7), 1)
     run_block_transfers(plan(snaps), [], [], [conv, rec])
     conv[1].zero_()
     rec[1].zero_()
-    del snaps.device._index[key(7)]
-    snaps.device._free.append(1)
+    del snaps._index[key(7)]
+    snaps._free.append(1)
     index = snaps.pin(key(7))
     run_block_transfers(plan(snaps), [], [], [conv, rec])
     assert torch.equal(conv[index], saved[0]) and torch.equal(rec[index], saved[1])
@@ -104,7 +104,7 @@ def test_the_host_share_of_a_hybrid_model():
     assert snapshot_host_gib(EngineConfig(model="m", kv_offload_host_gib=8.0, state_snapshot_host_gib=0.5), True) == 0.5
     assert snapshot_host_gib(EngineConfig(model="m"), True) == 0.0
     assert isinstance(snapshot_pool(config, 4, 1 << 20, False), TieredSnapshots)
-    assert isinstance(snapshot_pool(EngineConfig(model="m"), 4, 1 << 20, False), SnapshotPool)
+    assert type(snapshot_pool(EngineConfig(model="m"), 4, 1 << 20, False)) is SnapshotPool
     with pytest.raises(ValueError, match="part of kv_offload_host_gib"):
         EngineConfig(model="m", kv_offload_host_gib=1.0, state_snapshot_host_gib=2.0).validate()
 
@@ -118,7 +118,7 @@ def test_snapshot_copies_on_a_copy_stream_keep_step_order():
     states = [torch.randn(2, *conv.shape[1:], device="cuda").to(torch.bfloat16),
               torch.randn(2, *rec.shape[1:], device="cuda")]
     nbytes = conv[0].numel() * 2 + rec[0].numel() * 4
-    snaps = TieredSnapshots(SnapshotPool(1, 16), 2, nbytes, pin_memory=True)
+    snaps = TieredSnapshots(1, 16, 2, nbytes, pin_memory=True)
     side = torch.cuda.Stream()
     snaps.reserve(key(1))  # snapshot 0 holds key 1 (its content: conv[0], rec[0])
     plan(snaps)

@@ -50,7 +50,7 @@ def test_a_snapshot_filled_by_the_plan_being_built_is_not_evicted_in_it():
     one snapshot); after the plan is handed, the next one may evict it. Evictions are reported first."""
     pool = SnapshotPool(1, 16)
     evicted: list[tuple[bytes, int]] = []
-    pool.on_evict = lambda k, i: evicted.append((k, i))
+    pool.evicted = lambda k, i: evicted.append((k, i))
     assert pool.reserve(key(1)) == 0
     assert pool.reserve(key(2)) is None and key(1) in pool
     pool.handed()
