@@ -84,6 +84,8 @@ class Sequence:
     restore_from: int | None = None  # hybrid models: the pinned snapshot its state slot gets when allocated
     draft_history: Any = None  # the drafter's copy of token_ids (pipeline/spec/ngram.py), grown as they are
     draft_acceptance: float = 1.0  # average share of its drafts accepted (pipeline/spec/budget.py)
+    draft_wait: int = 0  # steps before its next chance to draft (pipeline/spec/budget.py)
+    draft_backoff: int = 0  # the last wait given: doubled while its chances bring nothing accepted
     spare_slot: StateSlot | None = None  # hybrid models with drafts: its state before a verify step (kept, rewound)
 
     @classmethod

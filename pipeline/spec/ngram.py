@@ -7,6 +7,7 @@ import numpy as np
 
 import ext
 from pipeline.sequence import Sequence
+from pipeline.spec.drafter import HostDrafter
 
 _ngram = ext.load("ngram")
 
@@ -34,7 +35,7 @@ class TokenHistory:
         self.length = new
 
 
-class NgramDrafter:
+class NgramDrafter(HostDrafter):
     name = "ngram"
 
     def __init__(self, min_n: int, max_n: int) -> None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
@@ -87,13 +88,17 @@ class DecodeStage(DeviceStage):
             output: SamplerOutput | None = None
             reads_own_tokens = self._reap_cancelled(events)
             # a row's drafts follow its last token, which the host must have read: no running ahead while rows draft
-            drafting = self.drafter is not None and self.draft_budget.for_step(len(self.running)) > 0
+            drafting = (self.drafter is not None and self.draft_budget.for_step(len(self.running)) > 0
+                        and DraftBudget.tick(self.running))
             can_run_ahead = self.run_ahead and not drafting and not reads_own_tokens
             if in_flight is not None and not can_run_ahead:
                 output = await self._complete(in_flight, events)
                 in_flight = None
             self.in_flight = in_flight  # what offer_rows/build_rows read
             launched: InFlightStep | None = None
+            self._drafts.clear()
+            if drafting and self.running:
+                await self._draft()
             if self.running:
                 composed = self.planner.compose(rows_in_flight=in_flight is not None)
                 if composed is WAIT_FOR_STEP:  # the rows fit only once the step in flight is read
@@ -147,28 +152,41 @@ class DecodeStage(DeviceStage):
         the step samples it on the device and the next step feeds it from there)."""
         cache = self.cache
         rows: list[RunningRow] = []
-        self._drafts.clear()
-        limit = self.draft_budget.for_step(len(self.running)) if self.drafter is not None else 0
         for seq in self.running:
             ahead = self._ahead(seq)
             if ahead < 0:
                 continue
-            drafts = self._propose(seq, limit) if limit and not ahead else ()  # (drafts follow the last token)
-            if drafts:
-                self._drafts[seq.seq_id] = drafts
+            drafts = self._drafts.get(seq.seq_id, ()) if self._drafts else ()
             rows.append(RunningRow(seq.seq_id, seq.arrival, seq.num_pending + len(drafts),
                                    cache.blocks_needed(seq, seq.num_pending + len(drafts), ahead), len(seq.block_ids)))
         return rows
 
-    def _propose(self, seq: Sequence, limit: int) -> list[int]:
-        """The drafts ``seq``'s next row verifies: up to ``limit`` (pipeline/spec/budget.py), no more than its length
-        limit leaves room for after its next token. A hybrid model's sequence drafts only with a spare state slot to
-        keep its state in (``CacheManager.keep_state``); one that re-feeds tokens after a rejection does not."""
-        if seq.num_pending != 1 or (seq.state_slot is not None and not self.cache.can_keep_state(seq)):
-            return []
-        room = seq.request.max_total_tokens - len(seq.token_ids) - 1
-        k = min(self.draft_budget.for_sequence(limit, seq.draft_acceptance), room)
-        return self.drafter.propose(seq, k) if k > 0 else []
+    async def _draft(self) -> None:
+        """Drafts for the step being composed (``_drafts``): up to the budget's count for every sequence whose turn
+        it is (pipeline/spec/budget.py), no more than its length limit leaves room for after its next token. A hybrid
+        model's sequence drafts only with a spare state slot to keep its state in (``CacheManager.keep_state``); one
+        that re-feeds tokens after a rejection does not. A model drafter writes KV at the drafts' positions, so their
+        slots are allocated first (a sequence whose blocks do not fit does not draft)."""
+        drafter, cache, budget = self.drafter, self.cache, self.draft_budget
+        limit = budget.for_step(len(self.running))
+        wanted: list[tuple[Sequence, int]] = []
+        for seq in self.running:
+            if seq.draft_wait or seq.num_pending != 1 or (seq.state_slot is not None and not cache.can_keep_state(seq)):
+                continue
+            k = min(budget.for_sequence(limit, seq.draft_acceptance), seq.request.max_total_tokens - len(seq.token_ids) - 1)
+            if k > 0 and (not drafter.on_device or cache.allocate_slots(seq, seq.num_pending + k)):
+                wanted.append((seq, k))
+        if not wanted:
+            return
+        if drafter.on_device:
+            proposals = await self.executor.call(partial(drafter.draft, drafter.plan(wanted)))
+        else:
+            proposals = [drafter.propose(seq, k) for seq, k in wanted]
+        for (seq, k), drafts in zip(wanted, proposals):
+            if drafts:
+                self._drafts[seq.seq_id] = list(drafts[:k])
+            else:
+                DraftBudget.settle(seq, 0, 0)  # nothing to offer: wait before asking again
 
     def preempt_now(self, seq_id: int) -> Sequence:
         """Resume later: give the KV back (swapped to host, or to be recomputed), keep the tokens and the seat;
@@ -258,12 +276,13 @@ class DecodeStage(DeviceStage):
         recurrent state cannot be trimmed that way: on a rejection it is rewound to before the step (kept in a spare
         slot) and the accepted tokens are fed again with the next one."""
         block_size, spec = self.cache.block_size, self.spec
+        accepts_all = self.drafter is not None and self.drafter.accepts_all
         row = 0
         for seq, drafts in zip(in_flight.batch, in_flight.drafts):
             first, row = row, row + len(drafts) + 1
             if seq.finish_reason is not None:
                 continue  # ended by the previous step or cancelled while this one ran
-            accepted = 0
+            accepted = len(drafts) if accepts_all else 0
             while accepted < len(drafts) and tokens[first + accepted] == drafts[accepted]:
                 accepted += 1
             if drafts:
@@ -271,7 +290,7 @@ class DecodeStage(DeviceStage):
                 spec.drafted_tokens += len(drafts)
                 spec.accepted_tokens += accepted
                 spec.accepted_per_row[accepted] += 1
-                seq.draft_acceptance = DraftBudget.observe(seq.draft_acceptance, len(drafts), accepted)
+                DraftBudget.settle(seq, len(drafts), accepted)
             before = seq.num_computed
             if seq.state_slot is not None and accepted < len(drafts):
                 # hybrid: the state went past the rejected drafts; it goes back to before this step, and the next
@@ -281,7 +300,7 @@ class DecodeStage(DeviceStage):
                 seq.num_computed = len(seq.token_ids) + accepted  # its pending tokens and the accepted drafts
             if seq.num_computed // block_size != before // block_size:  # a block filled: the prefix cache may key it
                 self.cache.register_computed(seq)
-            for i in range(accepted + 1):
-                if not self.record_token(seq, tokens[first + i], first + i, events):
+            for i in range(accepted + 1):  # the drafts taken (equal to the picks, unless forced), then the next pick
+                if not self.record_token(seq, drafts[i] if i < accepted else tokens[first + i], first + i, events):
                     break
 

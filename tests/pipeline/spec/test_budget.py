@@ -3,7 +3,9 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.spec.budget import DraftBudget
+from types import SimpleNamespace
+
+from pipeline.spec.budget import MAX_WAIT, DraftBudget
 
 
 def test_large_batches_draft_nothing_and_failing_sequences_one():
@@ -19,3 +21,21 @@ def test_acceptance_average():
     assert acceptance == pytest.approx(0.8 ** 10)
     assert DraftBudget.observe(0.5, 0, 0) == 0.5  # a row without drafts says nothing
     assert DraftBudget.observe(0.0, 2, 2) == pytest.approx(0.2)
+
+
+def test_failed_chances_wait_longer_and_an_accepted_draft_ends_the_wait():
+    seq = SimpleNamespace(draft_acceptance=1.0, draft_wait=0, draft_backoff=0)
+    chances, waits = [], []
+    for step in range(200):
+        if DraftBudget.tick([seq]):
+            chances.append(step)
+            DraftBudget.settle(seq, 4, 0)
+            waits.append(seq.draft_wait)
+    assert waits[:6] == [1, 2, 4, 8, 16, 16] and max(waits) == MAX_WAIT
+    assert chances[:5] == [0, 2, 5, 10, 19] and len(chances) < 200 / MAX_WAIT + 5
+    DraftBudget.settle(seq, 4, 1)
+    assert seq.draft_backoff == 0 and DraftBudget.tick([seq]) is False  # the wait given before still runs out
+    while not DraftBudget.tick([seq]):
+        pass
+    DraftBudget.settle(seq, 0, 0)  # nothing offered: one step, the backoff kept
+    assert seq.draft_wait == 1 and seq.draft_backoff == 0
