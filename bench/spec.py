@@ -1,15 +1,22 @@
-"""Speculative decoding on one engine shape: decode throughput with the verify rows against plain decoding, at
-chosen draft accuracies, and whether the tokens stay those of plain decoding on this device. JSON out.
+"""Speculative decoding on one engine shape: decode throughput with the verify rows against plain decoding, per
+drafter and K, and whether the tokens stay those of plain decoding on this device. JSON out.
 
-    python3 bench/spec.py --shape qwen3-8b --commit $(git rev-parse --short HEAD) --out $OUT/spec.json
-    python3 bench/spec.py --quick --device cpu      # the control flow, on a tiny shape
+    python3 bench/spec.py --shape qwen3-8b --method replay --modes forced --errors 1.0 --ks 1 2 3 4 5 6 7 \\
+        --commit $(git rev-parse --short HEAD) --out $OUT/spec.json
+    python3 bench/spec.py --shape qwen3.5-35b-a3b --method mtp --modes forced real --ks 1 2 3 4 --batches 1
+    python3 bench/spec.py --quick --device cpu --method draft      # the control flow, on a tiny shape
 
-Random weights make n-gram drafts useless, so the drafts replay the plain run's own output (pipeline/spec/
-replay.py), each wrong with probability ``error``: for each batch size, a plain run (one token a step, one step
-ahead), then K drafts a row for each K and error. Per run: decode tok/s (output tokens after the first over the
-time from each request's first token to its last, summed over requests at once: the batch's rate), the drafts'
-acceptance, and per request the first output position where the tokens differ from the plain run's (None: equal
-throughout; on a GPU the verify rows' kernels differ from one-token rows', so bf16 near-ties may go either way).
+Random weights make real drafts useless, so each drafter runs in up to two modes:
+
+- ``real``: drafts verified as served (``replay``: drafts replaying the plain run's own output, each wrong with
+  probability ``error``; ``--errors 1.0`` is a drafter that is never right);
+- ``forced``: every draft taken as if accepted (pipeline/spec/replay.py says why), the verify mechanism's upper bound
+  at full acceptance with the drafter's own cost (for ``mtp`` and ``draft`` their forwards run as served).
+
+For each batch size: a plain run (one token a step, one step ahead), then each K and mode. Per run: decode tok/s
+(output tokens after the first over the time from the first request's first token to the last one's last, the
+batch's rate), the drafts' acceptance, tokens per verify row, and per request the first output position where the
+tokens differ from the plain run's (None: equal; forced runs differ by construction).
 """
 from __future__ import annotations
 
@@ -29,7 +36,13 @@ from pipeline.engine import Engine  # noqa: E402
 from pipeline.spec.replay import ReplayDrafter  # noqa: E402
 
 from gpu import engine_config, prompts, run_one, write_model_dir  # noqa: E402
-from gpu_shapes import add_engine_args, chosen_shape  # noqa: E402
+from gpu_shapes import QWEN3_8B, add_engine_args, chosen_shape  # noqa: E402
+
+# Qwen3-0.6B: a draft model of the Qwen3 family (the 8B's tokenizer and vocabulary)
+QWEN3_0_6B = dict(QWEN3_8B, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
+                  num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+QUICK_DRAFT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
+                   num_key_value_heads=1, head_dim=64)
 
 
 def first_difference(a: list[int], b: list[int]) -> int | None:
@@ -44,19 +57,34 @@ async def batch_run(engine: Engine, batch: list[list[int]], new_tokens: int) -> 
     return [r["ids"] for r in results], tokens / (last - first)
 
 
-async def workloads(engine: Engine, sizes: dict, ks: list[int], errors: list[float]) -> list[dict]:
+def drafters(engine_drafter, method: str, modes: list[str], errors: list[float], continuations: dict):
+    """(label, drafter) for each run of one K."""
+    for mode in modes:
+        if method == "replay":
+            if mode == "forced":
+                yield "forced", ReplayDrafter(continuations, 0.0, forced=True)
+            else:
+                for error in errors:
+                    yield f"error {error}", ReplayDrafter(continuations, error)
+        else:
+            engine_drafter.accepts_all = mode == "forced"
+            yield mode, engine_drafter
+
+
+async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[dict]:
     decode, out = engine.decode, []
-    drafter = decode.drafter
+    served = decode.drafter
     await batch_run(engine, prompts(2, sizes["prompt"], 1), 16)  # warm-up
     for batch_size in sizes["batches"]:
         batch = prompts(batch_size, sizes["prompt"], 100 + batch_size)
         decode.drafter = None  # plain decoding, one step ahead
         plain, plain_rate = await batch_run(engine, batch, sizes["new"])
         out.append({"batch": batch_size, "k": 0, "tok_s": plain_rate})
+        print(json.dumps(out[-1]), flush=True)
         continuations = {tuple(p): ids for p, ids in zip(batch, plain)}
-        for k in ks:
-            for error in errors:
-                decode.drafter = ReplayDrafter(continuations, error)
+        for k in a.ks:
+            for label, drafter in drafters(served, a.method, a.modes, a.errors, continuations):
+                decode.drafter = drafter
                 decode.draft_budget.k = k
                 before = dataclasses.replace(decode.spec, accepted_per_row=list(decode.spec.accepted_per_row))
                 ids, rate = await batch_run(engine, batch, sizes["new"])
@@ -64,28 +92,39 @@ async def workloads(engine: Engine, sizes: dict, ks: list[int], errors: list[flo
                 drafted = spec.drafted_tokens - before.drafted_tokens
                 accepted = spec.accepted_tokens - before.accepted_tokens
                 rows = spec.verify_rows - before.verify_rows
-                out.append({"batch": batch_size, "k": k, "error": error, "tok_s": rate, "vs_plain": rate / plain_rate,
-                            "verify_rows": rows, "acceptance": accepted / drafted if drafted else None,
+                out.append({"batch": batch_size, "k": k, "drafter": drafter.name, "mode": label, "tok_s": rate,
+                            "vs_plain": rate / plain_rate, "verify_rows": rows,
+                            "acceptance": accepted / drafted if drafted else None,
                             "tokens_per_row": (accepted + rows) / rows if rows else None,
-                            "first_difference": [first_difference(a, b) for a, b in zip(ids, plain)]})
-                print(json.dumps(out[-1]))
-    decode.drafter = drafter
+                            "first_difference": [first_difference(x, y) for x, y in zip(ids, plain)]})
+                print(json.dumps({key: v for key, v in out[-1].items() if key != "first_difference"}), flush=True)
+    if served is not None:
+        served.accepts_all = False
+    decode.drafter = served
     return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(ap, "spec.json")
+    ap.add_argument("--method", default="replay", choices=["replay", "ngram", "mtp", "draft"])
+    ap.add_argument("--modes", nargs="+", default=["forced", "real"], choices=["forced", "real"])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 7])
-    ap.add_argument("--errors", type=float, nargs="+", default=[0.0, 0.3])
+    ap.add_argument("--errors", type=float, nargs="+", default=[1.0], help="replay drafts' error rates (real mode)")
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     a = ap.parse_args()
     shape = chosen_shape(a.shape, a.quick)
     sizes = dict(prompt=32, new=24, batches=[1, 4]) if a.quick else dict(prompt=128, new=256, batches=[1, 16, 64])
     sizes["batches"] = a.batches or sizes["batches"]
     model_dir = write_model_dir(shape, a.tokenizer)
-    report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "date": time.strftime("%Y-%m-%d %H:%M"),
-                    "sizes": sizes}
+    draft_dir = None
+    options: dict = dict(speculative_method="ngram" if a.method == "replay" else a.method)
+    if a.method == "draft":
+        draft_dir = write_model_dir(dict(QWEN3_0_6B, **(QUICK_DRAFT if a.quick else {}),
+                                         vocab_size=shape["vocab_size"]), a.tokenizer)
+        options["speculative_model"] = draft_dir
+    report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "method": a.method,
+                    "date": time.strftime("%Y-%m-%d %H:%M"), "sizes": sizes}
     try:
         import torch
 
@@ -95,16 +134,18 @@ def main() -> None:
             # prefix caching off: a repeated prompt would start from its cached blocks, its first token computed
             # by a one-token row instead of the prompt's last, which on a GPU is a different bf16 sum
             engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=max(sizes["batches"]),
-                                                       max_model_len=1024, speculative_method="ngram",
-                                                       num_speculative_tokens=max(a.ks), prefix_caching=False))
+                                                       max_model_len=1024, num_speculative_tokens=max(a.ks),
+                                                       prefix_caching=False, **options))
             try:
-                return await workloads(engine, sizes, a.ks, a.errors)
+                return await workloads(engine, sizes, a)
             finally:
                 await engine.shutdown()
 
         report["runs"] = asyncio.run(run())
     finally:
         shutil.rmtree(model_dir, ignore_errors=True)
+        if draft_dir is not None:
+            shutil.rmtree(draft_dir, ignore_errors=True)
     with open(a.out, "w") as handle:
         json.dump(report, handle, indent=1)
 

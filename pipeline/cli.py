@@ -54,8 +54,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-snapshot-host-gib", type=float, default=None,
                         help="hybrid models: the part of --kv-offload-host-gib holding the state snapshots the device "
                              "evicts (default: a quarter of it)")
-    parser.add_argument("--speculative-method", choices=["ngram"], default=None,
-                        help="draft tokens and verify them in the decode step's forward (exactly the output without)")
+    parser.add_argument("--speculative-method", choices=["ngram", "mtp", "draft"], default=None,
+                        help="draft tokens and verify them in the decode step's forward (exactly the output without): "
+                             "ngram (prompt lookup), mtp (the checkpoint's MTP head), draft (--speculative-model)")
+    parser.add_argument("--speculative-model", default=None, metavar="DIR",
+                        help="the draft model's HF directory (--speculative-method draft; same tokenizer)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                         help="drafts a sequence offers per step (with --speculative-method)")
     parser.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
@@ -93,7 +96,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         kv_offload_disk_gib=args.kv_offload_disk_gib, state_snapshot_gib=args.state_snapshot_gib,
                         state_snapshot_interval=args.state_snapshot_interval,
                         state_snapshot_host_gib=args.state_snapshot_host_gib,
-                        speculative_method=args.speculative_method,
+                        speculative_method=args.speculative_method, speculative_model=args.speculative_model,
                         num_speculative_tokens=args.num_speculative_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                         gc_young_threshold=args.gc_young_threshold,

@@ -42,7 +42,10 @@ class EngineConfig:
     # hybrid models with a host tier: the part of kv_offload_host_gib that holds the snapshots the device evicts
     # (None: a quarter of it; pipeline/memory/snapshot_tiers.py)
     state_snapshot_host_gib: float | None = None
-    speculative_method: str | None = None  # "ngram": drafts verified in the decode step's forward (pipeline/spec/)
+    # drafts verified in the decode step's forward (pipeline/spec/): "ngram" (prompt lookup), "mtp" (the checkpoint's
+    # multi-token-prediction head), "draft" (a smaller model, speculative_model)
+    speculative_method: str | None = None
+    speculative_model: str | None = None  # the draft model's HF directory (speculative_method "draft")
     num_speculative_tokens: int = 0  # drafts a sequence offers per step (K)
     prompt_lookup_min: int = 2  # n-gram drafter: the shortest suffix it looks up
     prompt_lookup_max: int = 4  # and the longest
@@ -92,8 +95,12 @@ class EngineConfig:
             raise ValueError("state_snapshot_host_gib is a part of kv_offload_host_gib: between 0 and it")
         if self.kv_offload_dir is not None and self.kv_offload_host_gib == 0:
             raise ValueError("the disk tier takes the blocks the host tier evicts: set kv_offload_host_gib too")
-        if self.speculative_method not in (None, "ngram"):
-            raise ValueError(f"speculative_method {self.speculative_method!r}: the drafters are 'ngram'")
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method {self.speculative_method!r}: the drafters are "
+                             f"{', '.join(repr(m) for m in SPECULATIVE_METHODS if m)}")
+        if (self.speculative_method == "draft") != (self.speculative_model is not None):
+            raise ValueError("speculative_method 'draft' needs speculative_model (the draft model's directory), "
+                             "and only it takes one")
         if (self.speculative_method is None) != (self.num_speculative_tokens == 0):
             raise ValueError("speculation needs both speculative_method and num_speculative_tokens >= 1")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -102,6 +109,7 @@ class EngineConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
+SPECULATIVE_METHODS = (None, "ngram", "mtp", "draft")
 MAX_SPECULATIVE_TOKENS = 15  # a verify row of K + 1 tokens stays within the decode CUDA graphs' rows of q <= 16
 
 

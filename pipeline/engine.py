@@ -33,7 +33,6 @@ from pipeline.prompt import PromptRenderer
 from pipeline.request import CancelReason, OutputDelta, Request, SamplingParams, new_request_id
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.scheduler import SeatPool, WaitingGauge
-from pipeline.spec.drafter import make_drafter
 from pipeline.stage import Stage
 from pipeline.stages.decode import DecodeStage
 from pipeline.stages.detokenize import DetokenizeStage
@@ -71,7 +70,7 @@ class Engine:
         self.planner = StepPlanner(cache=self.cache, seats=self.seats, executor=self.executor,
                                    token_budget=config.max_num_batched_tokens)
         self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead,
-                                  drafter=make_drafter(config), num_speculative_tokens=config.num_speculative_tokens,
+                                  drafter=loaded.drafter, num_speculative_tokens=config.num_speculative_tokens,
                                   **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, planner=self.planner,
                                     decode=self.decode, **shared)

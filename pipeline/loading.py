@@ -14,6 +14,7 @@ from pipeline.models.loader import iter_weights, load_generation_config, load_hf
 from pipeline.models.registry import build_model
 from pipeline.runner.model_runner import ModelRunner
 from pipeline.spec.budget import MAX_DRAFT_ROWS
+from pipeline.spec.drafter import Drafter, make_drafter
 from pipeline.stages.intake import ModelLimits, generation_defaults
 from pipeline.thinking import ThinkingTags
 from pipeline.tokenizer import Tokenizer
@@ -29,6 +30,7 @@ class LoadedModel:
     num_blocks: int
     dtype: torch.dtype
     device: torch.device
+    drafter: Drafter | None = None  # speculation's drafter (pipeline/spec/), None without
 
 
 def cpu_has_native_bf16() -> bool:
@@ -90,11 +92,14 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     dummy = config.load_format == "dummy"
     say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers) "
         f"as {dtype} on {device}")
-    model = build_model(arch, None if dummy else iter_weights(path), dtype, device)
+    model = build_model(arch, None if dummy else iter_weights(path), dtype, device,
+                        mtp=config.speculative_method == "mtp")
+    draft_model = load_draft_model(config, arch, dtype, device, say) if config.speculative_method == "draft" else None
     # hybrid models with speculation: a spare state slot for each sequence that may draft (pipeline/spec/budget.py)
     spare = min(config.max_num_seqs, MAX_DRAFT_ROWS) if config.speculative_method else 0
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
-                         max_num_seqs=config.max_num_seqs + spare)
+                         max_num_seqs=config.max_num_seqs + spare,
+                         extra_cache_specs=draft_model.cache_specs(dtype) if draft_model is not None else ())
     cpu_memory = (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes
                   if device.type != "cuda" and not config.num_kv_blocks else None)
     snapshots = num_snapshots(config, runner, cpu_memory)
@@ -128,7 +133,26 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
                                    tuple(tokenizer.encode("</think>", add_special_tokens=False))),
     )
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
-    return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device)
+    return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device,
+                       make_drafter(config, runner, draft_model))
+
+
+def load_draft_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                     say: Callable[[str], None]) -> torch.nn.Module:
+    """--speculative-model for --speculative-method draft: a smaller model over the target's vocabulary."""
+    assert config.speculative_model is not None
+    path = resolve_model_path(config.speculative_model)
+    draft_arch = ModelArchConfig.from_hf(load_hf_config(path))
+    if draft_arch.vocab_size != arch.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({draft_arch.vocab_size}) is not the target's "
+                         f"({arch.vocab_size}): a draft model needs the same tokenizer")
+    if draft_arch.is_hybrid:
+        raise ValueError(f"{draft_arch.model_type}: a hybrid draft model is not supported (use mtp, or a "
+                         "transformer draft model)")
+    dummy = config.load_format == "dummy"
+    say(f"{'building random' if dummy else 'loading'} draft model {draft_arch.model_type} "
+        f"({draft_arch.num_layers} layers)")
+    return build_model(draft_arch, None if dummy else iter_weights(path), dtype, device)
 
 
 

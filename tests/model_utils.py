@@ -267,3 +267,31 @@ def run_paged(
         caches=caches,
         step_kinds=kinds,
     )
+
+
+def add_mtp_weights(directory, model_type: str, seed: int = 0, **overrides) -> dict[str, torch.Tensor]:
+    """Give a tiny hybrid checkpoint an MTP head (``mtp.*``, as Qwen3-Next / Qwen3.5 checkpoints hold it; transformers
+    builds none): its decoder layer is a full-attention layer of another random model of the same config, in
+    transformers' names. Written as a second shard with an index; returns the tensors."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    donor = make_tiny_hf_model(model_type, seed=seed + 1000, **overrides)
+    config = donor.config
+    layer = donor.model.layers[list(config.layer_types).index("full_attention")]
+    tensors = {f"mtp.layers.0.{name}": t.contiguous() for name, t in layer.state_dict().items()}
+    gen = torch.Generator().manual_seed(seed)
+    size = config.hidden_size
+    tensors["mtp.fc.weight"] = torch.randn(size, 2 * size, generator=gen) / math.sqrt(2 * size)
+    for name in ("pre_fc_norm_embedding", "pre_fc_norm_hidden", "norm"):  # zero-centred: the scale is 1 + w
+        tensors[f"mtp.{name}.weight"] = 0.2 * torch.randn(size, generator=gen)
+    save_file(tensors, directory / "mtp.safetensors")
+    with safe_open(directory / "model.safetensors", framework="pt") as handle:
+        weight_map = {name: "model.safetensors" for name in handle.keys()}
+    weight_map.update({name: "mtp.safetensors" for name in tensors})
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return tensors

@@ -26,6 +26,7 @@ from pipeline.models.layers import (
     packed_linear,
     prepack_weight,
 )
+from pipeline.models.mtp import write_hidden
 from pipeline.models.rope import RotaryEmbedding
 
 
@@ -113,6 +114,8 @@ class LlamaForCausalLM(nn.Module):
             None if arch.tie_word_embeddings else Linear(arch.hidden_size, arch.vocab_size, False, dtype, device)
         )
         self.lm_head_packed: torch.Tensor | None = None  # tied lm_head, packed by prepack()
+        # a drafter that reads the target's hidden states (pipeline/models/mtp.py): every forward stores them there
+        self.hidden_cache_index: int | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -144,6 +147,8 @@ class LlamaForCausalLM(nn.Module):
         for layer in m.layers:
             x, residual = layer(x, residual, ctx)
         x, _ = m.norm(x, residual)
+        if self.hidden_cache_index is not None:
+            write_hidden(ctx.caches[self.hidden_cache_index], ctx.attention.slot_mapping, x)
         return x
 
     @torch.no_grad()

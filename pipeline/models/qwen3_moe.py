@@ -51,7 +51,7 @@ class Qwen3MoeDecoderLayer(LlamaDecoderLayer):
         return super()._make_mlp(arch, layer_index, dtype, device)
 
 
-_MOE_NAME_RE = re.compile(r"^(model\.layers\.\d+\.mlp)\.(.+)$")
+_MOE_NAME_RE = re.compile(r"^((?:model|mtp)\.layers\.\d+\.mlp)\.(.+)$")  # (the MTP head's layer too)
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):

@@ -9,7 +9,8 @@ Caches: one paged K/V cache per attention layer first (cache indices 0..A-1), th
 GDN layer (conv window, delta-rule state), indexed by each row's state slot.
 
 Weights load from the text model's HF names; a multimodal checkpoint's ``model.language_model.`` prefix is
-dropped and its vision tower and MTP head (``model.visual.``, ``mtp.``) are skipped. The attention ``q_proj``
+dropped and its vision tower (``model.visual.``) skipped; so is its MTP head (``mtp.``) unless ``attach_mtp`` built
+it for speculation (pipeline/models/mtp.py), whose two caches then follow the model's own. The attention ``q_proj``
 holds each head's query and gate side by side; they are split into the fused projection's q and gate shards.
 """
 from __future__ import annotations
@@ -24,9 +25,10 @@ from pipeline.models.forward_context import CacheSpec, ForwardContext, PagedKVSp
 from pipeline.models.gated_delta_net import GatedDeltaNet, split_qwen3_next_projections
 from pipeline.models.layers import GatedMLP, PagedAttention, RMSNorm, norm_project
 from pipeline.models.llama import _FUSED
+from pipeline.models.mtp import MultiTokenPredictor, hidden_cache_spec
 from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer, make_sparse_moe_block
 
-_SKIPPED_PREFIXES = ("mtp.", "model.visual.", "visual.")
+_SKIPPED_PREFIXES = ("model.visual.", "visual.")
 
 
 def cache_layout(arch: ModelArchConfig) -> list[int]:
@@ -98,14 +100,39 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
             raise ValueError(f"{arch.model_type}: layer_types must name the layers' mixers and include at least "
                              "one full_attention layer")
         super().__init__(arch, dtype, device)
+        self.mtp: MultiTokenPredictor | None = None
+
+    def attach_mtp(self) -> None:
+        """Build the MTP head (before loading: its ``mtp.*`` weights load with the model's) and store the hidden
+        states it reads from every forward on."""
+        param = self.model.embed_tokens.weight
+        self.mtp = MultiTokenPredictor(self.arch, param.dtype, param.device)
+        self.hidden_cache_index = len(self._own_cache_specs(param.dtype)) + 1
 
     def cache_specs(self, kv_dtype: torch.dtype) -> list[CacheSpec]:
+        """The attention layers' K/V, the GDN states; with the MTP head, its K/V and the hidden-state cache."""
+        specs = self._own_cache_specs(kv_dtype)
+        if self.mtp is not None:
+            specs += [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype),
+                      hidden_cache_spec(self.arch.hidden_size, kv_dtype)]
+        return specs
+
+    def _own_cache_specs(self, kv_dtype: torch.dtype) -> list[CacheSpec]:
         specs: list[CacheSpec] = [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)
                                   for kind in self.arch.layer_types if kind == "full_attention"]
         for layer in self.model.layers:
             if layer.linear_attn is not None:
                 specs.extend(layer.linear_attn.state_specs(kv_dtype))
         return specs
+
+    @torch.no_grad()
+    def mtp_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, hidden: torch.Tensor,
+                    ctx: ForwardContext) -> torch.Tensor:
+        """The MTP head at ``positions``: ``input_ids`` the tokens after them, ``hidden`` the target's (or the
+        head's own) hidden states there; ``ctx.caches`` holds the head's K/V cache alone."""
+        assert self.mtp is not None
+        self.prepare_context(positions, ctx)
+        return self.mtp(self.model.embed_tokens(input_ids), hidden, ctx)
 
     def prepare_context(self, positions: torch.Tensor, ctx: ForwardContext) -> None:
         """Also ``ctx.has_initial_state``: the recurrent layers continue a row's state unless its chunk starts at
@@ -123,7 +150,7 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
                 name = "model." + name[len("model.language_model."):]
             elif name.startswith("language_model."):
                 name = name[len("language_model."):]
-            if name.startswith(_SKIPPED_PREFIXES):
+            if name.startswith(_SKIPPED_PREFIXES) or (self.mtp is None and name.startswith("mtp.")):
                 continue
             if name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
                 yield from split_qwen3_next_projections(name, tensor, arch.linear_num_key_heads,

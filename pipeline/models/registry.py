@@ -42,13 +42,20 @@ def build_model(
     dtype: torch.dtype = torch.float32,
     device: torch.device | str = "cpu",
     prepack: bool = True,
+    mtp: bool = False,
 ) -> nn.Module:
     """Construct directly on ``device``/``dtype``, load HF-named weights, eval mode, gradients off.
 
-    On CPU the projections are then prepacked for oneDNN (prepack=False keeps plain weights, e.g. to
-    inspect them); the serving path and the parity tests both use the packed path."""
+    ``mtp``: also the checkpoint's MTP head (Qwen3-Next / Qwen3.5). On CPU the projections are then prepacked
+    for oneDNN (prepack=False keeps plain weights, e.g. to inspect them); the serving path and the parity tests
+    both use the packed path."""
     cls = get_model_class(arch.model_type)
     model = cls(arch, dtype=dtype, device=device)
+    if mtp:  # the checkpoint's multi-token-prediction head, for speculation (pipeline/models/mtp.py)
+        if not hasattr(model, "attach_mtp"):
+            raise ValueError(f"{arch.model_type} has no MTP head: --speculative-method mtp needs a Qwen3-Next or "
+                             "Qwen3.5 model")
+        model.attach_mtp()
     if weights is None:
         initialize_dummy_weights(model)
     else:

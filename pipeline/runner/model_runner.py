@@ -10,7 +10,7 @@ Owned by the executor thread; nothing here touches asyncio or stage state.
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,7 +18,7 @@ import torch
 
 from pipeline.memory.kv_offload import run_block_transfers
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
-from pipeline.models.forward_context import (ForwardContext, PagedKVSpec, StateSlotSpec, allocate_caches,
+from pipeline.models.forward_context import (CacheSpec, ForwardContext, PagedKVSpec, StateSlotSpec, allocate_caches,
                                              bytes_per_block, bytes_per_state_slot)
 from pipeline.runner.cuda_graphs import DecodeGraphs, decode_plan
 from pipeline.runner.host_staging import HostStaging
@@ -48,14 +48,15 @@ class DeviceBatch:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, max_num_seqs: int = 0) -> None:
-        """``max_num_seqs``: sequences that can hold a recurrent state slot at once (hybrid models)."""
+                 device: torch.device, max_num_seqs: int = 0, extra_cache_specs: Sequence[CacheSpec] = ()) -> None:
+        """``max_num_seqs``: sequences that can hold a recurrent state slot at once (hybrid models).
+        ``extra_cache_specs``: caches after the model's, in the same blocks (a draft model's, pipeline/spec/)."""
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.cache_specs = model.cache_specs(dtype)
+        self.cache_specs = model.cache_specs(dtype) + list(extra_cache_specs)
         self.num_state_slots = max_num_seqs + 1 if bytes_per_state_slot(self.cache_specs) else 0  # + the null slot
         self.caches: list[torch.Tensor] = []
         self.snapshots: list[torch.Tensor] = []  # per recurrent cache: [snapshots, ...] (allocate_snapshots)

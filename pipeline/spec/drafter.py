@@ -10,7 +10,10 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
+    import torch
+
     from pipeline.config import EngineConfig
+    from pipeline.runner.model_runner import ModelRunner
     from pipeline.sequence import Sequence
 
 
@@ -43,10 +46,25 @@ class ModelDrafter(Protocol):
         """Device thread: run the plan; each sequence's drafts."""
 
 
-def make_drafter(config: EngineConfig) -> Drafter | None:
-    """The configured host drafter (None: no speculation, or a model drafter, which ``load_model`` builds)."""
-    if config.speculative_method == "ngram":
+def make_drafter(config: EngineConfig, runner: ModelRunner | None = None,
+                 draft_model: torch.nn.Module | None = None) -> Drafter | None:
+    """The configured drafter (None: no speculation). The model drafters draft with the target's runner (its caches,
+    and the MTP head on its model) or a draft model whose caches follow the target's."""
+    method = config.speculative_method
+    if method is None:
+        return None
+    if method == "ngram":
         from pipeline.spec.ngram import NgramDrafter
 
         return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    return None
+    assert runner is not None
+    if method == "mtp":
+        from pipeline.spec.mtp import MtpDrafter
+
+        return MtpDrafter(runner.model, runner, config.block_size)
+    if method == "draft":
+        from pipeline.spec.draft_model import DraftModelDrafter
+
+        assert draft_model is not None
+        return DraftModelDrafter(draft_model, runner, len(runner.model.cache_specs(runner.dtype)), config.block_size)
+    raise ValueError(f"unknown speculative_method {method!r}")

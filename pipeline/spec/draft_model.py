@@ -1,0 +1,66 @@
+"""The draft-model drafter: a smaller model with the target's tokenizer drafts k tokens greedily, one forward per
+draft after a first one that feeds what it has not seen of the sequence (pipeline/spec/model_drafts.py).
+
+Its K/V caches follow the target's in the runner's cache list and use the target's block ids, so the pool sizes
+both at once and the tiers, prefix caching and preemption move both. Which of its positions hold the sequence's
+own tokens is tracked per sequence: after drafting at length L it holds every position below L and its drafts at
+L, L+1, .., of which those the verify accepted are the sequence's tokens too. A preempted sequence starts over.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from pipeline.sequence import Sequence
+from pipeline.spec.model_drafts import DraftRow, draft_tokens
+
+
+@dataclass(slots=True)
+class DraftModelState:
+    preemptions: int  # the sequence's count when this record began (its blocks are new after a preemption)
+    base: int = 0  # the sequence's length when it last drafted: every position below holds its tokens
+    fed: list[int] = field(default_factory=list)  # the drafts then fed at base, base + 1, ...
+
+    def computed(self, tokens: list[int]) -> int:
+        """Positions from 0 whose K/V in the drafter's cache are of ``tokens`` (at least one token is left to feed)."""
+        n = self.base
+        for draft in self.fed:
+            if n >= len(tokens) or tokens[n] != draft:
+                break
+            n += 1
+        return min(n, len(tokens) - 1)
+
+
+class DraftModelDrafter:
+    name = "draft"
+    on_device = True
+    accepts_all = False
+
+    def __init__(self, model: nn.Module, runner, first_cache: int, block_size: int) -> None:
+        self.model = model
+        self.runner = runner  # the target's (its caches are allocated after this is built)
+        self.caches = slice(first_cache, first_cache + len(model.cache_specs(torch.float32)))
+        self.block_size = block_size
+
+    def plan(self, wanted: list[tuple[Sequence, int]]) -> list[DraftRow]:
+        rows = []
+        for seq, k in wanted:
+            state = seq.draft_history
+            if not isinstance(state, DraftModelState) or state.preemptions != seq.preemptions:
+                state = seq.draft_history = DraftModelState(seq.preemptions)
+            tokens = seq.token_ids
+            start = state.computed(tokens)
+            state.base, state.fed = len(tokens), []
+            rows.append(DraftRow(tokens[start:], start, list(seq.block_ids), k, state))
+        return rows
+
+    @torch.inference_mode()
+    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
+        model = self.model
+        drafts = draft_tokens(rows, lambda ids, positions, ctx, _: model(ids, positions, ctx), model.compute_logits,
+                              self.runner.caches[self.caches], self.block_size, self.runner.device)
+        for row, out in zip(rows, drafts):
+            row.state.fed = out[:-1]  # the last draft was picked, never fed
+        return drafts
