@@ -34,33 +34,46 @@ DraftForward = Callable[[torch.Tensor, torch.Tensor, ForwardContext, torch.Tenso
 def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[torch.Tensor], torch.Tensor],
                  caches: list[torch.Tensor], block_size: int, device: torch.device,
                  carry: Callable[[ForwardContext, torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
-    """Run the drafter forwards for ``rows``; each row's drafts. ``carry(ctx, hidden)``: what the first forward
+    """Run the drafter forwards for ``rows``; each row's drafts. ``carry(ctx, positions)``: what the first forward
     takes besides the tokens (the MTP head: the target's hidden states at the fed positions); later forwards take
-    the drafter's own last hidden state instead."""
-    drafts: list[list[int]] = [[] for _ in rows]
-    feeds = [(row.tokens, row.start) for row in rows]
+    the drafter's own last hidden state instead. Each forward's picks stay on the device and feed the next; the host
+    reads them all once, at the end."""
+    picked: list[tuple[list[int], torch.Tensor]] = []  # (rows, their picks) per forward
     live = list(range(len(rows)))
+    starts = [row.start for row in rows]
+    lengths = [len(row.tokens) for row in rows]
+    ids = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.int64, device=device)
     carried: torch.Tensor | None = None
+    step = 0
     while live:
-        query_lens = [len(feeds[i][0]) for i in live]
-        ends = [feeds[i][1] + len(feeds[i][0]) for i in live]
-        meta = build_attention_metadata(query_lens, ends, [rows[i].block_ids for i in live], block_size, device)
-        ids = torch.tensor([t for i in live for t in feeds[i][0]], dtype=torch.int64, device=device)
-        positions = torch.tensor([p for i, end in zip(live, ends) for p in range(feeds[i][1], end)],
-                                 dtype=torch.int64, device=device)
+        ends = [starts[i] + lengths[i] for i in live]
+        meta = build_attention_metadata([lengths[i] for i in live], ends, [rows[i].block_ids for i in live],
+                                        block_size, device)
+        positions = torch.tensor([p for i, end in zip(live, ends) for p in range(starts[i], end)], dtype=torch.int64,
+                                 device=device)
         ctx = ForwardContext(meta, caches)
         if carried is None and carry is not None:
             carried = carry(ctx, positions)
         hidden = forward(ids, positions, ctx, carried)
         last = torch.tensor(meta.query_start_loc_host[1:], dtype=torch.int64, device=device) - 1
-        picks = logits(hidden.index_select(0, last)).argmax(dim=-1).tolist()
-        following: list[int] = []
-        for j, (i, token) in enumerate(zip(live, picks)):
-            drafts[i].append(token)
-            if len(drafts[i]) < rows[i].k:
-                feeds[i] = ([token], ends[j])
-                following.append(j)
+        picks = logits(hidden.index_select(0, last)).argmax(dim=-1)
+        picked.append((live, picks))
+        step += 1
+        following = [j for j, i in enumerate(live) if rows[i].k > step]
+        if len(following) < len(live):
+            keep = torch.tensor(following, dtype=torch.int64, device=device)
+            picks, last = picks.index_select(0, keep), last.index_select(0, keep)
+        for j, i in enumerate(live):
+            starts[i], lengths[i] = ends[j], 1
         live = [live[j] for j in following]
-        if following and carry is not None:
-            carried = hidden.index_select(0, last[torch.tensor(following, device=device)])
+        ids = picks
+        if carry is not None:
+            carried = hidden.index_select(0, last)
+    drafts: list[list[int]] = [[] for _ in rows]
+    values = torch.cat([p for _, p in picked]).tolist() if picked else []
+    at = 0
+    for step_rows, _ in picked:
+        for i in step_rows:
+            drafts[i].append(values[at])
+            at += 1
     return drafts
