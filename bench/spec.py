@@ -71,6 +71,26 @@ def drafters(engine_drafter, method: str, modes: list[str], errors: list[float],
             yield mode, engine_drafter
 
 
+async def profile_run(engine: Engine, batch: list[list[int]], new_tokens: int, drafter, k: int, out: str) -> None:
+    """One run under torch.profiler: the ops by host and device time, and a Chrome trace, beside ``out``."""
+    import torch
+
+    engine.decode.drafter, engine.decode.draft_budget.k = drafter, k
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    prof = torch.profiler.profile(activities=activities)
+    await engine.executor.call(prof.__enter__)  # on the device thread: the host ops it records are that thread's
+    await batch_run(engine, batch, new_tokens)
+    await engine.executor.call(lambda: prof.__exit__(None, None, None))
+    table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
+    if torch.cuda.is_available():
+        table += "\n" + prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=25)
+    with open(out.replace(".json", "-profile.txt"), "w") as handle:
+        handle.write(table)
+    prof.export_chrome_trace(out.replace(".json", "-trace.json"))
+
+
 async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[dict]:
     decode, out = engine.decode, []
     served = decode.drafter
@@ -82,6 +102,9 @@ async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[
         out.append({"batch": batch_size, "k": 0, "tok_s": plain_rate})
         print(json.dumps(out[-1]), flush=True)
         continuations = {tuple(p): ids for p, ids in zip(batch, plain)}
+        if a.profile and batch_size == sizes["batches"][0]:
+            await profile_run(engine, batch, sizes["new"], next(drafters(served, a.method, a.modes, a.errors,
+                                                                          continuations))[1], a.ks[0], a.out)
         for k in a.ks:
             for label, drafter in drafters(served, a.method, a.modes, a.errors, continuations):
                 decode.drafter = drafter
@@ -112,6 +135,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 7])
     ap.add_argument("--errors", type=float, nargs="+", default=[1.0], help="replay drafts' error rates (real mode)")
     ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--profile", action="store_true", help="profile the first batch's first drafter run")
     a = ap.parse_args()
     shape = chosen_shape(a.shape, a.quick)
     sizes = dict(prompt=32, new=24, batches=[1, 4]) if a.quick else dict(prompt=128, new=256, batches=[1, 16, 64])
