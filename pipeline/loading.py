@@ -132,9 +132,13 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         thinking_tags=ThinkingTags(tuple(tokenizer.encode("<think>", add_special_tokens=False)),
                                    tuple(tokenizer.encode("</think>", add_special_tokens=False))),
     )
+    drafter = make_drafter(config, runner, draft_model)
+    if device.type == "cuda" and config.cuda_graphs and hasattr(drafter, "capture_graphs"):
+        say("capturing the drafter's CUDA graphs")
+        drafter.capture_graphs(min(config.cuda_graph_max_batch, MAX_DRAFT_ROWS), max_model_len,
+                               config.num_speculative_tokens + 1)
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
-    return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device,
-                       make_drafter(config, runner, draft_model))
+    return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter)
 
 
 def load_draft_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,

@@ -38,9 +38,10 @@ def write_hidden(cache: torch.Tensor, slots: torch.Tensor, hidden: torch.Tensor)
 
 
 def read_hidden(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-    """The hidden states stored at ``slots`` ([T, H])."""
+    """The hidden states stored at ``slots`` ([T, H]; padding rows' slot -1 reads the null block)."""
     flat = cache.view(2, -1, cache.shape[-1])
-    return torch.cat([flat[0].index_select(0, slots), flat[1].index_select(0, slots)], dim=-1)
+    index = slots.clamp(min=0)
+    return torch.cat([flat[0].index_select(0, index), flat[1].index_select(0, index)], dim=-1)
 
 
 def mtp_arch(arch: ModelArchConfig) -> ModelArchConfig:

@@ -14,7 +14,8 @@ import torch
 from torch import nn
 
 from pipeline.sequence import Sequence
-from pipeline.spec.model_drafts import DraftRow, draft_tokens
+from pipeline.runner.cuda_graphs import DecodeGraphs
+from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens
 
 
 @dataclass(slots=True)
@@ -43,6 +44,7 @@ class DraftModelDrafter:
         self.runner = runner  # the target's (its caches are allocated after this is built)
         self.caches = slice(first_cache, first_cache + len(model.cache_specs(torch.float32)))
         self.block_size = block_size
+        self.graphs: DraftGraphs | None = None
 
     def plan(self, wanted: list[tuple[Sequence, int]]) -> list[DraftRow]:
         rows = []
@@ -53,14 +55,23 @@ class DraftModelDrafter:
             tokens = seq.token_ids
             start = state.computed(tokens)
             state.base, state.fed = len(tokens), []
-            rows.append(DraftRow(tokens[start:], start, list(seq.block_ids), k, state))
+            rows.append(DraftRow(list(tokens), start, list(seq.block_ids), k, state))
         return rows
+
+    def capture_graphs(self, max_batch: int, max_model_len: int, max_query_len: int) -> None:
+        """CUDA graphs of its forwards (after the caches are allocated): rows of up to K + 1 tokens."""
+        graphs = DecodeGraphs(self.model, self.runner.caches[self.caches], max_batch=max_batch,
+                              max_blocks_per_seq=-(-max_model_len // self.block_size), max_model_len=max_model_len,
+                              num_kv_heads=self.model.arch.num_kv_heads, device=self.runner.device,
+                              max_query_len=max_query_len)
+        self.graphs = DraftGraphs(graphs, graphs)
 
     @torch.inference_mode()
     def draft(self, rows: list[DraftRow]) -> list[list[int]]:
         model = self.model
         drafts = draft_tokens(rows, lambda ids, positions, ctx, _: model(ids, positions, ctx), model.compute_logits,
-                              self.runner.caches[self.caches], self.block_size, self.runner.device)
+                              self.runner.caches[self.caches], self.block_size, self.runner.device,
+                              graphs=self.graphs)
         for row, out in zip(rows, drafts):
             row.state.fed = out[:-1]  # the last draft was picked, never fed
         return drafts

@@ -4,7 +4,13 @@ A model drafter keeps K/V of its own in the target's blocks (the decode stage al
 asking), so each sequence's rows start where the drafter's cache of it ends: the first forward feeds every token the
 drafter has not seen and picks the first draft after the last of them; each later forward feeds the draft just
 picked, one row per sequence still short of its k. The picks are greedy: a draft is a guess, checked by the verify
-rows, so how it was picked never changes the output.
+rows, so how it was picked never changes the output. They stay on the device, each feeding the next forward; the
+host reads them all once.
+
+On a GPU the forwards replay CUDA graphs (``DecodeGraphs``, captured for the drafter) wherever a step's rows can be
+made uniform: a row with fewer new tokens than the longest starts earlier, feeding again tokens the drafter has
+seen (their K/V is written over with the same values). Eager Triton launches cost tens of microseconds of Python
+each, which a drafter's small forwards would spend many times over.
 """
 from __future__ import annotations
 
@@ -12,63 +18,94 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from pipeline.models.attention import build_attention_metadata
 from pipeline.models.forward_context import ForwardContext
+from pipeline.runner.cuda_graphs import DecodeGraphs
+from pipeline.runner.step_plan import ForwardBatch
+from pipeline.runner.token_feed import TokenFeed
 
 
 @dataclass(slots=True)
 class DraftRow:
-    tokens: list[int]  # fed at positions start .. start + len(tokens) - 1 by the first forward
-    start: int
+    fed: list[int]  # the id the drafter takes at each position (p < len(fed)): a copy of the sequence's
+    start: int  # the first position it has not seen; the first forward feeds start .. len(fed) - 1
     block_ids: list[int]  # the sequence's blocks (a copy: the host's list may grow meanwhile)
     k: int  # drafts wanted
     state: Any  # the drafter's record of this sequence (on Sequence.draft_history)
 
 
-# (input ids [T], positions [T], context, each row's carried state or None) -> (hidden [T, H] at every token)
+# (input ids [T], positions [T], context, the carried hidden states [T, H] or None) -> hidden [T, H]
 DraftForward = Callable[[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor | None], torch.Tensor]
+
+
+@dataclass(slots=True)
+class DraftGraphs:
+    """A drafter's captured forwards: ``first`` for the first forward (rows of up to K + 1 tokens), ``step`` for the
+    later ones (one token a row; may be ``first``). With ``carried``, the graphs' modules read the carried hidden
+    states from ``carried`` and leave their output's in ``hidden_out`` (the MTP head)."""
+
+    first: DecodeGraphs
+    step: DecodeGraphs
+    carried: torch.Tensor | None = None
+    hidden_out: torch.Tensor | None = None
 
 
 def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[torch.Tensor], torch.Tensor],
                  caches: list[torch.Tensor], block_size: int, device: torch.device,
-                 carry: Callable[[ForwardContext, torch.Tensor], torch.Tensor] | None = None) -> list[list[int]]:
-    """Run the drafter forwards for ``rows``; each row's drafts. ``carry(ctx, positions)``: what the first forward
-    takes besides the tokens (the MTP head: the target's hidden states at the fed positions); later forwards take
-    the drafter's own last hidden state instead. Each forward's picks stay on the device and feed the next; the host
-    reads them all once, at the end."""
+                 carry: Callable[[ForwardContext, torch.Tensor], torch.Tensor] | None = None,
+                 graphs: DraftGraphs | None = None) -> list[list[int]]:
+    """Run the drafter forwards for ``rows``; each row's drafts. ``carry(ctx, positions)``: what the first eager
+    forward takes besides the tokens (the MTP head: the target's hidden states at the fed positions); later
+    forwards take the drafter's own last hidden state instead."""
     picked: list[tuple[list[int], torch.Tensor]] = []  # (rows, their picks) per forward
     live = list(range(len(rows)))
     starts = [row.start for row in rows]
-    lengths = [len(row.tokens) for row in rows]
-    ids = torch.tensor([t for row in rows for t in row.tokens], dtype=torch.int64, device=device)
+    ends = [len(row.fed) for row in rows]
+    picks: torch.Tensor | None = None  # the previous forward's, for the rows in ``live`` order
     carried: torch.Tensor | None = None
     step = 0
     while live:
-        ends = [starts[i] + lengths[i] for i in live]
-        meta = build_attention_metadata([lengths[i] for i in live], ends, [rows[i].block_ids for i in live],
-                                        block_size, device)
-        positions = torch.tensor([p for i, end in zip(live, ends) for p in range(starts[i], end)], dtype=torch.int64,
-                                 device=device)
-        ctx = ForwardContext(meta, caches)
-        if carried is None and carry is not None:
-            carried = carry(ctx, positions)
-        hidden = forward(ids, positions, ctx, carried)
-        last = torch.tensor(meta.query_start_loc_host[1:], dtype=torch.int64, device=device) - 1
-        picks = logits(hidden.index_select(0, last)).argmax(dim=-1)
+        q = max(ends[i] - starts[i] for i in live)
+        graph = None if graphs is None else graphs.first if step == 0 else graphs.step
+        width = max(len(rows[i].block_ids) for i in live)
+        if graph is not None and all(ends[i] >= q for i in live) and graph.fits(len(live), q, width):
+            last = torch.arange(q - 1, len(live) * q, q, device=device)
+            batch = _uniform_batch([rows[i] for i in live], [ends[i] for i in live], q, width, block_size,
+                                   first=step == 0)
+            if carried is not None and graphs.carried is not None:
+                graphs.carried[:len(live)].copy_(carried)
+            feed = None if picks is None else TokenFeed(np.arange(len(live)), np.arange(len(live)), picks)
+            step_logits = graph.run(batch, feed).index_select(0, last)
+            hidden = graphs.hidden_out
+        else:
+            query_lens = [ends[i] - starts[i] for i in live]
+            meta = build_attention_metadata(query_lens, [ends[i] for i in live], [rows[i].block_ids for i in live],
+                                            block_size, device)
+            positions = torch.tensor([p for i in live for p in range(starts[i], ends[i])], dtype=torch.int64,
+                                     device=device)
+            ids = picks if picks is not None else torch.tensor(
+                [t for i in live for t in rows[i].fed[starts[i]:]], dtype=torch.int64, device=device)
+            ctx = ForwardContext(meta, caches)
+            if carry is not None and carried is None:
+                carried = carry(ctx, positions)
+            hidden = forward(ids, positions, ctx, carried)
+            last = torch.tensor(meta.query_start_loc_host[1:], dtype=torch.int64, device=device) - 1
+            step_logits = logits(hidden.index_select(0, last))
+        picks = step_logits.argmax(dim=-1)
         picked.append((live, picks))
         step += 1
         following = [j for j, i in enumerate(live) if rows[i].k > step]
-        if len(following) < len(live):
-            keep = torch.tensor(following, dtype=torch.int64, device=device)
-            picks, last = picks.index_select(0, keep), last.index_select(0, keep)
-        for j, i in enumerate(live):
-            starts[i], lengths[i] = ends[j], 1
-        live = [live[j] for j in following]
-        ids = picks
+        keep = torch.tensor(following, dtype=torch.int64, device=device)
         if carry is not None:
-            carried = hidden.index_select(0, last)
+            carried = hidden.index_select(0, last.index_select(0, keep))
+        if len(following) < len(live):
+            picks = picks.index_select(0, keep)
+        for i in live:
+            starts[i], ends[i] = ends[i], ends[i] + 1
+        live = [live[j] for j in following]
     drafts: list[list[int]] = [[] for _ in rows]
     values = torch.cat([p for _, p in picked]).tolist() if picked else []
     at = 0
@@ -77,3 +114,20 @@ def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[
             drafts[i].append(values[at])
             at += 1
     return drafts
+
+
+def _uniform_batch(rows: list[DraftRow], ends: list[int], q: int, width: int, block_size: int,
+                   first: bool) -> ForwardBatch:
+    """Rows of the q positions before each end (the first forward: their ids; later ones: fed from the picks)."""
+    n = len(rows)
+    positions = (np.asarray(ends, dtype=np.int64)[:, None] - q + np.arange(q, dtype=np.int64)[None, :]).reshape(-1)
+    tables = np.zeros((n, width), dtype=np.int32)
+    for b, row in enumerate(rows):
+        tables[b, :len(row.block_ids)] = row.block_ids
+    row_of = np.repeat(np.arange(n), q)
+    slots = tables[row_of, positions // block_size].astype(np.int64) * block_size + positions % block_size
+    ids = (np.asarray([t for row, end in zip(rows, ends) for t in row.fed[end - q:end]], dtype=np.int64) if first
+           else np.zeros(n * q, dtype=np.int64))
+    empty = np.zeros(0, dtype=np.int64)
+    return ForwardBatch(ids, positions, slots, np.arange(0, (n + 1) * q, q, dtype=np.int32),
+                        np.asarray(ends, dtype=np.int32), tables, empty, empty, empty, np.zeros(n, dtype=np.int32))

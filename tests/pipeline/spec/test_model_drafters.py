@@ -18,7 +18,11 @@ from pipeline.models.loader import iter_weights, load_hf_config
 from pipeline.models.registry import build_model
 from pipeline.request import SamplingParams
 from pipeline.runner.model_runner import ModelRunner
-from pipeline.spec.mtp import MtpDrafter
+from pipeline.models.attention import AttentionMetadata
+from pipeline.models.forward_context import allocate_caches
+from pipeline.spec.draft_model import DraftModelDrafter
+from pipeline.spec.model_drafts import DraftGraphs
+from pipeline.spec.mtp import MtpDrafter, _HeadInput
 from tests.conftest import run_async
 from tests.engine_utils import assert_no_leaks, collect, config_for, settle
 from tests.model_utils import add_mtp_weights, make_tiny_hf_model
@@ -74,11 +78,51 @@ def test_mtp_head_equals_transformers_layer_with_the_fc_and_norms(mtp_dir):
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
-def test_mtp_drafts_equal_the_head_recomputed_from_scratch(mtp_dir):
+class EagerReplay:
+    """DecodeGraphs' interface, run eagerly on the CPU: the drafters' replayed path (uniform rows, fed picks, the
+    head's carried hidden states) without CUDA."""
+
+    def __init__(self, model, caches: list[torch.Tensor], max_query_len: int) -> None:
+        self.model, self.caches, self.max_query_len = model, caches, max_query_len
+        self.replays = 0
+
+    def fits(self, batch: int, query_len: int, blocks: int) -> bool:
+        return query_len <= self.max_query_len
+
+    def run(self, batch, feed) -> torch.Tensor:
+        self.replays += 1
+        ids = torch.from_numpy(batch.input_ids.copy())
+        if feed is not None:
+            feed.apply(ids)
+        rows = len(batch.seq_lens)
+        q = batch.num_tokens // rows
+        meta = AttentionMetadata(torch.from_numpy(batch.slot_mapping), torch.from_numpy(batch.query_start_loc),
+                                 torch.from_numpy(batch.seq_lens), torch.from_numpy(batch.block_tables),
+                                 batch.query_start_loc.tolist(), batch.seq_lens.tolist(), q,
+                                 int(batch.seq_lens.max()), q == 1)
+        return self.model.compute_logits(self.model(ids, torch.from_numpy(batch.positions),
+                                                    ForwardContext(meta, self.caches)))
+
+
+def replayed_mtp(drafter: MtpDrafter, model, runner) -> tuple[EagerReplay, EagerReplay]:
+    size = model.arch.hidden_size
+    carried, hidden_out = torch.zeros(8, size), torch.zeros(8 * 4, size)
+    kv = [runner.caches[drafter.hidden_index - 1]]
+    first = EagerReplay(_HeadInput(model, runner.caches[drafter.hidden_index], carried, hidden_out), kv, 4)
+    step = EagerReplay(_HeadInput(model, None, carried, hidden_out), kv, 1)
+    drafter.graphs = DraftGraphs(first, step, carried, hidden_out)
+    return first, step
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_mtp_drafts_equal_the_head_recomputed_from_scratch(mtp_dir, replayed):
     """Two rounds of drafting on a sequence whose target forwards write the hidden-state cache: each round's drafts
-    equal the head run from position 0 without caches, on the target's hidden states and then its own."""
+    equal the head run from position 0 without caches, on the target's hidden states and then its own. Replayed:
+    the forwards go the way of the CUDA graphs (the first one's rows of K + 1 positions start before the unseen
+    ones), run eagerly."""
     model, runner = load_with_mtp(mtp_dir)
     drafter = MtpDrafter(model, runner, 4)
+    replays = replayed_mtp(drafter, model, runner) if replayed else ()
     seq = SimpleNamespace(token_ids=[7, 300, 4000, 51, 9000, 12, 613], block_ids=[1, 2, 3, 4, 5], preemptions=0,
                           draft_history=None)
     states = torch.zeros(1, dtype=torch.int32) + 1
@@ -111,6 +155,44 @@ def test_mtp_drafts_equal_the_head_recomputed_from_scratch(mtp_dir):
     target(6, 8)  # the verify row's positions that were kept
     second = drafter.draft(drafter.plan([(seq, 3)]))[0]
     assert second == reference(3) and seq.draft_history.seen == len(seq.token_ids) - 1
+    if replayed:  # the first round's first forward was too long to replay; the second's was not
+        assert replays[0].replays == 1 and replays[1].replays == 4
+
+
+@pytest.mark.parametrize("replayed", [False, True])
+def test_the_target_as_draft_model_drafts_its_greedy_continuation(tiny_model_dir, replayed):
+    """A draft model that is the target drafts what the target picks, batch of two sequences of different lengths,
+    after drafts partly accepted (its cache of the accepted ones kept, of the rest written over)."""
+    arch = ModelArchConfig.from_hf(load_hf_config(str(tiny_model_dir)))
+    model = build_model(arch, iter_weights(str(tiny_model_dir)), torch.float32, "cpu")
+    runner = SimpleNamespace(caches=[], device=torch.device("cpu"))
+    runner.caches = allocate_caches(model.cache_specs(torch.float32) * 2, 40, 4)
+    drafter = DraftModelDrafter(model, runner, arch.num_layers, 4)
+    replay = EagerReplay(model, runner.caches[arch.num_layers:], 5)
+    if replayed:
+        drafter.graphs = DraftGraphs(replay, replay)
+
+    def greedy_after(tokens: list[int], k: int) -> list[int]:
+        out = list(tokens)
+        for _ in range(k):
+            n = len(out)
+            meta = build_attention_metadata([n], [n], [list(range(1, 1 + -(-n // 4)))], 4)
+            caches = allocate_caches(model.cache_specs(torch.float32), 1 + -(-n // 4), 4)
+            hidden = model(torch.tensor(out), torch.arange(n), ForwardContext(meta, caches))
+            out.append(int(model.compute_logits(hidden[-1:]).argmax()))
+        return out[len(tokens):]
+
+    seqs = [SimpleNamespace(token_ids=[5 + i, 900, 31, 4000 + i, 77, 12][:4 + i], block_ids=list(range(1 + 9 * i,
+            10 + 9 * i)), preemptions=0, draft_history=None) for i in range(2)]
+    drafts = drafter.draft(drafter.plan([(s, 4) for s in seqs]))
+    assert drafts == [greedy_after(s.token_ids, 4) for s in seqs]
+    seqs[0].token_ids += drafts[0][:2] + [99]  # two accepted, then another token
+    seqs[1].token_ids += [drafts[1][0] + 1]  # none accepted
+    assert [s.draft_history.computed(s.token_ids) for s in seqs] == [6, 5]
+    drafts = drafter.draft(drafter.plan([(s, 4) for s in seqs]))
+    assert drafts == [greedy_after(s.token_ids, 4) for s in seqs]
+    if replayed:  # the first round: the first forward eager (a row shorter than the longest run), then replays
+        assert replay.replays == 3 + 4
 
 
 def greedy(max_tokens: int = 200, **kwargs) -> SamplingParams:
