@@ -278,7 +278,9 @@ class CacheManager:
             seq.spare_slot = self._states.allocate()
             if seq.spare_slot is None:
                 return False
-        self._copies.state_copies.append((seq.state_slot.index, seq.spare_slot.index))
+        kept = (seq.state_slot.index, seq.spare_slot.index)
+        if kept[::-1] not in self._copies.state_copies:  # (rewound in this plan: the spare holds that state already;
+            self._copies.state_copies.append(kept)  # the plan's copies all read before any writes)
         return True
 
     def can_keep_state(self, seq: Sequence) -> bool:

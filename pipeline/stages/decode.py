@@ -42,6 +42,8 @@ class InFlightStep:
     launched_at: float
     rows: dict[int, int]  # seq_id -> row (steps without drafts: what the next step feeds from the device)
     drafts: list[list[int]] | None = None  # per sequence of the batch: the drafts its rows verify
+    # per sequence with drafts: (tokens fed again before its last one, after a rewind; filler drafts at the end)
+    layout: list[tuple[int, int]] | None = None
 
 
 @dataclass(slots=True)
@@ -52,6 +54,8 @@ class SpecStats:
     drafted_tokens: int = 0
     accepted_tokens: int = 0
     accepted_per_row: list[int] = field(default_factory=list)  # [a]: rows that accepted a drafts (0..K)
+    filler_tokens: int = 0  # drafts that only give a step's rows one length (``_fill_rows``), and how many held
+    filler_accepted: int = 0
 
 
 def _last_token_in_flight(seq: Sequence) -> bool:
@@ -70,6 +74,7 @@ class DecodeStage(DeviceStage):
         self.draft_budget = DraftBudget(num_speculative_tokens if drafter is not None else 0)
         self.spec = SpecStats(accepted_per_row=[0] * (self.draft_budget.k + 1))
         self._drafts: dict[int, list[int]] = {}  # seq_id -> drafts offered for the step being composed
+        self._fillers: dict[int, int] = {}  # seq_id -> how many of its drafts are fillers (``_fill_rows``)
         self.running: list[Sequence] = []
         self.run_ahead = run_ahead
         self.preemptions = 0
@@ -90,15 +95,20 @@ class DecodeStage(DeviceStage):
             # a row's drafts follow its last token, which the host must have read: no running ahead while rows draft
             drafting = (self.drafter is not None and self.draft_budget.for_step(len(self.running)) > 0
                         and DraftBudget.tick(self.running))
-            can_run_ahead = self.run_ahead and not drafting and not reads_own_tokens
+            # nor ahead of a verify step: how many tokens its rows add is known once it is read
+            can_run_ahead = (self.run_ahead and not drafting and not reads_own_tokens
+                             and (in_flight is None or in_flight.drafts is None))
             if in_flight is not None and not can_run_ahead:
                 output = await self._complete(in_flight, events)
                 in_flight = None
             self.in_flight = in_flight  # what offer_rows/build_rows read
             launched: InFlightStep | None = None
             self._drafts.clear()
-            if drafting and self.running:
-                await self._draft()
+            self._fillers.clear()
+            if self.drafter is not None and self.running and in_flight is None:
+                if drafting:
+                    await self._draft()
+                self._fill_rows()
             if self.running:
                 composed = self.planner.compose(rows_in_flight=in_flight is not None)
                 if composed is WAIT_FOR_STEP:  # the rows fit only once the step in flight is read
@@ -108,9 +118,14 @@ class DecodeStage(DeviceStage):
                     composed = self.planner.compose(rows_in_flight=False)
                 if isinstance(composed, ComposedStep) and composed.batch:
                     self.steps_ahead += in_flight is not None
-                    drafts = [self._drafts.get(seq.seq_id, []) for seq in composed.batch] if self._drafts else None
+                    drafts = layout = None
+                    if self._drafts or self._fillers:
+                        drafts = [self._drafts.get(seq.seq_id, []) for seq in composed.batch]
+                        layout = [(seq.num_pending - 1, self._fillers.get(seq.seq_id, 0))
+                                  if d or seq.seq_id in self._fillers else (0, 0)
+                                  for seq, d in zip(composed.batch, drafts)]
                     launched = InFlightStep(composed.batch, composed.step, time.monotonic(),
-                                            {seq.seq_id: i for i, seq in enumerate(composed.batch)}, drafts)
+                                            {seq.seq_id: i for i, seq in enumerate(composed.batch)}, drafts, layout)
             if in_flight is not None:
                 output = await self._complete(in_flight, events)
             self.in_flight = launched
@@ -188,6 +203,26 @@ class DecodeStage(DeviceStage):
             else:
                 DraftBudget.settle(seq, 0, 0)  # nothing to offer: wait before asking again
 
+    def _fill_rows(self) -> None:
+        """Give every row of a step with drafts, or with tokens fed again after a hybrid model's rewind, the same
+        length (K + 1) with filler drafts (the row's last token again, now and then right): a CUDA graph serves only
+        rows of one length, and an eager step of a large model costs tens of milliseconds of kernel launches. A
+        row fed again holds at most K + 1 tokens (its rejected row's accepted tokens and the one after them), so it
+        always fits. Fillers are verified like drafts; the draft budget counts the drafter's alone."""
+        if not self._drafts and all(seq.num_pending == 1 for seq in self.running):
+            return
+        k = self.draft_budget.for_step(len(self.running))
+        for seq in self.running if k else ():
+            drafts = self._drafts.get(seq.seq_id, [])
+            room = seq.request.max_total_tokens - len(seq.token_ids) - 1 - len(drafts)
+            fill = min(k + 1 - seq.num_pending - len(drafts), room)
+            if fill <= 0 and seq.num_pending > 1:  # a row fed again that is K + 1 long already: logits at each token
+                self._fillers[seq.seq_id] = 0
+            if fill <= 0 or (not drafts and seq.state_slot is not None and not self.cache.can_keep_state(seq)):
+                continue
+            self._drafts[seq.seq_id] = drafts + [seq.token_ids[-1]] * fill
+            self._fillers[seq.seq_id] = fill
+
     def preempt_now(self, seq_id: int) -> Sequence:
         """Resume later: give the KV back (swapped to host, or to be recomputed), keep the tokens and the seat;
         the planner hands it to prefill."""
@@ -209,16 +244,19 @@ class DecodeStage(DeviceStage):
             if seq.seq_id not in chosen:
                 continue
             row = rows.get(seq.seq_id, -1)
-            drafts = self._drafts.get(seq.seq_id)
+            drafts = self._drafts.get(seq.seq_id, [])
             if drafts and seq.state_slot is not None and not self.cache.keep_state(seq):
-                drafts = self._drafts[seq.seq_id] = []  # no spare slot after all: a plain row
-            if not self.cache.allocate_slots(seq, seq.num_pending + (len(drafts) if drafts else 0),
+                drafts = self._drafts[seq.seq_id] = []  # no spare slot after all: no drafts
+                self._fillers.pop(seq.seq_id, None)
+            if not self.cache.allocate_slots(seq, seq.num_pending + len(drafts),
                                              1 if row >= 0 else 0):
                 raise RuntimeError("the planner counted blocks the cache does not have")
             num_tokens = len(seq.token_ids)
-            if drafts:  # its last token and its drafts, a token picked after each (the verify row)
+            if drafts or seq.seq_id in self._fillers:  # pending tokens and drafts, a pick after each (a verify row)
+                known = seq.num_pending - 1  # tokens fed again after a rewind: their picks are not read
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:] + drafts, seq.num_computed, seq.block_ids,
-                                       self._verify_rows(seq, drafts), -1, list(range(len(drafts) + 1)),
+                                       [self.sampling_row(seq, None, 0, None) for _ in range(known)]
+                                       + self._verify_rows(seq, drafts), -1, list(range(known + len(drafts) + 1)),
                                        seq.state_slot)
             elif row >= 0:  # its token is still on the device: feed it from there
                 # positional arguments: this runs per sequence per step, and keywords cost more
@@ -278,19 +316,22 @@ class DecodeStage(DeviceStage):
         block_size, spec = self.cache.block_size, self.spec
         accepts_all = self.drafter is not None and self.drafter.accepts_all
         row = 0
-        for seq, drafts in zip(in_flight.batch, in_flight.drafts):
-            first, row = row, row + len(drafts) + 1
+        for seq, drafts, (known, fillers) in zip(in_flight.batch, in_flight.drafts, in_flight.layout):
+            first, row = row + known, row + known + len(drafts) + 1
             if seq.finish_reason is not None:
                 continue  # ended by the previous step or cancelled while this one ran
             accepted = len(drafts) if accepts_all else 0
             while accepted < len(drafts) and tokens[first + accepted] == drafts[accepted]:
                 accepted += 1
-            if drafts:
+            proposed = len(drafts) - fillers  # the drafter's; the fillers follow them
+            if proposed:
                 spec.verify_rows += 1
-                spec.drafted_tokens += len(drafts)
-                spec.accepted_tokens += accepted
-                spec.accepted_per_row[accepted] += 1
-                DraftBudget.settle(seq, len(drafts), accepted)
+                spec.drafted_tokens += proposed
+                spec.accepted_tokens += min(accepted, proposed)
+                spec.accepted_per_row[min(accepted, proposed)] += 1
+                DraftBudget.settle(seq, proposed, min(accepted, proposed))
+            spec.filler_tokens += fillers
+            spec.filler_accepted += max(0, accepted - proposed)
             before = seq.num_computed
             if seq.state_slot is not None and accepted < len(drafts):
                 # hybrid: the state went past the rejected drafts; it goes back to before this step, and the next

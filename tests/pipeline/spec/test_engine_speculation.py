@@ -7,6 +7,7 @@ import asyncio
 import math
 import random
 
+import numpy as np
 import pytest
 
 from pipeline.engine import Engine
@@ -329,3 +330,42 @@ def test_preemption_between_verify_steps(tiny_model_dir, make_model_dir):
         for extra in ({}, {"kv_offload_host_gib": 16 / 1024}):
             got, stats = run_async(run(model_dir, batch, params, ReplayDrafter(expected, 0.3), **tight, **extra))
             assert got == plain and stats["preemptions"] > 0 and stats["speculation"]["verify_rows"] > 0
+
+
+@pytest.mark.parametrize("model", ["llama", "qwen3_5_moe_text"])
+def test_steps_with_drafts_give_every_row_one_length(tiny_model_dir, make_model_dir, model):
+    """A step with drafts, or with a hybrid row fed again after a rewind, pads its other rows with filler drafts: its
+    rows are all K + 1 tokens (the shape a CUDA graph serves), save rows at their length limit; the tokens still equal
+    plain decoding's and the fillers are counted apart from the drafter's drafts."""
+    model_dir = tiny_model_dir if model == "llama" else make_model_dir(model, seed=5)
+    batch = prompts(3)
+    params = [greedy(60 + 30 * i) for i in range(len(batch))]
+    plain, _ = run_async(run(model_dir, batch, params))
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+
+    async def main() -> tuple[list, dict, list[bool]]:
+        engine = await Engine.create(config_for(model_dir, **SPEC))
+        engine.decode.drafter = ReplayDrafter(expected, 0.3)
+        shapes: list[bool] = []
+        launch = engine.executor._launch
+
+        def recording(plan, *args):
+            forward = plan.forward
+            lengths = set(np.diff(forward.query_start_loc).tolist())
+            if forward.num_logits > forward.num_seqs and max(lengths) <= SPEC["num_speculative_tokens"] + 1:
+                shapes.append(forward.is_uniform_decode)
+            return launch(plan, *args)
+
+        engine.executor._launch = recording
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[s.token_ids for s in r] for r in results], engine.stats()["speculation"], shapes
+        finally:
+            await engine.shutdown()
+
+    spec, counted, shapes = run_async(main())
+    assert spec == plain and counted["accepted_tokens"] > 0 and counted["filler_tokens"] > 0
+    assert len(shapes) > 20 and sum(shapes) >= len(shapes) - 6  # (the rows near their ends cannot be padded)
