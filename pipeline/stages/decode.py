@@ -204,24 +204,26 @@ class DecodeStage(DeviceStage):
                 DraftBudget.settle(seq, 0, 0)  # nothing to offer: wait before asking again
 
     def _fill_rows(self) -> None:
-        """Give every row of a step with drafts, or with tokens fed again after a hybrid model's rewind, the same
-        length (K + 1) with filler drafts (the row's last token again, now and then right): a CUDA graph serves only
-        rows of one length, and an eager step of a large model costs tens of milliseconds of kernel launches. A
-        row fed again holds at most K + 1 tokens (its rejected row's accepted tokens and the one after them), so it
-        always fits. Fillers are verified like drafts; the draft budget counts the drafter's alone."""
+        """Rows of one length where it is safe: a CUDA graph serves only rows of one length, and an eager step of a
+        large model costs tens of milliseconds of kernel launches. In a step with drafts, a row without recurrent
+        state gets filler drafts (its last token again, now and then right) up to K + 1 tokens, verified like
+        drafts and counted apart from the drafter's. A hybrid model's row gets none (a rejected filler would rewind
+        its state and feed its tokens again); its row fed again after a rewind takes logits at every token, so at
+        batch 1 it is one length too."""
         if not self._drafts and all(seq.num_pending == 1 for seq in self.running):
             return
         k = self.draft_budget.for_step(len(self.running))
         for seq in self.running if k else ():
-            drafts = self._drafts.get(seq.seq_id, [])
-            room = seq.request.max_total_tokens - len(seq.token_ids) - 1 - len(drafts)
-            fill = min(k + 1 - seq.num_pending - len(drafts), room)
-            if fill <= 0 and seq.num_pending > 1:  # a row fed again that is K + 1 long already: logits at each token
-                self._fillers[seq.seq_id] = 0
-            if fill <= 0 or (not drafts and seq.state_slot is not None and not self.cache.can_keep_state(seq)):
+            if seq.state_slot is not None:
+                if seq.num_pending > 1:
+                    self._fillers[seq.seq_id] = 0
                 continue
-            self._drafts[seq.seq_id] = drafts + [seq.token_ids[-1]] * fill
-            self._fillers[seq.seq_id] = fill
+            drafts = self._drafts.get(seq.seq_id, [])
+            fill = min(k + 1 - seq.num_pending - len(drafts),
+                       seq.request.max_total_tokens - len(seq.token_ids) - 1 - len(drafts))
+            if fill > 0:
+                self._drafts[seq.seq_id] = drafts + [seq.token_ids[-1]] * fill
+                self._fillers[seq.seq_id] = fill
 
     def preempt_now(self, seq_id: int) -> Sequence:
         """Resume later: give the KV back (swapped to host, or to be recomputed), keep the tokens and the seat;
