@@ -37,6 +37,8 @@ class DraftRow:
     state: Any  # the drafter's record of this sequence (on Sequence.draft_history)
 
 
+MAX_REPLAYS = 8  # a drafter's first forward replays its graphs at most this many times (longer: one eager forward)
+
 # (input ids [T], positions [T], context, the carried hidden states [T, H] or None) -> hidden [T, H]
 DraftForward = Callable[[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor | None], torch.Tensor]
 
@@ -71,14 +73,21 @@ def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[
         q = max(ends[i] - starts[i] for i in live)
         graph = None if graphs is None else graphs.first if step == 0 else graphs.step
         width = max(len(rows[i].block_ids) for i in live)
-        if graph is not None and all(ends[i] >= q for i in live) and graph.fits(len(live), q, width):
-            last = torch.arange(q - 1, len(live) * q, q, device=device)
-            batch = _uniform_batch([rows[i] for i in live], [ends[i] for i in live], q, width, block_size,
-                                   first=step == 0)
+        # a first forward longer than the graphs' rows runs as up to MAX_REPLAYS replays of their longest rows
+        chunks = -(-q // graph.max_query_len) if graph is not None else 0
+        q = max(q, chunks * graph.max_query_len) if chunks > 1 else q
+        if (graph is not None and chunks <= MAX_REPLAYS and all(ends[i] >= q for i in live)
+                and graph.fits(len(live), min(q, graph.max_query_len), width)):
+            span = min(q, graph.max_query_len)
+            last = torch.arange(span - 1, len(live) * span, span, device=device)
             if carried is not None and graphs.carried is not None:
                 graphs.carried[:len(live)].copy_(carried)
             feed = None if picks is None else TokenFeed(np.arange(len(live)), np.arange(len(live)), picks)
-            step_logits = graph.run(batch, feed).index_select(0, last)
+            for before in range(q - span, -1, -span):  # (each row's positions end - q .. end - 1, span at a time)
+                batch = _uniform_batch([rows[i] for i in live], [ends[i] - before for i in live], span, width,
+                                       block_size, first=step == 0)
+                out = graph.run(batch, feed)
+            step_logits = out.index_select(0, last)
             hidden = graphs.hidden_out
         else:
             query_lens = [ends[i] - starts[i] for i in live]

@@ -157,6 +157,12 @@ def test_mtp_drafts_equal_the_head_recomputed_from_scratch(mtp_dir, replayed):
     assert second == reference(3) and seq.draft_history.seen == len(seq.token_ids) - 1
     if replayed:  # the first round's first forward was too long to replay; the second's was not
         assert replays[0].replays == 1 and replays[1].replays == 4
+    seq.token_ids += [second[0], 5, 6, 7, 8, 9]  # a longer gap: the first forward feeds 6 positions
+    target(8, 14)
+    third = drafter.draft(drafter.plan([(seq, 3)]))[0]
+    assert third == reference(3)
+    if replayed:  # as two replays of rows of 4 positions (the first two seen already)
+        assert replays[0].replays == 3 and replays[1].replays == 6
 
 
 @pytest.mark.parametrize("replayed", [False, True])
