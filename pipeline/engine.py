@@ -39,6 +39,7 @@ from pipeline.stages.detokenize import DetokenizeStage
 from pipeline.stages.intake import IntakeStage
 from pipeline.stages.prefill import PrefillStage
 from pipeline.stages.stream import StreamStage
+from pipeline.stages.verify import VerifyStage
 from pipeline.step_planner import StepPlanner
 
 if TYPE_CHECKING:
@@ -69,9 +70,9 @@ class Engine:
         shared = dict(cache=self.cache, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
         self.planner = StepPlanner(cache=self.cache, seats=self.seats, executor=self.executor,
                                    token_budget=config.max_num_batched_tokens)
-        self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead,
-                                  drafter=loaded.drafter, num_speculative_tokens=config.num_speculative_tokens,
-                                  **shared)
+        self.verify = VerifyStage(config.stage_queue_size, drafter=loaded.drafter, executor=self.executor)
+        self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead, verify=self.verify,
+                                  num_speculative_tokens=config.num_speculative_tokens, **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, planner=self.planner,
                                     decode=self.decode, **shared)
         self.planner.bind(decode=self.decode, prefill=self.prefill)
@@ -79,7 +80,8 @@ class Engine:
         self.intake = IntakeStage(config.stage_queue_size, renderer=self.renderer, limits=loaded.limits,
                                   waiting_gauge=self.waiting, prefill=self.prefill, seed=config.seed,
                                   grammars=self.grammar_compiler)
-        self.stages: list[Stage] = [self.intake, self.prefill, self.decode, self.detokenize, self.stream]
+        self.stages: list[Stage] = [self.intake, self.prefill, self.decode, self.verify, self.detokenize,
+                                    self.stream]
         self._live: dict[str, Request] = {}
         self._channels: dict[str, OutputChannel] = {}
         self._aborted_before_admission: set[str] = set()

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
@@ -30,6 +29,7 @@ from pipeline.spec.budget import DraftBudget
 from pipeline.spec.drafter import Drafter
 from pipeline.sequence import Sequence
 from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
+from pipeline.stages.verify import VerifyStage
 from pipeline.step_planner import WAIT_FOR_STEP, ComposedStep, StepPlanner
 
 
@@ -66,11 +66,12 @@ def _last_token_in_flight(seq: Sequence) -> bool:
 class DecodeStage(DeviceStage):
     name = "decode"
 
-    def __init__(self, inbox_size: int, *, planner: StepPlanner, run_ahead: bool = True, drafter: Drafter | None = None,
-                 num_speculative_tokens: int = 0, **resources) -> None:
+    def __init__(self, inbox_size: int, *, planner: StepPlanner, run_ahead: bool = True,
+                 verify: VerifyStage | None = None, num_speculative_tokens: int = 0, **resources) -> None:
         super().__init__(inbox_size, **resources)
         self.planner = planner
-        self.drafter = drafter  # speculation: a sequence's row feeds its drafts too, and samples at each of them
+        self.verify = verify  # speculation: where drafts come from (a row feeds them, and samples at each)
+        drafter = verify.drafter if verify is not None else None
         self.draft_budget = DraftBudget(num_speculative_tokens if drafter is not None else 0)
         self.spec = SpecStats(accepted_per_row=[0] * (self.draft_budget.k + 1))
         self._drafts: dict[int, list[int]] = {}  # seq_id -> drafts offered for the step being composed
@@ -80,6 +81,15 @@ class DecodeStage(DeviceStage):
         self.preemptions = 0
         self.steps_ahead = 0  # steps launched while the previous one was still in flight
         self.in_flight: InFlightStep | None = None  # the launched step whose tokens are unread
+
+    @property
+    def drafter(self) -> Drafter | None:
+        return self.verify.drafter if self.verify is not None else None
+
+    @drafter.setter
+    def drafter(self, drafter: Drafter | None) -> None:  # (benchmarks and tests swap drafters)
+        assert self.verify is not None
+        self.verify.drafter = drafter
 
     async def run(self) -> None:
         while True:
@@ -193,10 +203,7 @@ class DecodeStage(DeviceStage):
                 wanted.append((seq, k))
         if not wanted:
             return
-        if drafter.on_device:
-            proposals = await self.executor.call(partial(drafter.draft, drafter.plan(wanted)))
-        else:
-            proposals = [drafter.propose(seq, k) for seq, k in wanted]
+        proposals = await self.verify.drafts(wanted)
         for (seq, k), drafts in zip(wanted, proposals):
             if drafts:
                 self._drafts[seq.seq_id] = list(drafts[:k])

@@ -15,7 +15,7 @@ from pipeline.stage import Stage
 from web.metrics import ADMISSION_REASONS, FINISH_REASONS, ServerMetrics, admission_reason, cumulative_buckets
 
 MODEL = "tiny-model"
-STAGE_NAMES = ("intake", "prefill", "decode", "detokenize", "stream")
+STAGE_NAMES = ("intake", "prefill", "decode", "verify", "detokenize", "stream")
 
 
 def make_stages() -> list[Stage]:

@@ -131,7 +131,7 @@ def test_models_health_tokenize_and_debug(server):
     assert [m["id"] for m in models["data"]] == ["tiny"]
     assert server.get_json("/health") == {"status": "ok"}
     stages = server.get_json("/debug/stages")
-    assert {"intake", "prefill", "decode", "detokenize", "stream"} <= set(stages["stages"])
+    assert {"intake", "prefill", "decode", "verify", "detokenize", "stream"} <= set(stages["stages"])
 
     async def post(path, body):
         async with aiohttp.ClientSession() as session:

@@ -371,3 +371,16 @@ def test_steps_with_drafts_give_every_row_one_length(tiny_model_dir, make_model_
     assert spec == plain and counted["accepted_tokens"] > 0
     assert counted["filler_tokens"] > 0 if model == "llama" else counted["filler_tokens"] == 0
     assert len(shapes) > 20 and sum(shapes) >= len(shapes) - 6  # (the rows near their ends cannot be padded)
+
+
+def test_the_verify_stage_drafts_and_reports_like_every_stage(tiny_model_dir):
+    """Decode asks the verify stage for each drafting step's drafts: its requests in and out, waits, service times
+    and batch sizes show in the stats (/debug/stages) beside the other stages'; without speculation it sees none."""
+    batch = prompts(3)
+    params = [greedy(60) for _ in batch]
+    _, plain = run_async(run(tiny_model_dir, batch, params))
+    _, spec = run_async(run(tiny_model_dir, batch, params, **SPEC))
+    assert plain["stages"]["verify"]["items_in"] == 0
+    verify = spec["stages"]["verify"]
+    assert verify["items_in"] == verify["items_out"] > 0 and verify["inbox_depth"] == 0
+    assert verify["batch_size"]["count"] == verify["items_in"] and verify["service_time_s"]["count"] > 0

@@ -1,0 +1,59 @@
+"""The verify stage: where a step's drafts come from.
+
+Decode hands it the sequences whose turn it is to draft, with how many drafts each may verify
+(pipeline/spec/budget.py); it asks the drafter and hands the drafts back, and decode's next step scores them in
+its verify rows, in the same forward as the other rows and prompt chunks (a verify row is a decode row with its
+drafts after its last token). A host drafter guesses here on the event loop; a model drafter plans here and drafts
+on the device thread. The stage keeps the statistics every stage keeps: requests in and out, their wait, how long
+drafting took and for how many sequences.
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass
+from functools import partial
+
+from pipeline.runner.executor import DeviceExecutor
+from pipeline.sequence import Sequence
+from pipeline.spec.drafter import Drafter
+from pipeline.stage import Stage
+
+
+@dataclass(slots=True)
+class DraftRequest:
+    wanted: list[tuple[Sequence, int]]  # each sequence that drafts, and up to how many drafts
+    reply: asyncio.Future[list[list[int]]]
+
+
+class VerifyStage(Stage[DraftRequest]):
+    name = "verify"
+
+    def __init__(self, inbox_size: int, *, drafter: Drafter | None, executor: DeviceExecutor) -> None:
+        super().__init__(inbox_size)
+        self.drafter = drafter
+        self.executor = executor
+
+    async def drafts(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
+        """Each sequence's drafts (decode awaits them before composing its step)."""
+        reply: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
+        await self.put(DraftRequest(wanted, reply))
+        return await reply
+
+    async def run(self) -> None:
+        while True:
+            request = await self.receive()
+            started = time.monotonic()
+            try:
+                drafter = self.drafter
+                if drafter.on_device:
+                    proposals = await self.executor.call(partial(drafter.draft, drafter.plan(request.wanted)))
+                else:
+                    proposals = [drafter.propose(seq, k) for seq, k in request.wanted]
+            except Exception as exc:  # delivered to decode, which fails its step as for a device error
+                if not request.reply.done():
+                    request.reply.set_exception(exc)
+                continue
+            if not request.reply.done():
+                request.reply.set_result(proposals)
+            self.record(started, len(request.wanted), 1)  # (batch: the sequences drafting)
