@@ -15,7 +15,7 @@ from torch import nn
 
 from pipeline.sequence import Sequence
 from pipeline.runner.cuda_graphs import DecodeGraphs
-from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens
+from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record
 
 
 @dataclass(slots=True)
@@ -49,9 +49,7 @@ class DraftModelDrafter:
     def plan(self, wanted: list[tuple[Sequence, int]]) -> list[DraftRow]:
         rows = []
         for seq, k in wanted:
-            state = seq.draft_history
-            if not isinstance(state, DraftModelState) or state.preemptions != seq.preemptions:
-                state = seq.draft_history = DraftModelState(seq.preemptions)
+            state = drafter_record(seq, DraftModelState)
             tokens = seq.token_ids
             start = state.computed(tokens)
             state.base, state.fed = len(tokens), []

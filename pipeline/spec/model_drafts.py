@@ -39,6 +39,15 @@ class DraftRow:
 
 MAX_REPLAYS = 8  # a drafter's first forward replays its graphs at most this many times (longer: one eager forward)
 
+def drafter_record(seq: Any, kind: type) -> Any:
+    """The drafter's record of ``seq`` (``Sequence.draft_history``), new when there is none of ``kind`` or the
+    sequence was preempted since (its blocks, and the drafter's caches in them, are new)."""
+    record = seq.draft_history
+    if not isinstance(record, kind) or record.preemptions != seq.preemptions:
+        record = seq.draft_history = kind(seq.preemptions)
+    return record
+
+
 # (input ids [T], positions [T], context, the carried hidden states [T, H] or None) -> hidden [T, H]
 DraftForward = Callable[[torch.Tensor, torch.Tensor, ForwardContext, torch.Tensor | None], torch.Tensor]
 

@@ -18,7 +18,7 @@ from pipeline.models.forward_context import ForwardContext
 from pipeline.models.mtp import read_hidden
 from pipeline.sequence import Sequence
 from pipeline.runner.cuda_graphs import DecodeGraphs
-from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens
+from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record
 
 
 @dataclass(slots=True)
@@ -43,9 +43,7 @@ class MtpDrafter:
     def plan(self, wanted: list[tuple[Sequence, int]]) -> list[DraftRow]:
         rows = []
         for seq, k in wanted:
-            state = seq.draft_history
-            if not isinstance(state, MtpState) or state.preemptions != seq.preemptions:
-                state = seq.draft_history = MtpState(seq.preemptions)
+            state = drafter_record(seq, MtpState)
             tokens = seq.token_ids
             start = min(state.seen, len(tokens) - 2)
             state.seen = len(tokens) - 1
