@@ -4,6 +4,7 @@ drafter and K, and whether the tokens stay those of plain decoding on this devic
     python3 bench/spec.py --shape qwen3-8b --method replay --modes forced --errors 1.0 --ks 1 2 3 4 5 6 7 \\
         --commit $(git rev-parse --short HEAD) --out $OUT/spec.json
     python3 bench/spec.py --shape qwen3.5-35b-a3b --method mtp --modes forced real --ks 1 2 3 4 --batches 1
+    python3 bench/spec.py --shape qwen3.5-35b-a3b --method dflash --modes forced --ks 1 2 3 4 --batches 1 16
     python3 bench/spec.py --quick --device cpu --method draft      # the control flow, on a tiny shape
 
 Random weights make real drafts useless, so each drafter runs in up to two modes:
@@ -11,7 +12,8 @@ Random weights make real drafts useless, so each drafter runs in up to two modes
 - ``real``: drafts verified as served (``replay``: drafts replaying the plain run's own output, each wrong with
   probability ``error``; ``--errors 1.0`` is a drafter that is never right);
 - ``forced``: every draft taken as if accepted (pipeline/spec/replay.py says why), the verify mechanism's upper bound
-  at full acceptance with the drafter's own cost (for ``mtp`` and ``draft`` their forwards run as served).
+  at full acceptance with the drafter's own cost (for ``mtp``, ``dflash`` and ``draft`` their forwards run as
+  served; ``dflash`` is a random drafter of an assumed shape, ``dflash_shape``).
 
 For each batch size: a plain run (one token a step, one step ahead), then each K and mode. Per run: decode tok/s
 (output tokens after the first over the time from the first request's first token to the last one's last, the
@@ -41,6 +43,24 @@ from gpu_shapes import QWEN3_8B, add_engine_args, chosen_shape  # noqa: E402
 # Qwen3-0.6B: a draft model of the Qwen3 family (the 8B's tokenizer and vocabulary)
 QWEN3_0_6B = dict(QWEN3_8B, hidden_size=1024, intermediate_size=3072, num_hidden_layers=28, num_attention_heads=16,
                   num_key_value_heads=8, head_dim=128, tie_word_embeddings=True)
+
+def dflash_shape(target: dict) -> dict:
+    """A DFlash drafter for ``target`` (random weights, so only its shape matters): five Qwen3 layers at the target's
+    hidden size, 128-wide heads, blocks of 16, the reference's default spread of tapped layers. An assumed shape in
+    the style of the published drafters, not a published config."""
+    size, target_layers = target["hidden_size"], target["num_hidden_layers"]
+    head_dim = min(128, size)
+    heads = size // head_dim
+    dflash = dict(mask_token_id=target["vocab_size"] - 1)
+    if target_layers < 8:  # (--quick) one draft layer on the first
+        dflash["target_layer_ids"] = [0]
+    return dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=size, intermediate_size=3 * size,
+                num_hidden_layers=5 if target_layers >= 8 else 1, num_attention_heads=heads,
+                num_key_value_heads=min(8, heads), head_dim=head_dim, vocab_size=target["vocab_size"],
+                rms_norm_eps=1e-6, rope_theta=1e6, max_position_embeddings=40960, tie_word_embeddings=False,
+                block_size=16, num_target_layers=target_layers, dflash_config=dflash)
+
+
 QUICK_DRAFT = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=2,
                    num_key_value_heads=1, head_dim=64)
 
@@ -130,7 +150,7 @@ async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(ap, "spec.json")
-    ap.add_argument("--method", default="replay", choices=["replay", "ngram", "mtp", "draft"])
+    ap.add_argument("--method", default="replay", choices=["replay", "ngram", "mtp", "dflash", "draft"])
     ap.add_argument("--modes", nargs="+", default=["forced", "real"], choices=["forced", "real"])
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 7])
     ap.add_argument("--errors", type=float, nargs="+", default=[1.0], help="replay drafts' error rates (real mode)")
@@ -147,8 +167,14 @@ def main() -> None:
         draft_dir = write_model_dir(dict(QWEN3_0_6B, **(QUICK_DRAFT if a.quick else {}),
                                          vocab_size=shape["vocab_size"]), a.tokenizer)
         options["speculative_model"] = draft_dir
+    if a.method == "dflash":
+        draft_dir = write_model_dir(dflash_shape(shape), a.tokenizer)
+        options["speculative_model"] = draft_dir
+        report_drafter = dflash_shape(shape)
     report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "method": a.method,
                     "date": time.strftime("%Y-%m-%d %H:%M"), "sizes": sizes}
+    if a.method == "dflash":
+        report["drafter_shape"] = report_drafter
     try:
         import torch
 

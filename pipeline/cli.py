@@ -54,11 +54,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--state-snapshot-host-gib", type=float, default=None,
                         help="hybrid models: the part of --kv-offload-host-gib holding the state snapshots the device "
                              "evicts (default: a quarter of it)")
-    parser.add_argument("--speculative-method", choices=["ngram", "mtp", "draft"], default=None,
+    parser.add_argument("--speculative-method", choices=["ngram", "mtp", "dflash", "draft"], default=None,
                         help="draft tokens and verify them in the decode step's forward (exactly the output without): "
-                             "ngram (prompt lookup), mtp (the checkpoint's MTP head), draft (--speculative-model)")
+                             "ngram (prompt lookup), mtp (the checkpoint's MTP head), dflash (a DFlash block "
+                             "drafter, --speculative-model), draft (a smaller model, --speculative-model)")
     parser.add_argument("--speculative-model", default=None, metavar="DIR",
-                        help="the draft model's HF directory (--speculative-method draft; same tokenizer)")
+                        help="the drafter's HF directory (--speculative-method dflash or draft; same tokenizer)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                         help="drafts a sequence offers per step (with --speculative-method)")
     parser.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,

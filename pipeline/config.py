@@ -43,9 +43,10 @@ class EngineConfig:
     # (None: a quarter of it; pipeline/memory/snapshot_tiers.py)
     state_snapshot_host_gib: float | None = None
     # drafts verified in the decode step's forward (pipeline/spec/): "ngram" (prompt lookup), "mtp" (the checkpoint's
-    # multi-token-prediction head), "draft" (a smaller model, speculative_model)
+    # multi-token-prediction head), "dflash" (a DFlash block drafter, speculative_model), "draft" (a smaller model,
+    # speculative_model)
     speculative_method: str | None = None
-    speculative_model: str | None = None  # the draft model's HF directory (speculative_method "draft")
+    speculative_model: str | None = None  # the drafter's HF directory (speculative_method "dflash" or "draft")
     num_speculative_tokens: int = 0  # drafts a sequence offers per step (K)
     prompt_lookup_min: int = 2  # n-gram drafter: the shortest suffix it looks up
     prompt_lookup_max: int = 4  # and the longest
@@ -98,9 +99,9 @@ class EngineConfig:
         if self.speculative_method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative_method {self.speculative_method!r}: the drafters are "
                              f"{', '.join(repr(m) for m in SPECULATIVE_METHODS if m)}")
-        if (self.speculative_method == "draft") != (self.speculative_model is not None):
-            raise ValueError("speculative_method 'draft' needs speculative_model (the draft model's directory), "
-                             "and only it takes one")
+        if (self.speculative_method in ("draft", "dflash")) != (self.speculative_model is not None):
+            raise ValueError("speculative_method 'draft' and 'dflash' need speculative_model (the drafter's "
+                             "directory), and only they take one")
         if (self.speculative_method is None) != (self.num_speculative_tokens == 0):
             raise ValueError("speculation needs both speculative_method and num_speculative_tokens >= 1")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
@@ -109,7 +110,7 @@ class EngineConfig:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 
 
-SPECULATIVE_METHODS = (None, "ngram", "mtp", "draft")
+SPECULATIVE_METHODS = (None, "ngram", "mtp", "dflash", "draft")
 MAX_SPECULATIVE_TOKENS = 15  # a verify row of K + 1 tokens stays within the decode CUDA graphs' rows of q <= 16
 
 

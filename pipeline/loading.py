@@ -10,8 +10,10 @@ import torch
 from pipeline.config import EngineConfig
 from pipeline.model_family import family_chat_template
 from pipeline.models.config import ModelArchConfig
+from pipeline.models.dflash import ContextTap, DFlashDraftModel, dflash_arch, dflash_config
+from pipeline.models.layers import MergedLinear
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
-from pipeline.models.registry import build_model
+from pipeline.models.registry import build_model, initialize_dummy_weights
 from pipeline.runner.model_runner import ModelRunner
 from pipeline.spec.budget import MAX_DRAFT_ROWS
 from pipeline.spec.drafter import Drafter, make_drafter
@@ -95,6 +97,9 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     model = build_model(arch, None if dummy else iter_weights(path), dtype, device,
                         mtp=config.speculative_method == "mtp")
     draft_model = load_draft_model(config, arch, dtype, device, say) if config.speculative_method == "draft" else None
+    if config.speculative_method == "dflash":
+        draft_model = load_dflash_model(config, arch, dtype, device, say)
+        model.layer_tap = ContextTap(draft_model, len(model.cache_specs(dtype)))
     # hybrid models with speculation: a spare state slot for each sequence that may draft (pipeline/spec/budget.py)
     spare = min(config.max_num_seqs, MAX_DRAFT_ROWS) if config.speculative_method else 0
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
@@ -158,6 +163,27 @@ def load_draft_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.d
         f"({draft_arch.num_layers} layers)")
     return build_model(draft_arch, None if dummy else iter_weights(path), dtype, device)
 
+
+def load_dflash_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,
+                      say: Callable[[str], None]) -> DFlashDraftModel:
+    """--speculative-model for --speculative-method dflash: a DFlash block drafter trained on this target."""
+    assert config.speculative_model is not None
+    path = resolve_model_path(config.speculative_model)
+    hf = load_hf_config(path)
+    draft = DFlashDraftModel(dflash_arch(hf), dflash_config(hf, arch), dtype, device)
+    dummy = config.load_format == "dummy"
+    say(f"{'building random' if dummy else 'loading'} DFlash drafter ({draft.arch.num_layers} layers, "
+        f"target layers {list(draft.config.target_layer_ids)})")
+    if dummy:
+        initialize_dummy_weights(draft)
+    else:
+        draft.load_weights((name.removeprefix("model."), tensor) for name, tensor in iter_weights(path))
+    draft.eval().requires_grad_(False)
+    if device.type == "cpu":
+        for module in draft.modules():
+            if isinstance(module, MergedLinear):
+                module.prepack()
+    return draft
 
 
 def model_chat_template(override: str | None, tokenizer: Tokenizer, hf_config: dict) -> str | None:

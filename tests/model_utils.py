@@ -295,3 +295,47 @@ def add_mtp_weights(directory, model_type: str, seed: int = 0, **overrides) -> d
     weight_map.update({name: "mtp.safetensors" for name in tensors})
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     return tensors
+
+
+def write_dflash_drafter(directory, target_config: dict, target_layer_ids: Sequence[int], seed: int = 0,
+                         num_layers: int = 2, block_size: int = 6, mask_token_id: int = 49000) -> dict[str, torch.Tensor]:
+    """A tiny random DFlash drafter for a target, as the reference checkpoints hold it: a Qwen3 config with
+    ``block_size`` and ``dflash_config``, weights named ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm`` (no
+    embedding or lm_head: the target's are used). Returns the tensors."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    size, heads, kv_heads, head_dim, inter = target_config["hidden_size"], 4, 2, 16, 96
+    config = dict(architectures=["DFlashDraftModel"], model_type="qwen3", hidden_size=size, intermediate_size=inter,
+                  num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                  head_dim=head_dim, vocab_size=target_config["vocab_size"], rms_norm_eps=1e-6, rope_theta=1e6,
+                  max_position_embeddings=1024, tie_word_embeddings=False, block_size=block_size,
+                  num_target_layers=target_config["num_hidden_layers"],
+                  dflash_config=dict(target_layer_ids=list(target_layer_ids), mask_token_id=mask_token_id))
+    (directory / "config.json").write_text(json.dumps(config))
+    gen = torch.Generator().manual_seed(seed)
+
+    def matrix(rows: int, cols: int) -> torch.Tensor:
+        return torch.randn(rows, cols, generator=gen) / math.sqrt(cols)
+
+    def norm(n: int) -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(n, generator=gen)
+
+    tensors = {"fc.weight": matrix(size, len(target_layer_ids) * size), "hidden_norm.weight": norm(size),
+               "norm.weight": norm(size)}
+    for i in range(num_layers):
+        p = f"layers.{i}."
+        tensors.update({p + "self_attn.q_proj.weight": matrix(heads * head_dim, size),
+                        p + "self_attn.k_proj.weight": matrix(kv_heads * head_dim, size),
+                        p + "self_attn.v_proj.weight": matrix(kv_heads * head_dim, size),
+                        p + "self_attn.o_proj.weight": matrix(size, heads * head_dim),
+                        p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim),
+                        p + "mlp.gate_proj.weight": matrix(inter, size), p + "mlp.up_proj.weight": matrix(inter, size),
+                        p + "mlp.down_proj.weight": matrix(size, inter),
+                        p + "input_layernorm.weight": norm(size), p + "post_attention_layernorm.weight": norm(size)})
+    save_file(tensors, directory / "model.safetensors")
+    return tensors

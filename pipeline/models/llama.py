@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterable
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -28,6 +29,23 @@ from pipeline.models.layers import (
 )
 from pipeline.models.mtp import write_hidden
 from pipeline.models.rope import RotaryEmbedding
+
+
+class LayerTap(Protocol):
+    layers: frozenset[int]  # the decoder layers whose outputs it takes
+
+    def __call__(self, hidden: dict[int, torch.Tensor], positions: torch.Tensor, ctx: ForwardContext) -> None: ...
+
+
+def fill_attention_context(rotary: RotaryEmbedding, positions: torch.Tensor, ctx: ForwardContext) -> None:
+    """What every attention layer reads from ``ctx`` and is computed once a forward: the rope of the positions and
+    the attention plan (the Triton path's launch choices, or the torch reference's gather indices / masks)."""
+    ctx.rope = rotary.cos_sin(positions)
+    ctx.attention_plan = (
+        ctx.attention.kernel_plan
+        if use_triton(positions.device)
+        else plan_paged_attention(ctx.attention, ctx.kv_cache(0).shape[2])
+    )
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -116,6 +134,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_packed: torch.Tensor | None = None  # tied lm_head, packed by prepack()
         # a drafter that reads the target's hidden states (pipeline/models/mtp.py): every forward stores them there
         self.hidden_cache_index: int | None = None
+        # a drafter that reads chosen layers' hidden states (pipeline/models/dflash.py): every forward hands them over
+        self.layer_tap: LayerTap | None = None
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
@@ -129,13 +149,7 @@ class LlamaForCausalLM(nn.Module):
     def prepare_context(self, positions: torch.Tensor, ctx: ForwardContext) -> None:
         """Fills what every layer reads from ``ctx`` and is computed once a forward: ``ctx.rope`` and
         ``ctx.attention_plan``."""
-        ctx.rope = self.model.rotary_emb.cos_sin(positions)
-        # the Triton path's launch choices, or the torch reference's gather indices / masks
-        ctx.attention_plan = (
-            ctx.attention.kernel_plan
-            if use_triton(positions.device)
-            else plan_paged_attention(ctx.attention, ctx.kv_cache(0).shape[2])
-        )
+        fill_attention_context(self.model.rotary_emb, positions, ctx)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
@@ -144,11 +158,16 @@ class LlamaForCausalLM(nn.Module):
         x = m.embed_tokens(input_ids)
         self.prepare_context(positions, ctx)
         residual = None
-        for layer in m.layers:
+        tap, tapped = self.layer_tap, {}
+        for index, layer in enumerate(m.layers):
             x, residual = layer(x, residual, ctx)
+            if tap is not None and index in tap.layers:
+                tapped[index] = x + residual  # the layer's output (its two halves are summed by the next norm)
         x, _ = m.norm(x, residual)
         if self.hidden_cache_index is not None:
             write_hidden(ctx.caches[self.hidden_cache_index], ctx.attention.slot_mapping, x)
+        if tap is not None:
+            tap(tapped, positions, ctx)
         return x
 
     @torch.no_grad()

@@ -2,7 +2,7 @@
 rows check them (pipeline/stages/decode.py), so a drafter may be wrong but never changes the output.
 
 Two kinds: a host drafter guesses from the tokens alone, one sequence at a time (n-gram lookup); a model drafter
-runs a model on the device for every drafting sequence at once (a draft model, MTP), after the cache has given the
+runs a model on the device for every drafting sequence at once (a draft model, MTP, DFlash), after the cache has given the
 drafts' positions their KV slots, so the drafter can write its own KV beside the target's in the same blocks.
 """
 from __future__ import annotations
@@ -67,4 +67,10 @@ def make_drafter(config: EngineConfig, runner: ModelRunner | None = None,
 
         assert draft_model is not None
         return DraftModelDrafter(draft_model, runner, len(runner.model.cache_specs(runner.dtype)), config.block_size)
+    if method == "dflash":
+        from pipeline.spec.dflash import DFlashDrafter
+
+        assert draft_model is not None
+        return DFlashDrafter(draft_model, runner.model, runner, len(runner.model.cache_specs(runner.dtype)),
+                             config.block_size)
     raise ValueError(f"unknown speculative_method {method!r}")

@@ -1,9 +1,10 @@
-"""Every model drafter against the features its verify rows meet, one test per combination: the MTP head on a
-hybrid target, a draft model on a dense target and on a hybrid one, and the target as its own draft model (the
+"""Every model drafter against the features its verify rows meet, one test per combination: the MTP head and a
+DFlash block drafter on a hybrid target, a draft model on a dense target and on a hybrid one, and the target as its own draft model (the
 oracle: every draft right, so long accepted runs). Greedy tokens (and finish reasons) equal plain decoding's."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 
 import pytest
@@ -12,20 +13,24 @@ from pipeline.engine import Engine
 from pipeline.request import FinishReason, SamplingParams
 from tests.conftest import run_async
 from tests.engine_utils import assert_no_leaks, collect, config_for, settle
-from tests.model_utils import add_mtp_weights
+from tests.model_utils import add_mtp_weights, write_dflash_drafter
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
-DRAFTERS = ["mtp", "draft", "draft-on-hybrid", "oracle"]
+DRAFTERS = ["mtp", "dflash", "draft", "draft-on-hybrid", "oracle"]
 
 
 @pytest.fixture(scope="module")
-def setups(make_model_dir, tiny_model_dir) -> dict[str, tuple[object, dict]]:
+def setups(make_model_dir, tiny_model_dir, tmp_path_factory) -> dict[str, tuple[object, dict]]:
     """drafter -> (target directory, engine options)."""
     hybrid = make_model_dir("qwen3_5_moe_text", seed=5)
     add_mtp_weights(hybrid, "qwen3_5_moe_text", seed=5)
     draft = make_model_dir("llama", seed=11)
+    dflash = tmp_path_factory.mktemp("dflash")
+    write_dflash_drafter(dflash, json.loads((hybrid / "config.json").read_text()), [0, 2], seed=13)
     return {"mtp": (hybrid, dict(speculative_method="mtp", num_speculative_tokens=3)),
+            "dflash": (hybrid, dict(speculative_method="dflash", speculative_model=str(dflash),
+                                    num_speculative_tokens=4)),
             "draft": (tiny_model_dir, dict(speculative_method="draft", speculative_model=str(draft),
                                            num_speculative_tokens=4)),
             "draft-on-hybrid": (hybrid, dict(speculative_method="draft", speculative_model=str(draft),
