@@ -155,11 +155,13 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[2, 4, 7])
     ap.add_argument("--errors", type=float, nargs="+", default=[1.0], help="replay drafts' error rates (real mode)")
     ap.add_argument("--batches", type=int, nargs="+", default=None)
+    ap.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 256)")
     ap.add_argument("--profile", action="store_true", help="profile the first batch's first drafter run")
     a = ap.parse_args()
     shape = chosen_shape(a.shape, a.quick)
     sizes = dict(prompt=32, new=24, batches=[1, 4]) if a.quick else dict(prompt=128, new=256, batches=[1, 16, 64])
     sizes["batches"] = a.batches or sizes["batches"]
+    sizes["new"] = a.new_tokens or sizes["new"]
     model_dir = write_model_dir(shape, a.tokenizer)
     draft_dir = None
     options: dict = dict(speculative_method="ngram" if a.method == "replay" else a.method)
@@ -184,7 +186,8 @@ def main() -> None:
             # prefix caching off: a repeated prompt would start from its cached blocks, its first token computed
             # by a one-token row instead of the prompt's last, which on a GPU is a different bf16 sum
             engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=max(sizes["batches"]),
-                                                       max_model_len=1024, num_speculative_tokens=max(a.ks),
+                                                       max_model_len=max(1024, sizes["prompt"] + sizes["new"] + 64),
+                                                       num_speculative_tokens=max(a.ks),
                                                        prefix_caching=False, **options))
             try:
                 return await workloads(engine, sizes, a)

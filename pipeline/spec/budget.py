@@ -9,8 +9,10 @@ batch past ``max_rows`` drafts nothing. A sequence whose drafts keep failing (an
 A step in which any row drafts cannot run one step ahead (a row's drafts follow its last token, which the host must
 have read), and that costs as much as the verify row at batch 1. So a sequence whose drafts were all rejected waits
 before its next chance: 1, 2, 4 .. ``MAX_WAIT`` steps, running ahead meanwhile; an accepted draft ends the wait. A
-drafter that is never right then costs a verify step in ``MAX_WAIT``. A chance with nothing offered (no n-gram
-match) waits one step.
+drafter that is never right then costs a failed chance in ``MAX_WAIT`` steps. On a hybrid mixture-of-experts model a
+failed chance at batch 1 costs about five decode steps (the verify row reads the experts of every token it holds, and
+the rejected row's recurrent state is recomputed with one more forward), so a cap of 16 steps cost it 23%. A chance
+with nothing offered (no n-gram match) waits one step.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 
 SMOOTHING = 0.2  # weight of the latest row in a sequence's acceptance average
 MAX_DRAFT_ROWS = 32  # running sequences above which no row drafts (hybrid models keep a spare state slot for each)
-MAX_WAIT = 16  # the longest wait, in steps, between a sequence's chances to draft after they brought nothing
+MAX_WAIT = 64  # the longest wait, in steps, between a sequence's chances to draft after they brought nothing
 
 
 @dataclass(slots=True)

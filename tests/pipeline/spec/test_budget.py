@@ -26,13 +26,13 @@ def test_acceptance_average():
 def test_failed_chances_wait_longer_and_an_accepted_draft_ends_the_wait():
     seq = SimpleNamespace(draft_acceptance=1.0, draft_wait=0, draft_backoff=0)
     chances, waits = [], []
-    for step in range(200):
+    for step in range(400):
         if DraftBudget.tick([seq]):
             chances.append(step)
             DraftBudget.settle(seq, 4, 0)
             waits.append(seq.draft_wait)
-    assert waits[:6] == [1, 2, 4, 8, 16, 16] and max(waits) == MAX_WAIT
-    assert chances[:5] == [0, 2, 5, 10, 19] and len(chances) < 200 / MAX_WAIT + 5
+    assert waits[:8] == [1, 2, 4, 8, 16, 32, 64, 64] and max(waits) == MAX_WAIT
+    assert chances[:5] == [0, 2, 5, 10, 19] and len(chances) < 400 / MAX_WAIT + 6
     DraftBudget.settle(seq, 4, 1)
     assert seq.draft_backoff == 0 and DraftBudget.tick([seq]) is False  # the wait given before still runs out
     while not DraftBudget.tick([seq]):
