@@ -7,7 +7,8 @@ and ``has_initial_state`` on the device, never sync, and size their grids from (
 * the causal conv: kernels/triton_gdn_conv.py.
 * ``gated_delta_rule_recurrent_triton``: grid ``(B, HV, Dv / BV)``; each program keeps its ``[Dk, BV]`` fp32 slice
   of the state in registers (BV = 32: 128-byte rows, coalesced), walks its sequence token by token, and writes the
-  state back once. Decode reads and writes the state once; also a correct (slow) path at any length.
+  state back once. Decode reads and writes the state once; also a correct (slow) path at any length. With
+  ``keep_slots`` (speculative verify rows) it also stores the slice after each token that has a keep slot.
 * ``gated_delta_rule_chunked_triton``: the chunked form on tensor cores (kernels/triton_gdn_chunked.py).
 * Both delta-rule paths take the raw gate inputs (a, b, A_log, dt_bias) and compute the decay and beta gates in
   their kernels (``gate_values``; the chunked path in its prep kernel), which spares every layer a chain of small
@@ -46,18 +47,26 @@ def check_varlen(state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_i
     return has_initial_state if has_initial_state.dtype == torch.bool else has_initial_state.bool()
 
 
+def check_keep(keep_slots: torch.Tensor | None, num_tokens: int) -> None:
+    """Shape and dtype only (no host sync): one integer slot a token. Shared with kernels/triton_gdn_conv.py."""
+    if keep_slots is not None and (keep_slots.shape != (num_tokens,) or keep_slots.dtype not in (torch.int32,
+                                                                                                   torch.int64)):
+        raise ValueError(f"keep_slots {tuple(keep_slots.shape)} {keep_slots.dtype} must hold one int32/int64 slot "
+                         f"for each of {num_tokens} tokens")
+
+
 @_jit
 def _recurrent_kernel(
     q_ptr, k_ptr, v_ptr, a_ptr, b_ptr, a_log_ptr, dt_bias_ptr, o_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr,
-    z_ptr, norm_w_ptr, eps,
+    z_ptr, norm_w_ptr, eps, keep_ptr,
     scale, stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_at, stride_bt, stride_ot,
     stride_oh, stride_ss, stride_sh, stride_sk, stride_zt, stride_zh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
-    L2NORM: tl.constexpr, NORM: tl.constexpr, PROD_DTYPE: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True,
+    L2NORM: tl.constexpr, NORM: tl.constexpr, PROD_DTYPE: tl.constexpr, KEEP: tl.constexpr = False,
+    PDL: tl.constexpr = False, EARLY: tl.constexpr = True,
 ):
     """NORM (BV covers DV): each token's output goes through the gated RMSNorm (``rms_norm_gated_ref``'s rounding)
-    before it is stored."""
+    before it is stored. KEEP: after token t, the slice also goes to slot ``keep_ptr[t]`` when that is >= 0."""
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
@@ -75,6 +84,8 @@ def _recurrent_kernel(
         pdl_wait(PDL)  # every program waits, before it writes or exits
     if length <= 0:  # the reference leaves an empty sequence's state alone
         return
+    if KEEP:  # the slice's place in any slot: the row's own pointers less its slot
+        keep_ptrs = state_ptr + h * stride_sh + dk[:, None] * stride_sk + dv[None, :]
     for i in range(0, length):
         t = (lo + i).to(tl.int64)
         q = tl.load(q_ptr + t * stride_qt + hk * stride_qh + dk, mask=k_ok, other=0.0).to(tl.float32)
@@ -88,6 +99,9 @@ def _recurrent_kernel(
         state = state * tl.exp(g)
         u = (v - tl.sum(state * k[:, None], 0)) * beta
         state = state + k[:, None] * u[None, :]
+        if KEEP:  # written after the wait, like the row's own slot; a keep slot is nobody's state this step
+            keep = tl.load(keep_ptr + t).to(tl.int64)
+            tl.store(keep_ptrs + keep * stride_ss, state.to(state_ptr.dtype.element_ty), mask=s_mask & (keep >= 0))
         o = tl.sum(state * q[:, None], 0)
         if NORM:
             o = o.to(o_ptr.dtype.element_ty).to(tl.float32)  # the reference norms the rounded output
@@ -124,18 +138,20 @@ def gated_delta_rule_recurrent_triton(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
     dt_bias: torch.Tensor, ssm_states: torch.Tensor, state_slots: torch.Tensor, query_start_loc: torch.Tensor,
     has_initial_state: torch.Tensor, use_qk_l2norm: bool = True,
-    gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None,
+    gated_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None, keep_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gated_delta_rule_varlen_ref``, token by token: o [T, HV, Dv] in v's dtype, the state
     of each ``ssm_states[state_slots[b]]`` updated in place. Capturable in a CUDA graph: with a/b columns of the
     projection (row-strided, last dim contiguous) it launches the one kernel and no torch op. ``gated_norm``
     ``(z [T, HV, Dv], weight [Dv], eps)``: o is ``rms_norm_gated_ref(o, z, weight, eps)`` instead, in the same
-    kernel (a program then holds a head's whole [Dk, Dv] state)."""
+    kernel (a program then holds a head's whole [Dk, Dv] state). ``keep_slots [T]`` (int, device): the state
+    after token t also goes to ``ssm_states[keep_slots[t]]`` unless that is negative (kernels/gdn.py)."""
     q, k, v, a, b, A_log, dt_bias, init = _gdn_args(q, k, v, a, b, A_log, dt_bias, ssm_states, state_slots,
                                                     query_start_loc, has_initial_state)
     T, HK, dk = q.shape
     HV, dv = v.shape[1], v.shape[2]
     B = state_slots.shape[0]
+    check_keep(keep_slots, T)
     if gated_norm is not None:
         z, norm_w, eps = gated_norm
         if z.shape != v.shape or z.stride(2) != 1 or norm_w.shape != (dv,):
@@ -154,11 +170,13 @@ def gated_delta_rule_recurrent_triton(
     if B == 0 or T == 0:
         return o
     _recurrent_kernel[(B, HV, triton.cdiv(dv, bv))](
-        q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, *kernel_norm, dk**-0.5,
+        q, k, v, a, b, A_log, dt_bias, o, ssm_states, state_slots, query_start_loc, init, *kernel_norm,
+        keep_slots if keep_slots is not None else state_slots, dk**-0.5,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), a.stride(0), b.stride(0),
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), *z_strides,
         GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
-        NORM=gated_norm is not None, PROD_DTYPE=prod, num_warps=warps, EARLY=EARLY_LOADS, **pdl_launch(q),
+        NORM=gated_norm is not None, PROD_DTYPE=prod, KEEP=keep_slots is not None, num_warps=warps,
+        EARLY=EARLY_LOADS, **pdl_launch(q),
     )
     return o
 

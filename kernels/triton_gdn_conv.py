@@ -15,6 +15,12 @@ Two kernels, picked by the host from the step's longest row (``max_query_len``):
 
 Prompt tiles are 8 tokens by 256 channels (512 B of each token row, so a program's loads coalesce). The window is stored ``[slot, C, K-1]``; the state is rounded to x's
 dtype where it is read, as the reference does.
+
+Keep slots (``keep_slots [T]``, speculative verify rows; kernels/gdn.py): the window after token t is the conv's
+own inputs for token t, less the oldest. Both kernels hold those already (the varlen kernel loads input j of every
+token of its tile in its tap loop, old window entries included in the first tile; the decode kernel builds the
+new window), so they store them to ``keep_slots[t]`` where they have them: no extra launch and no extra read.
+Keep slots are nobody's own slot, so these stores race with no read of the old windows.
 """
 
 from __future__ import annotations
@@ -24,16 +30,16 @@ import torch
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_gdn import check_varlen, pow2
+from kernels.triton_gdn import check_keep, check_varlen, pow2
 from kernels.triton_paged_attention import find_sequence
 
 
 @_jit(do_not_specialize=["num_seqs"])
 def _conv_varlen_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, num_seqs, C,
+    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, keep_ptr, num_seqs, C,
     stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
     K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr, KEEP: tl.constexpr = False,
 ):
     tile = tl.program_id(0)
     b = find_sequence(qsl_ptr, num_seqs, tile, BLOCK_T)
@@ -52,6 +58,10 @@ def _conv_varlen_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=c_ok, other=0.0).to(tl.float32)[None, :]
+    if KEEP:  # each token's keep slot (-1: none): its window is its taps 1..K-1, stored as entries 0..K-2
+        keep = tl.load(keep_ptr + (lo + rows).to(tl.int64), mask=r_ok, other=-1).to(tl.int64)
+        keep_ptrs = state_ptr + keep[:, None] * stride_ss + cols[None, :] * stride_sc
+        keep_mask = (keep >= 0)[:, None] & c_ok[None, :]
     for j in tl.static_range(K):
         p = rows - (K - 1) + j  # input position in the sequence; p < 0: previous input K-1+p of the state
         inp = tl.load(x_base + p[:, None] * stride_xt + cols[None, :], mask=((p >= 0) & r_ok)[:, None] & c_ok[None, :],
@@ -60,6 +70,9 @@ def _conv_varlen_kernel(
             old = tl.load(st[None, :] + (K - 1 + p)[:, None] * stride_sk,
                           mask=((p < 0) & r_ok & init)[:, None] & c_ok[None, :], other=0.0)
             inp += old.to(x_ptr.dtype.element_ty).to(tl.float32)  # the reference casts the state to x's dtype
+        if KEEP:
+            if j > 0:  # inp holds x-dtype values: one rounding to the state's dtype, as the reference
+                tl.store(keep_ptrs + (j - 1) * stride_sk, inp.to(state_ptr.dtype.element_ty), mask=keep_mask)
         w = tl.load(w_ptr + cols * stride_wc + j * stride_wk, mask=c_ok, other=0.0).to(tl.float32)
         acc += inp * w[None, :]
     if SILU:
@@ -83,10 +96,10 @@ def _conv_varlen_kernel(
 
 @_jit
 def _conv_update_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, C,
+    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, keep_ptr, C,
     stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
     K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
-    PDL: tl.constexpr = False, EARLY: tl.constexpr = True,
+    KEEP: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = True,
 ):
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
@@ -122,6 +135,10 @@ def _conv_update_kernel(
     if K > 1:
         sd = state_ptr.dtype.element_ty
         new_window = tl.where((jj == K - 2)[None, :], x.to(sd)[:, None], shifted.to(x_ptr.dtype.element_ty).to(sd))
+        if KEEP:  # the row's only token: its kept window is the new one
+            keep = tl.load(keep_ptr + t.to(tl.int64)).to(tl.int64)
+            tl.store(state_ptr + keep * stride_ss + cols[:, None] * stride_sc + jj[None, :] * stride_sk, new_window,
+                     mask=m & (keep >= 0))
         tl.debug_barrier()
         tl.store(st, new_window, mask=m)
 
@@ -129,12 +146,13 @@ def _conv_update_kernel(
 def causal_conv1d_varlen_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
     state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
-    activation: str | None = "silu", max_query_len: int | None = None,
+    activation: str | None = "silu", max_query_len: int | None = None, keep_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``causal_conv1d_varlen_ref``: y [T, C] in x's dtype; ``conv_states [num_slots, C, K-1]``
     updated in place. x may be a row-strided view (last dim contiguous); y is contiguous. An empty sequence (which
     the reference cannot take) leaves its slot alone. ``max_query_len`` (host): 1 takes the decode kernel; None or
-    more the varlen one."""
+    more the varlen one. ``keep_slots [T]`` (int, device): the window after token t also goes to
+    ``conv_states[keep_slots[t]]`` unless that is negative, in the same kernel launch."""
     if activation not in ("silu", None):
         raise ValueError(f"activation {activation!r} is not supported")
     T, C = x.shape
@@ -145,6 +163,7 @@ def causal_conv1d_varlen_triton(
     if bias is not None and bias.shape != (C,):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit {C} channels")
     init = check_varlen(state_slots, query_start_loc, has_initial_state)
+    check_keep(keep_slots, T)
     if x.stride(1) != 1:
         x = x.contiguous()
     y = torch.empty(T, C, dtype=x.dtype, device=x.device)
@@ -153,18 +172,20 @@ def causal_conv1d_varlen_triton(
         return y
     strides = (x.stride(0), y.stride(0), weight.stride(0), weight.stride(1), conv_states.stride(0),
                conv_states.stride(1), conv_states.stride(2) if K > 1 else 1)
-    common = dict(K=K, KM1_PAD=pow2(K - 1), HAS_BIAS=bias is not None, SILU=activation == "silu")
+    common = dict(K=K, KM1_PAD=pow2(K - 1), HAS_BIAS=bias is not None, SILU=activation == "silu",
+                  KEEP=keep_slots is not None)
     b_arg = bias if bias is not None else weight
+    keep_arg = keep_slots if keep_slots is not None else state_slots
     block_c = min(pow2(C, 16), 256)  # 512 B of each 16-bit token row
     if max_query_len is not None and max_query_len <= 1:
         _conv_update_kernel[(B, triton.cdiv(C, block_c))](
-            x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, C, *strides,
+            x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, keep_arg, C, *strides,
             **common, BLOCK_C=block_c, num_warps=2, EARLY=EARLY_LOADS, **pdl_launch(x))
         return y
     # short tiles (K-1 must fit in one) of 512 B rows: the best of an H200 sweep over 8-64 tokens x 64-512 channels
     # x 4/8 warps on 16 prompts of 512 tokens at the Qwen3.5-35B-A3B width (206 us against 345 for 64 x 128)
     block_t = max(pow2(K - 1), min(8, pow2(-(-T // B))), 4)
     _conv_varlen_kernel[(T // block_t + B, triton.cdiv(C, block_c))](
-        x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, B, C, *strides,
+        x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, keep_arg, B, C, *strides,
         **common, BLOCK_T=block_t, BLOCK_C=block_c, num_warps=4)
     return y

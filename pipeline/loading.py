@@ -15,7 +15,7 @@ from pipeline.models.layers import MergedLinear
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
 from pipeline.models.registry import build_model, initialize_dummy_weights
 from pipeline.runner.model_runner import ModelRunner
-from pipeline.spec.budget import MAX_DRAFT_ROWS
+from pipeline.spec.budget import KEPT_STATES_PER_ROW, MAX_DRAFT_ROWS
 from pipeline.spec.drafter import Drafter, make_drafter
 from pipeline.stages.intake import ModelLimits, generation_defaults
 from pipeline.thinking import ThinkingTags
@@ -100,8 +100,10 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     if config.speculative_method == "dflash":
         draft_model = load_dflash_model(config, arch, dtype, device, say)
         model.layer_tap = ContextTap(draft_model, len(model.cache_specs(dtype)))
-    # hybrid models with speculation: a spare state slot for each sequence that may draft (pipeline/spec/budget.py)
-    spare = min(config.max_num_seqs, MAX_DRAFT_ROWS) if config.speculative_method else 0
+    # hybrid models with speculation: spare state slots that keep a verify row's state after each of its tokens, K a
+    # sequence that may draft, up to KEPT_STATES_PER_ROW on average (pipeline/spec/budget.py)
+    spare = (min(config.max_num_seqs, MAX_DRAFT_ROWS) * min(config.num_speculative_tokens, KEPT_STATES_PER_ROW)
+             if config.speculative_method else 0)
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
                          max_num_seqs=config.max_num_seqs + spare,
                          extra_cache_specs=draft_model.cache_specs(dtype) if draft_model is not None else ())

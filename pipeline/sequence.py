@@ -86,7 +86,9 @@ class Sequence:
     draft_acceptance: float = 1.0  # average share of its drafts accepted (pipeline/spec/budget.py)
     draft_wait: int = 0  # steps before its next chance to draft (pipeline/spec/budget.py)
     draft_backoff: int = 0  # the last wait given: doubled while its chances bring nothing accepted
-    spare_slot: StateSlot | None = None  # hybrid models with drafts: its state before a verify step (kept, rewound)
+    # hybrid models with drafts: slots that keep its state after each token of a verify row but the last (the one
+    # after the last accepted token goes back into its slot)
+    spare_slots: list[StateSlot] = field(default_factory=list)
 
     @classmethod
     def from_request(cls, request: Request) -> Sequence:

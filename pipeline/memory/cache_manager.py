@@ -270,25 +270,25 @@ class CacheManager:
             return copies
         return None
 
-    def keep_state(self, seq: Sequence) -> bool:
-        """Hybrid models, before a step that verifies drafts: copy the sequence's state into a spare slot of its
-        own (taken on first use), so ``rewind_state`` can put it back if drafts are rejected. False when no slot
-        is free (the row verifies no drafts then)."""
-        if seq.spare_slot is None:
-            seq.spare_slot = self._states.allocate()
-            if seq.spare_slot is None:
-                return False
-        kept = (seq.state_slot.index, seq.spare_slot.index)
-        if kept[::-1] not in self._copies.state_copies:  # (rewound in this plan: the spare holds that state already;
-            self._copies.state_copies.append(kept)  # the plan's copies all read before any writes)
-        return True
+    def keep_states(self, seq: Sequence, count: int) -> list[int] | None:
+        """Hybrid models, for a verify row: ``count`` spare slots of the sequence's own (taken on first use, kept
+        until it ends) that receive its state after each of the row's first ``count`` tokens, so a rejected draft is
+        undone by copying one back (``restore_kept``). None when the slots are not free (the row drafts nothing)."""
+        while len(seq.spare_slots) < count:
+            slot = self._states.allocate()
+            if slot is None:
+                return None
+            seq.spare_slots.append(slot)
+        return [slot.index for slot in seq.spare_slots[:count]]
 
-    def can_keep_state(self, seq: Sequence) -> bool:
-        return seq.spare_slot is not None or self._states.num_free > 0
+    def keepable(self, seq: Sequence) -> int:
+        """How many states a verify row of the sequence can keep (its spare slots and the free ones)."""
+        return len(seq.spare_slots) + self._states.num_free
 
-    def rewind_state(self, seq: Sequence) -> None:
-        """The state kept before the last verify step goes back into the sequence's slot before the next one."""
-        self._copies.state_copies.append((seq.spare_slot.index, seq.state_slot.index))
+    def restore_kept(self, seq: Sequence, token: int) -> None:
+        """The state kept after the verify row's token ``token`` goes into the sequence's slot before the next
+        step's forward (the row went on past drafts that were rejected)."""
+        self._copies.state_copies.append((seq.spare_slots[token].index, seq.state_slot.index))
 
     @property
     def has_state_slots(self) -> bool:
@@ -375,9 +375,9 @@ class CacheManager:
         if seq.state_slot is not None:
             slot, seq.state_slot = seq.state_slot, None
             self._states.free(slot)
-        if seq.spare_slot is not None:
-            spare, seq.spare_slot = seq.spare_slot, None
+        for spare in seq.spare_slots:
             self._states.free(spare)
+        seq.spare_slots = []
         if seq.restore_from is not None:
             self.snapshots.unpin(seq.restore_from)
             seq.restore_from = None

@@ -81,6 +81,8 @@ class ForwardContext:
     attention_plan: object | None = None  # launch choices or reference gather indices, shared by all layers
     state_slots: torch.Tensor | None = None  # [B] int32: each row's state slot (recurrent layers; 0 = null slot)
     has_initial_state: torch.Tensor | None = None  # [B] bool: the row continues a state (its chunk starts past 0)
+    # [T] int32: the state slot that keeps each token's recurrent state as it stands after it (-1: none), or None
+    keep_slots: torch.Tensor | None = None
 
     def kv_cache(self, cache_index: int) -> torch.Tensor:
         return self.caches[cache_index]

@@ -86,7 +86,7 @@ class GatedDeltaNet(nn.Module):
         conv_states, ssm_states = ctx.caches[self.state_index], ctx.caches[self.state_index + 1]
         mixed = gdn.causal_conv1d_varlen(proj[:, :C], self.conv1d.weight.view(C, self.conv_kernel_size), None,
                                          conv_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
-                                         meta.max_query_len)
+                                         meta.max_query_len, keep_slots=ctx.keep_slots)
         kd = self.key_dim
         q = mixed[:, :kd].view(T, self.num_k_heads, self.head_k_dim)
         k = mixed[:, kd:2 * kd].view(T, self.num_k_heads, self.head_k_dim)
@@ -95,7 +95,7 @@ class GatedDeltaNet(nn.Module):
         o = gdn.gated_delta_rule(q, k, v, proj[:, C + V + HV:], proj[:, C + V:C + V + HV], self.A_log, self.dt_bias,
                                  ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
                                  meta.max_query_len, meta.query_start_loc_host,
-                                 gated_norm=(z, self.norm.weight, self.norm.eps))
+                                 gated_norm=(z, self.norm.weight, self.norm.eps), keep_slots=ctx.keep_slots)
         return self.out_proj(o.view(T, V))
 
 

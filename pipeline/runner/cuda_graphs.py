@@ -50,8 +50,11 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, caches: list[torch.Tensor], *, max_batch: int,
                  max_blocks_per_seq: int, max_model_len: int, num_kv_heads: int, device: torch.device,
-                 max_query_len: int = 1) -> None:
+                 max_query_len: int = 1, keeps_states: bool = False) -> None:
+        """``keeps_states``: the graphs take per-token keep slots (hybrid models verifying drafts,
+        ``ForwardContext.keep_slots``); without, a batch that keeps states does not fit them."""
         self.model = model
+        self.keeps_states = keeps_states
         self.caches = caches
         self.max_batch = max_batch
         self.max_blocks = max_blocks_per_seq
@@ -63,6 +66,7 @@ class DecodeGraphs:
         self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         self.state_slots = torch.zeros(n, dtype=torch.int32, device=device)  # padding rows: the null slot 0
+        self.keep_slots = torch.full((t,), -1, dtype=torch.int32, device=device) if keeps_states else None
         # row b's tokens start at b * q: one query_start_loc per q
         self.query_start_locs = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                                  for q in range(1, max_query_len + 1)}
@@ -77,8 +81,11 @@ class DecodeGraphs:
         self._capture(max_model_len, num_kv_heads, device)
 
     def _buffers(self) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
-                "seq_lens": self.seq_lens, "block_tables": self.block_tables, "state_slots": self.state_slots}
+        buffers = {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
+                   "seq_lens": self.seq_lens, "block_tables": self.block_tables, "state_slots": self.state_slots}
+        if self.keep_slots is not None:
+            buffers["keep_slots"] = self.keep_slots
+        return buffers
 
     def _meta(self, size: int, q: int, plan: TritonAttentionPlan, max_model_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -95,8 +102,9 @@ class DecodeGraphs:
         for q in range(self.max_query_len, 0, -1):
             for size in sorted(self.sizes, reverse=True):  # largest first: smaller ones reuse its pool
                 plan = decode_plan(size, self.max_batch, num_kv_heads, max_model_len, sms)
+                keeps = None if self.keep_slots is None else self.keep_slots[:size * q]
                 context = ForwardContext(self._meta(size, q, plan, max_model_len), self.caches,
-                                         state_slots=self.state_slots[:size])
+                                         state_slots=self.state_slots[:size], keep_slots=keeps)
                 args = (self.input_ids[:size * q], self.positions[:size * q], context)
                 self.model.compute_logits(self.model(*args))  # compile kernels, settle allocations
                 torch.cuda.synchronize(device)
@@ -106,8 +114,9 @@ class DecodeGraphs:
                 self.graphs[(size, q)] = _Graph(graph, logits)
         torch.cuda.synchronize(device)
 
-    def fits(self, batch: int, query_len: int, blocks: int) -> bool:
-        return batch <= self.max_batch and query_len <= self.max_query_len and blocks <= self.max_blocks
+    def fits(self, batch: int, query_len: int, blocks: int, keeps_states: bool = False) -> bool:
+        return (batch <= self.max_batch and query_len <= self.max_query_len and blocks <= self.max_blocks
+                and (self.keeps_states or not keeps_states))
 
     def run(self, batch: ForwardBatch, feed: TokenFeed | None = None) -> torch.Tensor:
         """Replay the graph for this uniform batch; returns logits [B * q, vocab] (valid until the next replay)."""
@@ -124,6 +133,8 @@ class DecodeGraphs:
         host["slots"][:tokens] = torch.from_numpy(batch.slot_mapping)
         host["seq_lens"][:rows] = torch.from_numpy(batch.seq_lens)
         host["state_slots"][:rows] = torch.from_numpy(batch.state_slots)
+        if self.keep_slots is not None:
+            host["keep_slots"][:tokens] = torch.from_numpy(batch.keep_slots)
         # Only the first `width` table columns are copied: a row never reads a column past its length.
         host["block_tables"][:rows, :width] = torch.from_numpy(batch.block_tables)
         if size > rows:  # padded rows: nothing written, q harmless keys of the null block read
@@ -132,6 +143,8 @@ class DecodeGraphs:
             host["slots"][tokens:size * q] = -1
             host["seq_lens"][rows:size] = q
             host["state_slots"][rows:size] = 0
+            if self.keep_slots is not None:
+                host["keep_slots"][tokens:size * q] = -1
             host["block_tables"][rows:size, :width] = 0
         for name, device_buffer in self._buffers().items():
             if name == "block_tables":

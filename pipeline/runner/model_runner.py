@@ -165,7 +165,8 @@ class ModelRunner:
                                    max_blocks_per_seq=-(-max_model_len // self.block_size),
                                    max_model_len=max_model_len,
                                    num_kv_heads=self._num_kv_heads(),
-                                   device=self.device, max_query_len=max_query_len)
+                                   device=self.device, max_query_len=max_query_len,
+                                   keeps_states=max_query_len > 1 and self.num_state_slots > 0)
 
     def _num_kv_heads(self) -> int:
         return next(s.num_kv_heads for s in self.cache_specs if isinstance(s, PagedKVSpec))
@@ -204,7 +205,7 @@ class ModelRunner:
     def prepare(self, batch: ForwardBatch) -> DeviceBatch:
         graphs = self.graphs
         if graphs is not None and batch.is_uniform_decode and graphs.fits(
-                batch.num_seqs, batch.num_tokens // batch.num_seqs, batch.block_tables.shape[1]):
+                batch.num_seqs, batch.num_tokens // batch.num_seqs, batch.block_tables.shape[1], batch.keeps_states):
             return DeviceBatch(batch, graph=True)
         qsl_host = batch.query_start_loc.tolist()
         lens_host = batch.seq_lens.tolist()
@@ -225,7 +226,8 @@ class ModelRunner:
             is_decode_only=max_query_len == 1,
             kernel_plan=kernel_plan,
         )
-        context = ForwardContext(meta, self.caches, state_slots=self._to_device(batch.state_slots))
+        keeps = self._to_device(batch.keep_slots) if batch.keeps_states else None
+        context = ForwardContext(meta, self.caches, state_slots=self._to_device(batch.state_slots), keep_slots=keeps)
         return DeviceBatch(batch, False, self._to_device(batch.input_ids), self._to_device(batch.positions),
                            context, self._to_device(batch.logits_indices))
 

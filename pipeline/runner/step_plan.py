@@ -27,7 +27,7 @@ from pipeline.runner.sampling_batch import SamplingRow
 
 _step_inputs = ext.load("step_inputs")
 
-FORWARD_BATCH_VERSION = 2
+FORWARD_BATCH_VERSION = 3
 
 
 class ForwardBatchVersionError(ValueError):
@@ -45,11 +45,14 @@ class ScheduledChunk:
     previous_row: int = -1
     logits_offsets: list[int] | None = None  # offsets within the chunk, one per row; None: all at the last
     state_slot: StateSlot | None = None  # hybrid models: the sequence's recurrent state slot, checked at build
+    # hybrid verify rows: per token, the state slot that keeps the recurrent state as it stands after it (-1: none)
+    keep_slots: list[int] | None = None
 
 
 _ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-           "logits_indices", "feed_targets", "feed_sources", "state_slots")
-_DTYPES = (np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.int64, np.int64, np.int64, np.int32)
+           "logits_indices", "feed_targets", "feed_sources", "state_slots", "keep_slots")
+_DTYPES = (np.int64, np.int64, np.int64, np.int32, np.int32, np.int32, np.int64, np.int64, np.int64, np.int32,
+           np.int32)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,7 +69,17 @@ class ForwardBatch:
     feed_targets: np.ndarray  # int64 [F]: token indices that take a previous step's token ...
     feed_sources: np.ndarray  # int64 [F]: ... from these rows of that step's sampled tokens
     state_slots: np.ndarray  # int32 [B]: each row's recurrent state slot (all NULL_SLOT for attention-only models)
+    # int32 [T]: the state slot keeping the recurrent state as it stands after each token (-1: none; None: all -1)
+    keep_slots: np.ndarray | None = None
     version: int = FORWARD_BATCH_VERSION
+
+    def __post_init__(self) -> None:
+        if self.keep_slots is None:
+            object.__setattr__(self, "keep_slots", np.full(len(self.input_ids), -1, dtype=np.int32))
+
+    @property
+    def keeps_states(self) -> bool:
+        return bool((self.keep_slots >= 0).any())
 
     @property
     def num_seqs(self) -> int:
@@ -102,7 +115,7 @@ class ForwardBatch:
         if version != FORWARD_BATCH_VERSION:
             raise ForwardBatchVersionError(f"forward batch version {version}, this rank reads {FORWARD_BATCH_VERSION}")
         t, b, w, s, f = (int(x) for x in header[1:])
-        shapes = ((t,), (t,), (t,), (b + 1,), (b,), (b, w), (s,), (f,), (f,), (b,))
+        shapes = ((t,), (t,), (t,), (b + 1,), (b,), (b, w), (s,), (f,), (f,), (b,), (t,))
         arrays: dict[str, np.ndarray] = {}
         offset = header.nbytes
         for name, dtype, shape in zip(_ARRAYS, _DTYPES, shapes):
@@ -158,6 +171,14 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: 
         raise ValueError(f"{len(state_slots)} state slots for {len(chunks)} chunks")
     states = (np.full(len(chunks), NULL_SLOT, dtype=np.int32) if state_slots is None
               else np.asarray(state_slots, dtype=np.int32))
+    keeps = None
+    if any(c.keep_slots for c in chunks):
+        keeps = np.full(len(input_ids), -1, dtype=np.int32)
+        for i, chunk in enumerate(chunks):
+            if chunk.keep_slots:
+                if len(chunk.keep_slots) != len(chunk.token_ids):
+                    raise ValueError(f"chunk {i}: {len(chunk.keep_slots)} keep slots for {len(chunk.token_ids)} tokens")
+                keeps[int(qsl[i]):int(qsl[i]) + len(chunk.token_ids)] = chunk.keep_slots
     forward = ForwardBatch(input_ids, positions, slots, qsl, seq_lens, tables, np.asarray(logits, dtype=np.int64),
-                           np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64), states)
+                           np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64), states, keeps)
     return StepPlan(forward, tuple(rows), transfers)

@@ -24,7 +24,10 @@ if TYPE_CHECKING:
     from pipeline.sequence import Sequence
 
 SMOOTHING = 0.2  # weight of the latest row in a sequence's acceptance average
-MAX_DRAFT_ROWS = 32  # running sequences above which no row drafts (hybrid models keep a spare state slot for each)
+MAX_DRAFT_ROWS = 32  # running sequences above which no row drafts
+# hybrid models: spare state slots a drafting sequence has on average, each keeping the state after one token of its
+# verify row (a Qwen3.5-35B-A3B state is 61 MiB: 32 x 4 of them are 7.8 GiB); a row drafts no more than it can keep
+KEPT_STATES_PER_ROW = 4
 MAX_WAIT = 64  # the longest wait, in steps, between a sequence's chances to draft after they brought nothing
 
 

@@ -42,7 +42,7 @@ class InFlightStep:
     launched_at: float
     rows: dict[int, int]  # seq_id -> row (steps without drafts: what the next step feeds from the device)
     drafts: list[list[int]] | None = None  # per sequence of the batch: the drafts its rows verify
-    # per sequence with drafts: (tokens fed again before its last one, after a rewind; filler drafts at the end)
+    # per sequence with drafts: (tokens it feeds before its last one; filler drafts at the end)
     layout: list[tuple[int, int]] | None = None
 
 
@@ -189,16 +189,18 @@ class DecodeStage(DeviceStage):
     async def _draft(self) -> None:
         """Drafts for the step being composed (``_drafts``): up to the budget's count for every sequence whose turn
         it is (pipeline/spec/budget.py), no more than its length limit leaves room for after its next token. A hybrid
-        model's sequence drafts only with a spare state slot to keep its state in (``CacheManager.keep_state``); one
-        that re-feeds tokens after a rejection does not. A model drafter writes KV at the drafts' positions, so their
-        slots are allocated first (a sequence whose blocks do not fit does not draft)."""
+        model's sequence drafts no more than it has spare state slots for (``CacheManager.keep_states``). A model
+        drafter writes KV at the drafts' positions, so their slots are allocated first (a sequence whose blocks do
+        not fit does not draft)."""
         drafter, cache, budget = self.drafter, self.cache, self.draft_budget
         limit = budget.for_step(len(self.running))
         wanted: list[tuple[Sequence, int]] = []
         for seq in self.running:
-            if seq.draft_wait or seq.num_pending != 1 or (seq.state_slot is not None and not cache.can_keep_state(seq)):
+            if seq.draft_wait or seq.num_pending != 1:
                 continue
             k = min(budget.for_sequence(limit, seq.draft_acceptance), seq.request.max_total_tokens - len(seq.token_ids) - 1)
+            if seq.state_slot is not None:
+                k = min(k, cache.keepable(seq))
             if k > 0 and (not drafter.on_device or cache.allocate_slots(seq, seq.num_pending + k)):
                 wanted.append((seq, k))
         if not wanted:
@@ -214,20 +216,19 @@ class DecodeStage(DeviceStage):
         """Rows of one length where it is safe: a CUDA graph serves only rows of one length, and an eager step of a
         large model costs tens of milliseconds of kernel launches. In a step with drafts, a row without recurrent
         state gets filler drafts (its last token again, now and then right) up to K + 1 tokens, verified like
-        drafts and counted apart from the drafter's. A hybrid model's row gets none (a rejected filler would rewind
-        its state and feed its tokens again); its row fed again after a rewind takes logits at every token, so at
-        batch 1 it is one length too."""
+        drafts and counted apart from the drafter's (a hybrid model's row as far as it has spare state slots for). A
+        row feeding more than one token takes logits at every one."""
         if not self._drafts and all(seq.num_pending == 1 for seq in self.running):
             return
         k = self.draft_budget.for_step(len(self.running))
         for seq in self.running if k else ():
-            if seq.state_slot is not None:
-                if seq.num_pending > 1:
-                    self._fillers[seq.seq_id] = 0
-                continue
             drafts = self._drafts.get(seq.seq_id, [])
             fill = min(k + 1 - seq.num_pending - len(drafts),
                        seq.request.max_total_tokens - len(seq.token_ids) - 1 - len(drafts))
+            if seq.state_slot is not None:
+                fill = min(fill, self.cache.keepable(seq) - len(drafts))
+                if seq.num_pending > 1 and fill <= 0:
+                    self._fillers[seq.seq_id] = 0
             if fill > 0:
                 self._drafts[seq.seq_id] = drafts + [seq.token_ids[-1]] * fill
                 self._fillers[seq.seq_id] = fill
@@ -254,19 +255,24 @@ class DecodeStage(DeviceStage):
                 continue
             row = rows.get(seq.seq_id, -1)
             drafts = self._drafts.get(seq.seq_id, [])
-            if drafts and seq.state_slot is not None and not self.cache.keep_state(seq):
-                drafts = self._drafts[seq.seq_id] = []  # no spare slot after all: no drafts
-                self._fillers.pop(seq.seq_id, None)
+            keeps = None
+            if drafts and seq.state_slot is not None:
+                kept = self.cache.keep_states(seq, seq.num_pending - 1 + len(drafts))
+                if kept is None:  # no spare slots after all: no drafts
+                    drafts = self._drafts[seq.seq_id] = []
+                    self._fillers.pop(seq.seq_id, None)
+                else:  # the state after each token but the last
+                    keeps = kept + [-1]
             if not self.cache.allocate_slots(seq, seq.num_pending + len(drafts),
                                              1 if row >= 0 else 0):
                 raise RuntimeError("the planner counted blocks the cache does not have")
             num_tokens = len(seq.token_ids)
             if drafts or seq.seq_id in self._fillers:  # pending tokens and drafts, a pick after each (a verify row)
-                known = seq.num_pending - 1  # tokens fed again after a rewind: their picks are not read
+                known = seq.num_pending - 1  # tokens before its last one: their picks are not read
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:] + drafts, seq.num_computed, seq.block_ids,
                                        [self.sampling_row(seq, None, 0, None) for _ in range(known)]
                                        + self._verify_rows(seq, drafts), -1, list(range(known + len(drafts) + 1)),
-                                       seq.state_slot)
+                                       seq.state_slot, keeps)
             elif row >= 0:  # its token is still on the device: feed it from there
                 # positional arguments: this runs per sequence per step, and keywords cost more
                 chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row,
@@ -305,7 +311,7 @@ class DecodeStage(DeviceStage):
             if seq.finish_reason is not None:
                 continue  # ended by the previous step or cancelled while this one ran
             before = seq.num_computed
-            seq.num_computed = len(seq.token_ids)  # the row fed its pending tokens (one, or more after a rewind)
+            seq.num_computed = len(seq.token_ids)  # the row fed its pending tokens
             if seq.num_computed // block_size != before // block_size:  # a block filled: the prefix cache may key it
                 self.cache.register_computed(seq)
             self.record_token(seq, tokens[row], row, events)
@@ -320,8 +326,8 @@ class DecodeStage(DeviceStage):
         position), so the drafts are accepted while they equal those picks and the picks up to the first
         difference are the sequence's next tokens: exactly the tokens decoding one at a time gives. The KV of
         the rejected drafts stays past ``num_computed`` and is written over by the next steps. A hybrid model's
-        recurrent state cannot be trimmed that way: on a rejection it is rewound to before the step (kept in a spare
-        slot) and the accepted tokens are fed again with the next one."""
+        recurrent state cannot be trimmed that way: the row kept it after each token in spare slots, and on a
+        rejection the one after the last accepted token goes back into the sequence's slot."""
         block_size, spec = self.cache.block_size, self.spec
         accepts_all = self.drafter is not None and self.drafter.accepts_all
         row = 0
@@ -343,11 +349,9 @@ class DecodeStage(DeviceStage):
             spec.filler_accepted += max(0, accepted - proposed)
             before = seq.num_computed
             if seq.state_slot is not None and accepted < len(drafts):
-                # hybrid: the state went past the rejected drafts; it goes back to before this step, and the next
-                # row feeds the tokens again (their KV is written over with the same values)
-                self.cache.rewind_state(seq)
-            else:
-                seq.num_computed = len(seq.token_ids) + accepted  # its pending tokens and the accepted drafts
+                # hybrid: the state went past the rejected drafts; the one kept after the last accepted token
+                self.cache.restore_kept(seq, known + accepted)
+            seq.num_computed = len(seq.token_ids) + accepted  # its pending tokens and the accepted drafts
             if seq.num_computed // block_size != before // block_size:  # a block filled: the prefix cache may key it
                 self.cache.register_computed(seq)
             for i in range(accepted + 1):  # the drafts taken (equal to the picks, unless forced), then the next pick

@@ -171,7 +171,7 @@ def test_cache_manager_prefix_runs_continue_into_the_host_tier():
 
     def sequence() -> SimpleNamespace:
         return SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0,
-                               missed_at=-1, request=request, state_slot=None, spare_slot=None,
+                               missed_at=-1, request=request, state_slot=None, spare_slots=[],
                                snapshot_pos=0, restore_from=None, preemptions=0)
 
     first = sequence()
@@ -211,7 +211,7 @@ def test_a_whole_prompt_hit_copies_its_last_block_from_any_tier():
 
     def sequence(tokens: list[int]) -> SimpleNamespace:
         return SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0,
-                               missed_at=-1, request=request, state_slot=None, spare_slot=None,
+                               missed_at=-1, request=request, state_slot=None, spare_slots=[],
                                snapshot_pos=0, restore_from=None, preemptions=0)
 
     tokens = list(range(100, 120))  # 5 full blocks
