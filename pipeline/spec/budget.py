@@ -10,9 +10,9 @@ A step in which any row drafts cannot run one step ahead (a row's drafts follow 
 have read), and that costs as much as the verify row at batch 1. So a sequence whose drafts were all rejected waits
 before its next chance: 1, 2, 4 .. ``MAX_WAIT`` steps, running ahead meanwhile; an accepted draft ends the wait. A
 drafter that is never right then costs a failed chance in ``MAX_WAIT`` steps. On a hybrid mixture-of-experts model a
-failed chance at batch 1 costs about six decode steps (the verify row reads the experts of every token it holds, and
-the rejected row's recurrent state is recomputed with one more forward), so a cap of 16 steps cost it 23%. A chance
-with nothing offered (no n-gram match) waits one step.
+failed chance at batch 1 cost about six decode steps while rejected rows were fed again (the verify row reads the
+experts of every token it holds), so a cap of 16 steps cost it 23%. A chance with nothing offered (no n-gram match)
+waits one step.
 """
 from __future__ import annotations
 
