@@ -17,7 +17,7 @@ writes is safe: every later use of a block is a later step on the same device st
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from pipeline.messages import StepTokensBuilder
 from pipeline.runner.executor import LaunchedStep
@@ -25,6 +25,7 @@ from pipeline.runner.sampler import SamplerOutput
 from pipeline.runner.sampling_batch import SamplingRow
 from pipeline.runner.step_plan import ScheduledChunk
 from pipeline.scheduler import RunningRow
+from pipeline.spec.acceptance import SpecStats, accepted_drafts
 from pipeline.spec.budget import DraftBudget
 from pipeline.spec.drafter import Drafter
 from pipeline.sequence import Sequence
@@ -44,18 +45,6 @@ class InFlightStep:
     drafts: list[list[int]] | None = None  # per sequence of the batch: the drafts its rows verify
     # per sequence with drafts: (tokens it feeds before its last one; filler drafts at the end)
     layout: list[tuple[int, int]] | None = None
-
-
-@dataclass(slots=True)
-class SpecStats:
-    """Speculation counters (pipeline/spec/): drafts offered and accepted, and how many of a row's drafts were."""
-
-    verify_rows: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_row: list[int] = field(default_factory=list)  # [a]: rows that accepted a drafts (0..K)
-    filler_tokens: int = 0  # drafts that only give a step's rows one length (``_fill_rows``), and how many held
-    filler_accepted: int = 0
 
 
 def _last_token_in_flight(seq: Sequence) -> bool:
@@ -321,13 +310,11 @@ class DecodeStage(DeviceStage):
         return output
 
     def _complete_verify(self, in_flight: InFlightStep, tokens: list[int], events: StepTokensBuilder) -> None:
-        """A step of verify rows: each sequence's rows picked a token after its last one and after each draft, every
-        one as plain decoding would have (the same logits pipeline and the same random draw at each output
-        position), so the drafts are accepted while they equal those picks and the picks up to the first
-        difference are the sequence's next tokens: exactly the tokens decoding one at a time gives. The KV of
-        the rejected drafts stays past ``num_computed`` and is written over by the next steps. A hybrid model's
-        recurrent state cannot be trimmed that way: the row kept it after each token in spare slots, and on a
-        rejection the one after the last accepted token goes back into the sequence's slot."""
+        """A step of verify rows: each sequence takes its accepted drafts and the pick after them
+        (pipeline/spec/acceptance.py). The KV of the rejected drafts stays past ``num_computed`` and is written over
+        by the next steps. A hybrid model's recurrent state cannot be trimmed that way: the row kept it after each
+        token in spare slots, and on a rejection the one after the last accepted token goes back into the
+        sequence's slot."""
         block_size, spec = self.cache.block_size, self.spec
         accepts_all = self.drafter is not None and self.drafter.accepts_all
         row = 0
@@ -335,18 +322,11 @@ class DecodeStage(DeviceStage):
             first, row = row + known, row + known + len(drafts) + 1
             if seq.finish_reason is not None:
                 continue  # ended by the previous step or cancelled while this one ran
-            accepted = len(drafts) if accepts_all else 0
-            while accepted < len(drafts) and tokens[first + accepted] == drafts[accepted]:
-                accepted += 1
+            accepted = accepted_drafts(drafts, tokens, first, accepts_all)
             proposed = len(drafts) - fillers  # the drafter's; the fillers follow them
+            spec.count_row(proposed, fillers, accepted)
             if proposed:
-                spec.verify_rows += 1
-                spec.drafted_tokens += proposed
-                spec.accepted_tokens += min(accepted, proposed)
-                spec.accepted_per_row[min(accepted, proposed)] += 1
                 DraftBudget.settle(seq, proposed, min(accepted, proposed))
-            spec.filler_tokens += fillers
-            spec.filler_accepted += max(0, accepted - proposed)
             before = seq.num_computed
             if seq.state_slot is not None and accepted < len(drafts):
                 # hybrid: the state went past the rejected drafts; the one kept after the last accepted token
