@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from pipeline.parallel import ExpertShard
+
 # Scaling fields carried over from a rope dict (everything but the type and theta).
 _ROPE_SCALING_KEYS = (
     "factor",
@@ -69,6 +71,7 @@ class ModelArchConfig:
     shared_expert_intermediate_size: int | None = None
     # hybrid Gated DeltaNet (Qwen3-Next, Qwen3.5): "linear_attention" / "full_attention" per layer; () = all full
     layer_types: tuple[str, ...] = ()
+    expert_shard: ExpertShard = ExpertShard()  # expert parallelism: the routed experts this rank holds (runtime)
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0

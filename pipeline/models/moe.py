@@ -33,6 +33,7 @@ from torch import nn
 
 from kernels.moe import fused_moe, route_topk
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
+from pipeline.parallel import ExpertGroup
 
 
 _EXPERT_RE = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
@@ -80,6 +81,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.expert_offset = expert_offset
         self.num_local_experts = num_local
+        self.expert_group: ExpertGroup | None = None  # expert parallelism: the ranks that sum partial outputs
         self.has_shared_expert = bool(shared_expert_intermediate_size)
         # the shared expert as one more expert (module docstring), routed on every block, computed on one
         self.fold_shared = (self.has_shared_expert and fold_shared_expert
@@ -128,9 +130,9 @@ class SparseMoeBlock(nn.Module):
         return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
-        """Sum the partial outputs over the expert-parallel group: identity on one rank. With experts split
-        across ranks, this is where the all-reduce (or the all-to-all back to token owners) goes."""
-        return partial
+        """Sum the partial outputs over the expert-parallel group (``expert_group``, set by the model on every rank
+        of a split): identity on one rank, which calls no collective."""
+        return partial if self.expert_group is None else self.expert_group.all_reduce(partial)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, H] -> [T, H]."""
@@ -139,10 +141,10 @@ class SparseMoeBlock(nn.Module):
     def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``forward`` given the router's output for x."""
         topk_weights, topk_ids = self.route_logits(logits)
-        y = self.combine(self.experts(x, topk_weights, topk_ids))
-        if self.shared_expert is not None:
-            y = y + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
-        return y
+        partial = self.experts(x, topk_weights, topk_ids)
+        if self.shared_expert is not None:  # (only on the rank holding it: before the sum, so every rank gets it)
+            partial = partial + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return self.combine(partial)
 
     # ---- loading from HF names (relative to the block: "gate.weight", "experts.3.up_proj.weight", ...) ----
     def expected_weights(self) -> set[str]:

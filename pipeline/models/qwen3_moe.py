@@ -17,6 +17,7 @@ from torch import nn
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pipeline.models.moe import SparseMoeBlock
+from pipeline.parallel import ExpertGroup
 
 
 def is_sparse_layer(arch: ModelArchConfig, layer_index: int) -> bool:
@@ -27,8 +28,9 @@ def is_sparse_layer(arch: ModelArchConfig, layer_index: int) -> bool:
     )
 
 
-def make_sparse_moe_block(arch: ModelArchConfig, dtype=None, device=None, expert_offset: int = 0,
-                          num_local_experts: int | None = None) -> SparseMoeBlock:
+def make_sparse_moe_block(arch: ModelArchConfig, dtype=None, device=None) -> SparseMoeBlock:
+    """The block of this rank's experts (``arch.expert_shard``: all of them on one rank)."""
+    expert_offset, num_local_experts = arch.expert_shard.experts(arch.num_experts)
     return SparseMoeBlock(
         arch.hidden_size,
         arch.moe_intermediate_size,
@@ -65,6 +67,12 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
             raise ValueError(f"{arch.model_type}: num_experts={arch.num_experts} needs num_experts_per_tok and "
                              "moe_intermediate_size")
         super().__init__(arch, dtype, device)
+
+    def join_expert_group(self, group: ExpertGroup) -> None:
+        """Expert parallelism: every block sums its partial output over ``group`` (the ranks holding the other
+        experts, ``arch.expert_shard``)."""
+        for block in self._moe_blocks().values():
+            block.expert_group = group
 
     def _moe_blocks(self) -> dict[str, SparseMoeBlock]:
         """{module name (= HF prefix, e.g. "model.layers.1.mlp"): block}."""
