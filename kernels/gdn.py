@@ -298,7 +298,8 @@ def _short_and_long_rows(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: t
 
         norm = None if gated_norm is None else (part(gated_norm[0]), gated_norm[1], gated_norm[2])
         o.index_copy_(0, tokens, gated_delta_rule(
-            part(q), part(k), part(v), part(a), part(b), A_log, dt_bias, ssm_states, state_slots.index_select(0, picked),
+            part(q), part(k), part(v), part(a), part(b), A_log, dt_bias, ssm_states,
+            state_slots.index_select(0, picked),
             torch.tensor(bounds, dtype=torch.int32, device=q.device), has_initial_state.index_select(0, picked),
             max(lengths[i] for i in rows), bounds, norm, part(keep_slots) if short else None))
     return o

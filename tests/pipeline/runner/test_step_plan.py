@@ -60,7 +60,7 @@ def test_a_forward_batch_serialises_to_the_same_arrays() -> None:
     data = batch.to_bytes()
     back = ForwardBatch.from_bytes(data)
     for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
-                 "logits_indices", "feed_targets", "feed_sources"):
+                 "logits_indices", "feed_targets", "feed_sources", "state_slots", "keep_slots"):
         original, received = getattr(batch, name), getattr(back, name)
         assert received.dtype == original.dtype and np.array_equal(received, original), name
     assert back.version == FORWARD_BATCH_VERSION
