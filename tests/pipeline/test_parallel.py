@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -75,3 +76,74 @@ def test_one_rank_calls_no_collective(make_model_dir, monkeypatch):
 
     monkeypatch.setattr(dist, "all_reduce", refuse)
     run_model(str(make_model_dir("qwen3_moe", seed=9, num_experts=8)), ExpertShard(), None)
+
+
+def _head_or_worker(rank: int, model_dir: str, store: str, result: str) -> None:
+    """Rank 0 plans steps (a prompt in chunks, then greedy decode, a hybrid state slot a sequence) and sends each to
+    rank 1 as a message before running it; rank 1 runs them as a Worker."""
+    import torch.distributed as dist
+
+    from pipeline.memory.state_slots import StateSlot
+    from pipeline.runner.model_runner import ModelRunner
+    from pipeline.runner.step_message import MessageKind, StepMessage
+    from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
+    from pipeline.runner.worker import Worker, send_message
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
+    try:
+        group = ExpertGroup(ExpertShard(rank, 2))
+        arch = dataclasses.replace(ModelArchConfig.from_hf(load_hf_config(model_dir)), expert_shard=group.shard)
+        model = build_model(arch, iter_weights(model_dir), torch.float32, "cpu")
+        model.join_expert_group(group)
+        runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=4, dtype=torch.float32,
+                             device=torch.device("cpu"), max_num_seqs=4)
+        runner.allocate_caches(48)
+        if rank == 1:
+            worker = Worker(runner, 4)
+            worker.run()
+            torch.save({"steps": worker.steps}, f"{result}.1")
+            return
+        slots = [StateSlot(1, 1), StateSlot(2, 2)]
+        number = 0
+
+        def send(message: StepMessage) -> None:
+            nonlocal number
+            send_message(message)
+            number += 1
+
+        send(StepMessage(MessageKind.ALLOCATE, number, np.array([1, 2], dtype=np.int32), np.array([1, 2])))
+        tokens = [list(p) for p in PROMPTS]
+        computed = [0, 0]
+        tables = [list(range(1 + 12 * i, 13 + 12 * i)) for i in range(2)]
+        while any(len(t) < len(p) + NEW_TOKENS for t, p in zip(tokens, PROMPTS)):
+            chunks = []
+            for i, seq in enumerate(tokens):
+                end = min(len(seq), computed[i] + 3)
+                chunks.append(ScheduledChunk(seq[computed[i]:end], computed[i], tables[i], ["r"],
+                                             state_slot=slots[i]))
+            plan = build_step_plan(chunks, 4, [s.index for s in slots])
+            send(StepMessage(MessageKind.STEP, number, epochs=np.array([s.epoch for s in slots]),
+                             forward=plan.forward))
+            logits = runner.compute_logits(plan.forward)
+            for i, chunk in enumerate(chunks):
+                computed[i] += len(chunk.token_ids)
+                if computed[i] == len(tokens[i]) and len(tokens[i]) < len(PROMPTS[i]) + NEW_TOKENS:
+                    tokens[i].append(int(logits[i].argmax()))
+        send(StepMessage(MessageKind.STOP, number))
+        torch.save({"generated": [t[len(p):] for t, p in zip(tokens, PROMPTS)], "steps": number - 2}, f"{result}.0")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_worker_runs_the_heads_steps_from_its_messages(make_model_dir, tmp_path):
+    """Two ranks, the second driven only by the head's messages: the head's greedy tokens are the one-rank
+    model's, and the worker ran every step."""
+    model_dir = str(make_model_dir("qwen3_5_moe_text", seed=9, num_experts=8))
+    generated, _ = run_model(model_dir, ExpertShard(), None)
+    result = str(tmp_path / "rank")
+    mp.start_processes(_head_or_worker, args=(model_dir, str(tmp_path / "store"), result), nprocs=2,
+                       start_method="spawn")
+    head, worker = (torch.load(f"{result}.{rank}") for rank in range(2))
+    assert head["generated"] == generated
+    assert worker["steps"] == head["steps"] > NEW_TOKENS
