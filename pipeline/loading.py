@@ -11,9 +11,8 @@ from pipeline.config import EngineConfig
 from pipeline.model_family import family_chat_template
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.dflash import ContextTap, DFlashDraftModel, dflash_arch, dflash_config
-from pipeline.models.layers import MergedLinear
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
-from pipeline.models.registry import build_model, initialize_dummy_weights
+from pipeline.models.registry import build_model, finish_model
 from pipeline.runner.model_runner import ModelRunner
 from pipeline.spec.budget import KEPT_STATES_PER_ROW, MAX_DRAFT_ROWS
 from pipeline.spec.drafter import Drafter, make_drafter
@@ -176,15 +175,8 @@ def load_dflash_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.
     dummy = config.load_format == "dummy"
     say(f"{'building random' if dummy else 'loading'} DFlash drafter ({draft.arch.num_layers} layers, "
         f"target layers {list(draft.config.target_layer_ids)})")
-    if dummy:
-        initialize_dummy_weights(draft)
-    else:
-        draft.load_weights((name.removeprefix("model."), tensor) for name, tensor in iter_weights(path))
-    draft.eval().requires_grad_(False)
-    if device.type == "cpu":
-        for module in draft.modules():
-            if isinstance(module, MergedLinear):
-                module.prepack()
+    weights = None if dummy else ((name.removeprefix("model."), tensor) for name, tensor in iter_weights(path))
+    finish_model(draft, weights)
     return draft
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from kernels import dispatch
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import ForwardContext, PagedKVSpec
-from pipeline.models.layers import Linear, RMSNorm
+from pipeline.models.layers import Linear, MergedLinear, RMSNorm
 from pipeline.models.llama import LlamaDecoderLayer, LlamaForCausalLM, fill_attention_context
 from pipeline.models.rope import RotaryEmbedding
 
@@ -90,6 +90,12 @@ class DFlashDraftModel(nn.Module):
         self.fc = Linear(len(config.target_layer_ids) * size, size, False, dtype, device)
         self.hidden_norm = RMSNorm(size, eps, dtype, device)
         self.rotary_emb = RotaryEmbedding.from_arch(arch, dtype=dtype, device=device)
+
+    def prepack(self) -> None:
+        """Prepack every projection for oneDNN (CPU)."""
+        for module in self.modules():
+            if isinstance(module, MergedLinear):
+                module.prepack()
 
     def cache_specs(self, kv_dtype: torch.dtype) -> list[PagedKVSpec]:
         return [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)] * self.arch.num_layers

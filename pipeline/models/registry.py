@@ -56,13 +56,20 @@ def build_model(
             raise ValueError(f"{arch.model_type} has no MTP head: --speculative-method mtp needs a Qwen3-Next or "
                              "Qwen3.5 model")
         model.attach_mtp()
+    return finish_model(model, weights, prepack)
+
+
+def finish_model(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | None,
+                 prepack: bool = True) -> nn.Module:
+    """A constructed model made ready to serve: its weights loaded (random ones without), eval mode, gradients
+    off, and on CPU its projections prepacked for oneDNN (``prepack``). Draft models built apart take it too."""
     if weights is None:
         initialize_dummy_weights(model)
     else:
         model.load_weights(weights)
     model.eval()
     model.requires_grad_(False)
-    if prepack and torch.device(device).type == "cpu":
+    if prepack and next(model.parameters()).device.type == "cpu":
         model.prepack()
     return model
 

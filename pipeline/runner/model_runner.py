@@ -204,29 +204,16 @@ class ModelRunner:
 
     def prepare(self, batch: ForwardBatch) -> DeviceBatch:
         graphs = self.graphs
+        keeps_states = batch.keeps_states
         if graphs is not None and batch.is_uniform_decode and graphs.fits(
-                batch.num_seqs, batch.num_tokens // batch.num_seqs, batch.block_tables.shape[1], batch.keeps_states):
+                batch.num_seqs, batch.num_tokens // batch.num_seqs, batch.block_tables.shape[1], keeps_states):
             return DeviceBatch(batch, graph=True)
-        qsl_host = batch.query_start_loc.tolist()
-        lens_host = batch.seq_lens.tolist()
-        max_query_len = max(qsl_host[i + 1] - qsl_host[i] for i in range(len(lens_host)))
         kernel_plan = None
-        if max_query_len == 1 and self.decode_partition is not None and self.device.type == "cuda":
+        if self.decode_partition is not None and self.device.type == "cuda" and batch.num_tokens == batch.num_seqs:
             max_batch, max_model_len, sms = self.decode_partition
-            kernel_plan = decode_plan(len(lens_host), max_batch, self._num_kv_heads(), max_model_len, sms)
-        meta = AttentionMetadata(
-            slot_mapping=self._to_device(batch.slot_mapping),
-            query_start_loc=self._to_device(batch.query_start_loc),
-            seq_lens=self._to_device(batch.seq_lens),
-            block_tables=self._to_device(batch.block_tables),
-            query_start_loc_host=qsl_host,
-            seq_lens_host=lens_host,
-            max_query_len=max_query_len,
-            max_seq_len=max(lens_host),
-            is_decode_only=max_query_len == 1,
-            kernel_plan=kernel_plan,
-        )
-        keeps = self._to_device(batch.keep_slots) if batch.keeps_states else None
+            kernel_plan = decode_plan(batch.num_seqs, max_batch, self._num_kv_heads(), max_model_len, sms)
+        meta = forward_metadata(batch, self._to_device, kernel_plan)
+        keeps = self._to_device(batch.keep_slots) if keeps_states else None
         context = ForwardContext(meta, self.caches, state_slots=self._to_device(batch.state_slots), keep_slots=keeps)
         return DeviceBatch(batch, False, self._to_device(batch.input_ids), self._to_device(batch.positions),
                            context, self._to_device(batch.logits_indices))
@@ -265,3 +252,23 @@ def warmup_token_counts(largest: int) -> list[int]:
     """Step sizes a profiling pass also runs (powers of 4 from 16 below ``largest``): one per launch-config
     bucket of the kernels that choose by size."""
     return [4 ** i for i in range(2, 12) if 4 ** i < largest]
+
+
+def forward_metadata(batch: ForwardBatch, to_device: Callable[[np.ndarray], torch.Tensor],
+                     kernel_plan: object | None = None) -> AttentionMetadata:
+    """A forward batch's attention metadata, its arrays moved by ``to_device`` (an eager forward's)."""
+    qsl_host = batch.query_start_loc.tolist()
+    lens_host = batch.seq_lens.tolist()
+    max_query_len = max(qsl_host[i + 1] - qsl_host[i] for i in range(len(lens_host)))
+    return AttentionMetadata(
+        slot_mapping=to_device(batch.slot_mapping),
+        query_start_loc=to_device(batch.query_start_loc),
+        seq_lens=to_device(batch.seq_lens),
+        block_tables=to_device(batch.block_tables),
+        query_start_loc_host=qsl_host,
+        seq_lens_host=lens_host,
+        max_query_len=max_query_len,
+        max_seq_len=max(lens_host),
+        is_decode_only=max_query_len == 1,
+        kernel_plan=kernel_plan,
+    )

@@ -16,10 +16,10 @@ import numpy as np
 import torch
 from torch import nn
 
-from pipeline.models.attention import AttentionMetadata
 from pipeline.models.dflash import DFlashDraftModel
 from pipeline.models.forward_context import ForwardContext
 from pipeline.runner.cuda_graphs import DecodeGraphs
+from pipeline.runner.model_runner import forward_metadata
 from pipeline.runner.step_plan import ForwardBatch
 from pipeline.sequence import Sequence
 
@@ -89,24 +89,14 @@ class DFlashDrafter:
         if graphs is not None and graphs.fits(batch.num_seqs, 1, batch.block_tables.shape[1]):
             logits = graphs.run(batch, None)[:batch.num_seqs]
         else:
-            ctx = ForwardContext(self._metadata(batch), self.runner.caches[self.caches])
             device = self.runner.device
+            ctx = ForwardContext(forward_metadata(batch, lambda array: torch.from_numpy(array).to(device)),
+                                 self.runner.caches[self.caches])
             hidden = self.block(torch.from_numpy(batch.input_ids).to(device),
                                 torch.from_numpy(batch.positions).to(device), ctx)
             logits = self.block.compute_logits(hidden)
         picks = logits.argmax(dim=-1).tolist()
         return [[picks[i] for i in rows] for rows in plan.draft_rows]
-
-    def _metadata(self, batch: ForwardBatch) -> AttentionMetadata:
-        device = self.runner.device
-        lens = batch.seq_lens.tolist()
-        return AttentionMetadata(
-            slot_mapping=torch.from_numpy(batch.slot_mapping).to(device),
-            query_start_loc=torch.from_numpy(batch.query_start_loc).to(device),
-            seq_lens=torch.from_numpy(batch.seq_lens).to(device),
-            block_tables=torch.from_numpy(batch.block_tables).to(device),
-            query_start_loc_host=batch.query_start_loc.tolist(), seq_lens_host=lens,
-            max_query_len=1, max_seq_len=max(lens), is_decode_only=True)
 
 
 class _BlockForward:
