@@ -1,5 +1,5 @@
 """Expert parallelism's communication on two GPUs: the all-reduce of a mixture-of-experts block's partial output
-(``pipeline/parallel.py``), [T tokens, hidden] bf16, eager and as one decode step's worth of them (one a layer)
+(``pipeline/dist/group.py``), [T tokens, hidden] bf16, eager and as one decode step's worth of them (one a layer)
 replayed in a CUDA graph, the way the decode graphs would issue them. JSON out.
 
     python3 bench/ep_allreduce.py --hidden 2048 --layers 40 --tokens 1 16 64 256 --out $OUT/ep-allreduce.json

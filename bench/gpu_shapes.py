@@ -21,7 +21,18 @@ QWEN3_5_35B_A3B = dict(QWEN3_8B, model_type="qwen3_5_moe_text", architectures=["
                        rope_parameters={"rope_type": "default", "rope_theta": 1e7, "partial_rotary_factor": 0.25})
 QWEN3_5_35B_A3B.pop("rope_theta")
 QWEN3_5_35B_A3B.pop("intermediate_size")
-SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B}
+# Qwen3.5-122B-A10B: 36 Gated DeltaNet + 12 gated attention layers, 256 experts of 1024 (8 per token) and a shared
+# expert of 1024 (244 GB in bf16: split over two H200s by expert parallelism, 128 GB a GPU). The values of
+# Qwen/Qwen3.5-122B-A10B's config.json as quoted by third parties (not read from the file itself): a Rust engine's
+# constants "from Qwen/Qwen3.5-122B-A10B/config.json", slime's Megatron script and a KV note citing the config
+# agree; rope and max_position_embeddings as the 35B shape
+QWEN3_5_122B_A10B = dict(QWEN3_5_35B_A3B, vocab_size=248320, hidden_size=3072, num_hidden_layers=48,
+                         num_attention_heads=32, num_key_value_heads=2, head_dim=256, linear_conv_kernel_dim=4,
+                         linear_key_head_dim=128, linear_value_head_dim=128, linear_num_key_heads=16,
+                         linear_num_value_heads=64, moe_intermediate_size=1024, shared_expert_intermediate_size=1024,
+                         num_experts_per_tok=8, num_experts=256, full_attention_interval=4)
+SHAPES = {"qwen3-8b": QWEN3_8B, "qwen3-30b-a3b": QWEN3_30B_A3B, "qwen3.5-35b-a3b": QWEN3_5_35B_A3B,
+          "qwen3.5-122b-a10b": QWEN3_5_122B_A10B}
 QUICK = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64)
 QUICK_MOE = dict(QUICK, moe_intermediate_size=128, num_experts=8, num_experts_per_tok=2)

@@ -1,4 +1,5 @@
-"""`conveyor` command line: `serve` (the OpenAI HTTP API) and `generate` (stream to stdout / chat)."""
+"""`conveyor` command line: `serve` (the OpenAI HTTP API), `generate` (stream to stdout / chat) and `worker` (an
+expert-parallel rank)."""
 from __future__ import annotations
 
 import argparse
@@ -66,6 +67,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="n-gram drafter: the shortest suffix it looks up in the prompt and output")
     parser.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
                         help="n-gram drafter: the longest suffix it looks up")
+    parser.add_argument("--ep-size", type=int, default=defaults.ep_size, metavar="N",
+                        help="expert parallelism: split a mixture-of-experts model's experts over N ranks, one GPU each "
+                             "(the N-1 local workers start with the server; across machines use torchrun's environment "
+                             "and `conveyor worker` on the other ranks)")
+    parser.add_argument("--ep-timeout", type=float, default=defaults.ep_timeout_s, metavar="SECONDS",
+                        help="a collective waiting this long for another rank fails the engine")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
@@ -100,6 +107,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         speculative_method=args.speculative_method, speculative_model=args.speculative_model,
                         num_speculative_tokens=args.num_speculative_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+                        ep_size=args.ep_size, ep_timeout_s=args.ep_timeout,
                         gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))
@@ -230,7 +238,16 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--raw", action="store_true", help="complete the prompt as plain text (no chat template)")
     add_engine_args(gen)
     add_sampling_args(gen)
+    worker = commands.add_parser("worker", help="an expert-parallel worker rank (torchrun's environment; the same "
+                                                "engine flags as the head's `serve`)")
+    worker.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # how the head starts local workers
+    add_engine_args(worker)
     args = parser.parse_args(argv)
+    if args.command == "worker":
+        from pipeline.dist.ranks import config_from_json, worker_main
+
+        logging.basicConfig(level=logging.INFO, format="[conveyor worker] %(levelname)s %(name)s: %(message)s")
+        return worker_main(config_from_json(args.config_json) if args.config_json else engine_config(args))
     import uvloop
 
     if args.command == "generate":

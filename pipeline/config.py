@@ -51,6 +51,8 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # n-gram drafter: the shortest suffix it looks up
     prompt_lookup_max: int = 4  # and the longest
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
+    ep_size: int = 1  # expert parallelism: ranks sharing the experts (rank 0 serves, pipeline/dist/)
+    ep_timeout_s: float = 60.0  # a collective waiting this long for another rank fails (and the engine with it)
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
     gil_switch_interval_s: float = 0.001  # sys.setswitchinterval while serving (Python's default is 5 ms)
@@ -106,6 +108,8 @@ class EngineConfig:
             raise ValueError("speculation needs both speculative_method and num_speculative_tokens >= 1")
         if not 0 <= self.num_speculative_tokens <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"num_speculative_tokens must be between 0 and {MAX_SPECULATIVE_TOKENS}")
+        if self.ep_size < 1 or self.ep_timeout_s <= 0:
+            raise ValueError("ep_size must be at least 1 and ep_timeout_s positive")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -6,6 +6,9 @@
 Prefill and decode share one device through the DeviceExecutor thread and one KV cache manager
 (which owns the KV block pool: the stages ask it, they never touch the pool). What each device step
 holds is decided in one place, the StepPlanner, from both stages' offers.
+
+With expert parallelism (``ep_size`` > 1) this process is rank 0: its runner's comm stage sends every step to the
+worker ranks before running it (pipeline/dist/), and a worker that ends fails the engine.
 """
 from __future__ import annotations
 
@@ -18,6 +21,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import EngineConfig
+from pipeline.dist.ranks import ParallelContext, start_head
 from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
 from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_serving
 from pipeline.loading import LoadedModel, load_model
@@ -49,9 +53,11 @@ log = logging.getLogger("conveyor.engine")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, loaded: LoadedModel, executor: DeviceExecutor) -> None:
+    def __init__(self, config: EngineConfig, loaded: LoadedModel, executor: DeviceExecutor,
+                 parallel: ParallelContext | None = None) -> None:
         self.config = config
         self.loaded = loaded
+        self.parallel = parallel
         self.tokenizer = loaded.tokenizer
         states = StateSlotPool(loaded.runner.num_state_slots - 1) if loaded.runner.num_state_slots else None
         snapshots = loaded.runner.snapshots[0].shape[0] if loaded.runner.snapshots else 0
@@ -109,13 +115,22 @@ class Engine:
         config = config.resolved()
         config.validate()
         executor = DeviceExecutor()
+        parallel: ParallelContext | None = None
         try:
-            loaded = await executor.call(lambda: load_model(config, progress))
+            if config.ep_size > 1:
+                parallel = await executor.call(lambda: start_head(config, progress or (lambda m: None)))
+            loaded = await executor.call(lambda: load_model(config, progress, parallel))
         except BaseException:
+            if parallel is not None:
+                parallel.abort()
+                await asyncio.to_thread(parallel.close, 5.0)
             await asyncio.to_thread(executor.shutdown)
             raise
-        engine = cls(config, loaded, executor)
+        engine = cls(config, loaded, executor, parallel)
         engine.start()
+        if parallel is not None:
+            loop = asyncio.get_running_loop()
+            parallel.watch(lambda rank, code: loop.call_soon_threadsafe(engine.rank_lost, rank, code))
         engine._interpreter = tune_for_serving(config.gc_young_threshold, config.gil_switch_interval_s)
         return engine
 
@@ -133,6 +148,20 @@ class Engine:
         error = EngineDead(f"engine stopped: {self.failure!r}" if self.failure else "engine stopped")
         for channel in self._channels.values():
             channel.fail(error)
+
+    def rank_lost(self, rank: int, exit_code: int) -> None:
+        """An expert-parallel worker ended: every step needs it, so the engine fails (requests in flight get the
+        error, /health turns 503) and the groups are aborted, so a collective waiting for the rank returns."""
+        if self.failure is not None:
+            return
+        self.failure = EngineDead(f"expert-parallel rank {rank} ended (exit code {exit_code})")
+        log.error("%s", self.failure)
+        for channel in self._channels.values():
+            channel.fail(self.failure)
+        for task in self._tasks:
+            task.cancel()
+        if self.parallel is not None:
+            self.parallel.abort()
 
     @property
     def alive(self) -> bool:
@@ -251,7 +280,16 @@ class Engine:
             "device_steps": self.executor.steps,
             "mixed_steps": self.planner.mixed_steps,
             "speculation": {"method": self.config.speculative_method, **asdict(self.decode.spec)},
+            "expert_parallel": self._parallel_stats(),
         }
+
+    def _parallel_stats(self) -> dict[str, Any]:
+        parallel, comm = self.parallel, self.loaded.runner.comm
+        if parallel is None or comm is None:
+            return {"size": 1}
+        return {"size": parallel.size, "messages": comm.number, "message_bytes": comm.bytes_sent,
+                "workers": [{"rank": rank, "pid": p.pid, "exit_code": p.poll()}
+                            for rank, p in enumerate(parallel.workers, start=1)]}
 
     async def shutdown(self) -> None:
         for request in list(self._live.values()):
@@ -264,7 +302,21 @@ class Engine:
         runner = self.loaded.runner
         if self._interpreter is not None:
             restore(self._interpreter)
-        await self.executor.call(lambda: (gc.collect(), runner.release()))  # frees device memory on its thread
+        parallel = self.parallel
+        if parallel is None:
+            await self.executor.call(lambda: (gc.collect(), runner.release()))  # frees device memory on its thread
+        else:  # the workers stop on STOP; a device thread stuck on a lost rank is not waited for long
+            def stop() -> None:
+                if self.failure is None and runner.comm is not None:
+                    runner.comm.stop()
+                gc.collect()
+                runner.release()
+
+            try:
+                await asyncio.wait_for(self.executor.call(stop), self.config.ep_timeout_s)
+            except Exception:  # noqa: BLE001 (a lost rank: the engine failed already)
+                log.exception("stopping the expert-parallel workers")
+            await asyncio.to_thread(parallel.close, 30.0)
         await asyncio.to_thread(self.executor.shutdown)
         if self.cache.offload is not None:
             self.cache.offload.close()

@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pipeline.config import EngineConfig
+from pipeline.dist.comm import CommStage
+from pipeline.dist.ranks import ParallelContext
 from pipeline.model_family import family_chat_template
 from pipeline.models.config import ModelArchConfig
+from pipeline.models.forward_context import PagedKVSpec, StateSlotSpec
 from pipeline.models.dflash import ContextTap, DFlashDraftModel, dflash_arch, dflash_config
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
 from pipeline.models.registry import build_model, finish_model
@@ -80,23 +83,36 @@ def num_snapshots(config: EngineConfig, runner: ModelRunner, memory_bytes: int |
     return max(0, budget) // runner.bytes_per_snapshot
 
 
-def load_model(config: EngineConfig, progress: Callable[[str], None] | None = None) -> LoadedModel:
+def load_model(config: EngineConfig, progress: Callable[[str], None] | None = None,
+               parallel: ParallelContext | None = None) -> LoadedModel:
+    """``parallel``: this rank's place in an expert-parallel split (pipeline/dist/): the model holds its share of
+    the experts, and every rank runs this in step (the GPU's profiling forwards sum over the ranks). Drafters live on
+    the head only (the MTP head holds all its experts there)."""
     say = progress or (lambda message: None)
     path = resolve_model_path(config.model)
-    device = torch.device(config.device)
+    device = parallel.device if parallel is not None else torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    head = parallel is None or parallel.is_head
     say(f"reading {path}")
     hf_config = load_hf_config(path)
     arch = ModelArchConfig.from_hf(hf_config)
+    if parallel is not None:
+        if not arch.num_experts:
+            raise ValueError(f"{arch.model_type} has no experts: --ep-size needs a mixture-of-experts model")
+        arch = replace(arch, expert_shard=parallel.group.shard)
     tokenizer = Tokenizer.from_pretrained(path)
     generation_config = load_generation_config(path)
     dummy = config.load_format == "dummy"
-    say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers) "
+    shard = f", experts {arch.expert_shard.experts(arch.num_experts)} of rank {parallel.rank}" if parallel else ""
+    say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers{shard}) "
         f"as {dtype} on {device}")
     model = build_model(arch, None if dummy else iter_weights(path), dtype, device,
-                        mtp=config.speculative_method == "mtp")
-    draft_model = load_draft_model(config, arch, dtype, device, say) if config.speculative_method == "draft" else None
-    if config.speculative_method == "dflash":
+                        mtp=config.speculative_method == "mtp" and head)
+    if parallel is not None:
+        model.join_expert_group(parallel.group)
+    draft_model = (load_draft_model(config, arch, dtype, device, say)
+                   if config.speculative_method == "draft" and head else None)
+    if config.speculative_method == "dflash" and head:
         draft_model = load_dflash_model(config, arch, dtype, device, say)
         model.layer_tap = ContextTap(draft_model, len(model.cache_specs(dtype)))
     # hybrid models with speculation: spare state slots that keep a verify row's state after each of its tokens, K a
@@ -118,6 +134,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
                                               config.max_num_seqs, reserve_bytes=(1 << 30) + snapshot_bytes)
     else:
         num_blocks = max(2, (cpu_memory - snapshot_bytes) // runner.bytes_per_block)
+    if parallel is not None:
+        num_blocks = agree_on_caches(parallel, runner, num_blocks, snapshots)
     runner.allocate_caches(num_blocks)
     runner.allocate_snapshots(snapshots)
     pool_tokens = (num_blocks - 1) * config.block_size
@@ -138,13 +156,38 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         thinking_tags=ThinkingTags(tuple(tokenizer.encode("<think>", add_special_tokens=False)),
                                    tuple(tokenizer.encode("</think>", add_special_tokens=False))),
     )
-    drafter = make_drafter(config, runner, draft_model)
+    if parallel is not None and head:
+        runner.comm = CommStage(parallel.messages, None, len(shared_specs(runner, PagedKVSpec, parallel)),
+                                len(shared_specs(runner, StateSlotSpec, parallel)))
+    drafter = make_drafter(config, runner, draft_model) if head else None
     if device.type == "cuda" and config.cuda_graphs and hasattr(drafter, "capture_graphs"):
         say("capturing the drafter's CUDA graphs")
         drafter.capture_graphs(min(config.cuda_graph_max_batch, MAX_DRAFT_ROWS), max_model_len,
                                config.num_speculative_tokens + 1)
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter)
+
+
+def agree_on_caches(parallel: ParallelContext, runner: ModelRunner, num_blocks: int, snapshots: int) -> int:
+    """The startup handshake of an expert-parallel split: every rank's caches must be the head's (a prefix of them:
+    the head's drafter caches come after), with the same state slots and snapshots; all take the fewest blocks any
+    rank has room for."""
+    layouts = parallel.agree({"caches": [repr(spec) for spec in runner.cache_specs], "blocks": num_blocks,
+                              "state_slots": runner.num_state_slots, "snapshots": snapshots})
+    head = layouts[0]
+    for rank, layout in enumerate(layouts):
+        mine = layout["caches"]
+        if head["caches"][:len(mine)] != mine or (layout["state_slots"], layout["snapshots"]) != (
+                head["state_slots"], head["snapshots"]):
+            raise ValueError(f"expert-parallel rank {rank} has caches {layout} unlike the head's {head}: the ranks "
+                             "must run the same model and engine flags")
+    parallel.shared_caches = min(len(layout["caches"]) for layout in layouts)
+    return min(layout["blocks"] for layout in layouts)
+
+
+def shared_specs(runner: ModelRunner, kind: type, parallel: ParallelContext) -> list:
+    """The head's caches of ``kind`` that every rank holds (the first ``parallel.shared_caches`` caches)."""
+    return [spec for spec in runner.cache_specs[:parallel.shared_caches] if isinstance(spec, kind)]
 
 
 def load_draft_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,

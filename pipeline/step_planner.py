@@ -112,7 +112,7 @@ class StepPlanner:
         first_prompt_row = sum(len(c.rows) for c in chunks)
         everything = chunks + prompt_chunks
         plan = build_step_plan(everything, self.cache.block_size, self.cache.state_slot_indices(everything),
-                               self.cache.take_transfers())
+                               self.cache.take_transfers(), self.cache.take_slot_changes())
         # Decode's lane: the next step's fed tokens are this step's rows, decode's first.
         step = self.executor.launch(plan, lane="decode" if chunks else "prefill")
         if prompt_chunks:

@@ -32,7 +32,7 @@ from pipeline.memory.kv_blocks import KVBlockPool
 from pipeline.memory.kv_offload import BlockTransfers, KVOffload
 from pipeline.memory.snapshot_positions import SnapshotSchedule, tail_block_key
 from pipeline.memory.state_snapshots import SnapshotPool
-from pipeline.memory.state_slots import StateSlotPool
+from pipeline.memory.state_slots import SlotChanges, StateSlotPool
 
 if TYPE_CHECKING:
     from pipeline.runner.step_plan import ScheduledChunk
@@ -269,6 +269,10 @@ class CacheManager:
                 or copies.state_copies):
             return copies
         return None
+
+    def take_slot_changes(self) -> SlotChanges | None:
+        """The state slots allocated and released since the last plan (expert-parallel workers' ledgers)."""
+        return self._states.take_changes() if self._states is not None else None
 
     def keep_states(self, seq: Sequence, count: int) -> list[int] | None:
         """Hybrid models, for a verify row: ``count`` spare slots of the sequence's own (taken on first use, kept

@@ -9,11 +9,14 @@ Epochs make reuse safe: every allocation hands out ``(index, epoch)`` with a fre
 checked against the slot's current epoch. A continuation planned for a sequence whose slot was freed and given
 to another sequence carries the old epoch and is refused instead of advancing the new owner's state; a live
 slot is never handed out twice, and a double free is an error.
+
+Expert-parallel workers keep a ledger of the same slots (pipeline/dist/step_message.py): every step plan carries
+the allocations and releases since the previous one (``take_changes``), sent to them before that step.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 NULL_SLOT = 0
 
@@ -28,6 +31,18 @@ class StateSlot:
     epoch: int
 
 
+@dataclass(slots=True)
+class SlotChanges:
+    """The slots released and allocated between two step plans, net: a slot both allocated and released in
+    between appears in neither (no step saw it). Releases go first (a released slot may be allocated again)."""
+
+    released: list[StateSlot] = field(default_factory=list)
+    allocated: list[StateSlot] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.released or self.allocated)
+
+
 class StateSlotPool:
     def __init__(self, num_slots: int) -> None:
         """``num_slots`` usable slots (indices 1..num_slots; 0 is the null slot)."""
@@ -38,6 +53,7 @@ class StateSlotPool:
         self._epoch = [0] * (num_slots + 1)
         self._live = [False] * (num_slots + 1)
         self._next_epoch = 1
+        self._changes = SlotChanges()
 
     @property
     def num_free(self) -> int:
@@ -55,7 +71,9 @@ class StateSlotPool:
         self._epoch[index] = self._next_epoch
         self._next_epoch += 1
         self._live[index] = True
-        return StateSlot(index, self._epoch[index])
+        slot = StateSlot(index, self._epoch[index])
+        self._changes.allocated.append(slot)
+        return slot
 
     def check(self, slot: StateSlot) -> int:
         """The slot's index if it is live under this epoch; raises StaleStateSlot otherwise."""
@@ -68,3 +86,12 @@ class StateSlotPool:
         self.check(slot)
         self._live[slot.index] = False
         self._free.append(slot.index)
+        if slot in self._changes.allocated:  # never in a plan: nobody needs to hear of it
+            self._changes.allocated.remove(slot)
+        else:
+            self._changes.released.append(slot)
+
+    def take_changes(self) -> SlotChanges:
+        """The allocations and releases since the last call (for the step plan being built)."""
+        changes, self._changes = self._changes, SlotChanges()
+        return changes

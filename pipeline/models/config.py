@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.parallel import ExpertShard
+from pipeline.dist.group import ExpertShard
 
 # Scaling fields carried over from a rope dict (everything but the type and theta).
 _ROPE_SCALING_KEYS = (

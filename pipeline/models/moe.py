@@ -33,7 +33,7 @@ from torch import nn
 
 from kernels.moe import fused_moe, route_topk
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
-from pipeline.parallel import ExpertGroup
+from pipeline.dist.group import ExpertGroup
 
 
 _EXPERT_RE = re.compile(r"^experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")

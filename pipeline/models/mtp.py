@@ -17,6 +17,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
+from pipeline.dist.group import ExpertShard
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import ForwardContext, PagedKVSpec
 from pipeline.models.layers import Linear, RMSNorm
@@ -46,8 +47,10 @@ def read_hidden(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
 
 def mtp_arch(arch: ModelArchConfig) -> ModelArchConfig:
     """The head's decoder layer as a one-layer model: gated full attention, the MLP sparse when the target has
-    experts (the head has no dense-only layers of its own)."""
-    return replace(arch, num_layers=1, layer_types=("full_attention",), mlp_only_layers=(), decoder_sparse_step=1)
+    experts (the head has no dense-only layers of its own), all of them: under expert parallelism the head drafts
+    on rank 0 alone."""
+    return replace(arch, num_layers=1, layer_types=("full_attention",), mlp_only_layers=(), decoder_sparse_step=1,
+                   expert_shard=ExpertShard())
 
 
 class MultiTokenPredictor(nn.Module):

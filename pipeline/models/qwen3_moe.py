@@ -17,7 +17,7 @@ from torch import nn
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.llama import LlamaDecoderLayer, LlamaForCausalLM
 from pipeline.models.moe import SparseMoeBlock
-from pipeline.parallel import ExpertGroup
+from pipeline.dist.group import ExpertGroup
 
 
 def is_sparse_layer(arch: ModelArchConfig, layer_index: int) -> bool:
@@ -70,9 +70,10 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
 
     def join_expert_group(self, group: ExpertGroup) -> None:
         """Expert parallelism: every block sums its partial output over ``group`` (the ranks holding the other
-        experts, ``arch.expert_shard``)."""
+        experts, ``arch.expert_shard``). A block holding every expert (the MTP head's) sums nothing."""
         for block in self._moe_blocks().values():
-            block.expert_group = group
+            if block.num_local_experts < block.num_experts:
+                block.expert_group = group
 
     def _moe_blocks(self) -> dict[str, SparseMoeBlock]:
         """{module name (= HF prefix, e.g. "model.layers.1.mlp"): block}."""

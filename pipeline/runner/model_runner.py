@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -26,6 +27,9 @@ from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
 from pipeline.runner.sampling_batch import SamplingBatch
 from pipeline.runner.step_plan import ForwardBatch, StepPlan
 from pipeline.runner.token_feed import TokenFeed
+
+if TYPE_CHECKING:
+    from pipeline.dist.comm import CommStage
 
 
 def empty_sample(device: torch.device) -> DeviceSample:
@@ -66,6 +70,7 @@ class ModelRunner:
         self.staging = HostStaging()  # this runner's reused host buffers (only its launches touch them)
         # KV tier copies' host side runs here, beside the forward (pipeline/memory/kv_offload.py)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.comm: CommStage | None = None  # expert parallelism, on the head: the workers hear of every step
 
     @property
     def bytes_per_block(self) -> int:
@@ -184,8 +189,13 @@ class ModelRunner:
         this one, for tokens named by row (`feed_sources`); `previous_host()` gives the same ids on
         the host (waiting for them), for grammar rows one step ahead.
         """
+        comm = self.comm
+        if comm is not None:
+            comm.send_step(plan, previous_tokens)
         if plan.transfers is not None:  # KV tier copies first: the forward may read restored blocks
             run_block_transfers(plan.transfers, self.paged_caches, self.state_caches, self.snapshots, self.copy_stream)
+        if comm is not None:
+            comm.share(plan, previous_tokens, self.paged_caches, self.snapshots)
         if plan.forward.num_tokens == 0:
             return empty_sample(self.device)
         # Sampling inputs go to the device before the forward is launched: their small copies then

@@ -22,7 +22,7 @@ import numpy as np
 
 import ext
 from pipeline.memory.kv_offload import BlockTransfers
-from pipeline.memory.state_slots import NULL_SLOT, StateSlot
+from pipeline.memory.state_slots import NULL_SLOT, SlotChanges, StateSlot
 from pipeline.runner.sampling_batch import SamplingRow
 
 _step_inputs = ext.load("step_inputs")
@@ -132,6 +132,10 @@ class StepPlan:
     forward: ForwardBatch
     rows: tuple[SamplingRow, ...]  # rank 0's sampling rows: rows[i] reads logits at forward.logits_indices[i]
     transfers: BlockTransfers | None = None  # KV tier copies the runner runs before the forward (kv_offload.py)
+    # expert parallelism (pipeline/dist/): each row's state-slot epoch (0: the null slot) and the state slots
+    # allocated and released since the previous plan, for the workers' ledgers
+    state_epochs: np.ndarray | None = None
+    slot_changes: SlotChanges | None = None
 
     @property
     def num_rows(self) -> int:
@@ -143,9 +147,10 @@ class StepPlan:
 
 
 def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: list[int] | None = None,
-                    transfers: BlockTransfers | None = None) -> StepPlan:
+                    transfers: BlockTransfers | None = None, slot_changes: SlotChanges | None = None) -> StepPlan:
     """``state_slots``: each chunk's checked state slot index (``CacheManager.state_slot_indices``), or None;
-    ``transfers``: the cache's tier copies for this step (``CacheManager.take_transfers``)."""
+    ``transfers``: the cache's tier copies for this step (``CacheManager.take_transfers``); ``slot_changes``: its
+    state slots' allocations and releases since the last plan (``CacheManager.take_slot_changes``)."""
     input_ids, positions, slots, qsl, seq_lens, tables = _step_inputs.build_step_inputs(
         [c.token_ids for c in chunks], [c.start_pos for c in chunks], [c.block_ids for c in chunks], block_size)
     logits: list[int] = []
@@ -171,6 +176,8 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: 
         raise ValueError(f"{len(state_slots)} state slots for {len(chunks)} chunks")
     states = (np.full(len(chunks), NULL_SLOT, dtype=np.int32) if state_slots is None
               else np.asarray(state_slots, dtype=np.int32))
+    state_slot_epochs = None if state_slots is None else np.array(
+        [c.state_slot.epoch if c.state_slot is not None else 0 for c in chunks], dtype=np.int64)
     keeps = None
     if any(c.keep_slots for c in chunks):
         keeps = np.full(len(input_ids), -1, dtype=np.int32)
@@ -181,4 +188,4 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: 
                 keeps[int(qsl[i]):int(qsl[i]) + len(chunk.token_ids)] = chunk.keep_slots
     forward = ForwardBatch(input_ids, positions, slots, qsl, seq_lens, tables, np.asarray(logits, dtype=np.int64),
                            np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64), states, keeps)
-    return StepPlan(forward, tuple(rows), transfers)
+    return StepPlan(forward, tuple(rows), transfers, state_slot_epochs, slot_changes)

@@ -1,4 +1,4 @@
-"""Expert parallelism (pipeline/parallel.py): the experts' split over ranks, and a model whose MoE blocks hold half
+"""Expert parallelism (pipeline/dist/group.py): the experts' split over ranks, and a model whose MoE blocks hold half
 the experts each on two gloo processes giving the one-process model's logits and greedy tokens, on a Qwen3-MoE and
 a hybrid Qwen3.5-MoE (its shared expert folded in, held by the last rank)."""
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch.multiprocessing as mp
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.loader import iter_weights, load_hf_config
 from pipeline.models.registry import build_model
-from pipeline.parallel import ExpertGroup, ExpertShard
+from pipeline.dist.group import ExpertGroup, ExpertShard
 from tests.model_utils import run_paged
 
 PROMPTS = [[11, 900, 4000, 57, 23, 6000, 812], [3, 17, 250, 9999, 42]]
@@ -85,9 +85,10 @@ def _head_or_worker(rank: int, model_dir: str, store: str, result: str) -> None:
 
     from pipeline.memory.state_slots import StateSlot
     from pipeline.runner.model_runner import ModelRunner
-    from pipeline.runner.step_message import MessageKind, StepMessage
+    from pipeline.dist.step_message import MessageKind, StepMessage
     from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
-    from pipeline.runner.worker import Worker, send_message
+    from pipeline.dist.comm import send_message
+    from pipeline.dist.worker import Worker
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
@@ -100,7 +101,7 @@ def _head_or_worker(rank: int, model_dir: str, store: str, result: str) -> None:
                              device=torch.device("cpu"), max_num_seqs=4)
         runner.allocate_caches(48)
         if rank == 1:
-            worker = Worker(runner, 4)
+            worker = Worker(runner)
             worker.run()
             torch.save({"steps": worker.steps}, f"{result}.1")
             return

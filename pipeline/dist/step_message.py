@@ -18,7 +18,7 @@ import numpy as np
 from pipeline.memory.state_slots import NULL_SLOT, StaleStateSlot
 from pipeline.runner.step_plan import ForwardBatch
 
-STEP_MESSAGE_VERSION = 1
+STEP_MESSAGE_VERSION = 2
 
 
 class StepMessageVersionError(ValueError):
@@ -36,52 +36,65 @@ class MessageKind(IntEnum):
     STOP = 4  # the head is shutting down
 
 
-def _empty_pairs() -> np.ndarray:
-    return np.zeros((0, 2), dtype=np.int32)
+def _none() -> np.ndarray:
+    return np.zeros(0, dtype=np.int64)
+
+
+def _pairs() -> np.ndarray:
+    return np.zeros((0, 2), dtype=np.int64)
+
+
+# the integer arrays of a message, in wire order, and their widths (1: a list, 2: pairs)
+_FIELDS = (("slots", 1), ("epochs", 1), ("block_copies", 2), ("loaded_blocks", 1), ("loaded_snapshots", 1),
+           ("state_copies", 2), ("state_saves", 2), ("state_loads", 2))
 
 
 @dataclass(frozen=True, slots=True)
 class StepMessage:
+    """A STEP runs, in order: ``block_copies`` (device blocks), the bytes of ``loaded_blocks`` and
+    ``loaded_snapshots`` (what the head's KV tiers restored; they arrive by broadcast from the head's device, the
+    workers keep no tiers), ``state_copies``, ``state_saves`` (state slot to snapshot) and ``state_loads``
+    (snapshot to state slot), then the forward, whose fed tokens (``fed_tokens`` of them, the previous step's
+    sampled ids, on the head's device) arrive by broadcast just before it."""
+
     kind: MessageKind
     number: int  # messages count from 0 without gaps
-    slots: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int32))  # ALLOCATE / RELEASE
-    epochs: np.ndarray = field(default_factory=lambda: np.zeros(0, dtype=np.int64))  # per slot; STEP: per row
-    block_copies: np.ndarray = field(default_factory=_empty_pairs)  # int32 [n, 2]: (source, destination) blocks
-    state_copies: np.ndarray = field(default_factory=_empty_pairs)  # int32 [n, 2]: (source, destination) slots
+    slots: np.ndarray = field(default_factory=_none)  # ALLOCATE / RELEASE
+    epochs: np.ndarray = field(default_factory=_none)  # per slot; STEP: per row (0: the null slot)
+    block_copies: np.ndarray = field(default_factory=_pairs)  # [n, 2]: (source, destination) device blocks
+    loaded_blocks: np.ndarray = field(default_factory=_none)
+    loaded_snapshots: np.ndarray = field(default_factory=_none)
+    state_copies: np.ndarray = field(default_factory=_pairs)  # [n, 2]: (source, destination) state slots
+    state_saves: np.ndarray = field(default_factory=_pairs)  # [n, 2]: (state slot, snapshot)
+    state_loads: np.ndarray = field(default_factory=_pairs)  # [n, 2]: (snapshot, state slot)
+    fed_tokens: int = 0
     forward: ForwardBatch | None = None  # STEP
 
     def to_bytes(self) -> bytes:
         forward = b"" if self.forward is None else self.forward.to_bytes()
-        header = np.array([STEP_MESSAGE_VERSION, int(self.kind), self.number, len(self.slots), len(self.epochs),
-                           len(self.block_copies), len(self.state_copies), len(forward)], dtype=np.int64)
-        return b"".join([header.tobytes(), np.ascontiguousarray(self.slots, dtype=np.int32).tobytes(),
-                         np.ascontiguousarray(self.epochs, dtype=np.int64).tobytes(),
-                         np.ascontiguousarray(self.block_copies, dtype=np.int32).tobytes(),
-                         np.ascontiguousarray(self.state_copies, dtype=np.int32).tobytes(), forward])
+        arrays = [np.ascontiguousarray(getattr(self, name), dtype=np.int64) for name, _ in _FIELDS]
+        header = np.array([STEP_MESSAGE_VERSION, int(self.kind), self.number, self.fed_tokens,
+                           *(len(a) for a in arrays), len(forward)], dtype=np.int64)
+        return b"".join([header.tobytes(), *(a.tobytes() for a in arrays), forward])
 
     @classmethod
     def from_bytes(cls, data: bytes) -> StepMessage:
-        header = np.frombuffer(data, dtype=np.int64, count=8)
-        if int(header[0]) != STEP_MESSAGE_VERSION:
-            raise StepMessageVersionError(f"step message version {int(header[0])}, this rank reads "
-                                          f"{STEP_MESSAGE_VERSION}")
-        kind, number, n_slots, n_epochs, n_blocks, n_states, n_forward = (int(x) for x in header[1:])
+        version = int(np.frombuffer(data, dtype=np.int64, count=1)[0]) if len(data) >= 8 else -1
+        if version != STEP_MESSAGE_VERSION:
+            raise StepMessageVersionError(f"step message version {version}, this rank reads {STEP_MESSAGE_VERSION}")
+        header = np.frombuffer(data, dtype=np.int64, count=5 + len(_FIELDS))
+        kind, number, fed = (int(x) for x in header[1:4])
         offset = header.nbytes
-
-        def take(dtype: type, count: int, shape: tuple[int, ...]) -> np.ndarray:
-            nonlocal offset
-            array = np.frombuffer(data, dtype=dtype, count=count, offset=offset).reshape(shape).copy()
-            offset += count * np.dtype(dtype).itemsize
-            return array
-
-        slots = take(np.int32, n_slots, (n_slots,))
-        epochs = take(np.int64, n_epochs, (n_epochs,))
-        blocks = take(np.int32, 2 * n_blocks, (n_blocks, 2))
-        states = take(np.int32, 2 * n_states, (n_states, 2))
-        forward = ForwardBatch.from_bytes(data[offset:offset + n_forward]) if n_forward else None
+        arrays: dict[str, np.ndarray] = {}
+        for (name, width), count in zip(_FIELDS, header[4:4 + len(_FIELDS)].tolist()):
+            values = np.frombuffer(data, dtype=np.int64, count=count * width, offset=offset)
+            arrays[name] = values.reshape((count, 2) if width == 2 else (count,)).copy()
+            offset += values.nbytes
+        n_forward = int(header[-1])
         if offset + n_forward != len(data):
             raise ValueError(f"step message of {len(data)} bytes, its header describes {offset + n_forward}")
-        return cls(MessageKind(kind), number, slots, epochs, blocks, states, forward)
+        forward = ForwardBatch.from_bytes(data[offset:]) if n_forward else None
+        return cls(MessageKind(kind), number, **arrays, fed_tokens=fed, forward=forward)
 
 
 class SlotLedger:
@@ -131,6 +144,9 @@ class SlotLedger:
             self._check_index(slot)
             if not self._live[slot]:
                 raise StaleStateSlot(f"state slot {slot} is not live")
+        # a snapshot save may read a slot released since the forward that wrote it (its state is still there)
+        for slot in message.state_saves[:, 0].tolist() + message.state_loads[:, 1].tolist():
+            self._check_index(slot)
 
     def _check_index(self, slot: int) -> None:
         if not 0 < slot < len(self._live):

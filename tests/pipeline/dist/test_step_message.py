@@ -1,4 +1,4 @@
-"""The head's messages to the expert-parallel workers (pipeline/runner/step_message.py): they round-trip as bytes,
+"""The head's messages to the expert-parallel workers (pipeline/dist/step_message.py): they round-trip as bytes,
 another layout version is refused, and a worker's ledger refuses steps and copies under stale slot epochs and
 messages out of sequence."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from pipeline.memory.state_slots import NULL_SLOT, StaleStateSlot, StateSlot
-from pipeline.runner.step_message import (
+from pipeline.dist.step_message import (
     STEP_MESSAGE_VERSION,
     MessageKind,
     OutOfSequence,
@@ -27,7 +27,9 @@ def step(number: int, slots: list[StateSlot | None], keeps: list[int] | None = N
     epochs = np.array([0 if s is None else s.epoch for s in slots], dtype=np.int64)
     return StepMessage(MessageKind.STEP, number, epochs=epochs,
                        state_copies=np.array(copies, dtype=np.int32).reshape(-1, 2),
-                       block_copies=np.array([[4, 7]], dtype=np.int32), forward=plan.forward)
+                       block_copies=np.array([[4, 7]], dtype=np.int32), loaded_blocks=np.array([9, 2]),
+                       loaded_snapshots=np.array([1]), state_saves=np.array([[3, 0]]), state_loads=np.array([[1, 6]]),
+                       fed_tokens=3, forward=plan.forward)
 
 
 def lives(kind: MessageKind, number: int, slots: list[StateSlot]) -> StepMessage:
@@ -40,8 +42,9 @@ def test_messages_round_trip_as_bytes():
     for message in (lives(MessageKind.ALLOCATE, 0, [a, b]), step(1, [a, None, b], keeps=[6, 8, -1], copies=[(6, 3)]),
                     lives(MessageKind.RELEASE, 2, [a]), StepMessage(MessageKind.STOP, 3)):
         back = StepMessage.from_bytes(message.to_bytes())
-        assert (back.kind, back.number) == (message.kind, message.number)
-        for name in ("slots", "epochs", "block_copies", "state_copies"):
+        assert (back.kind, back.number, back.fed_tokens) == (message.kind, message.number, message.fed_tokens)
+        for name in ("slots", "epochs", "block_copies", "loaded_blocks", "loaded_snapshots", "state_copies",
+                     "state_saves", "state_loads"):
             assert np.array_equal(getattr(back, name), getattr(message, name)), name
         if message.forward is None:
             assert back.forward is None
@@ -82,3 +85,20 @@ def test_the_ledger_refuses_stale_epochs_and_messages_out_of_sequence():
         ledger.accept(lives(MessageKind.ALLOCATE, 4, [StateSlot(NULL_SLOT, 20)]))  # the null slot is never given
     ledger.accept(step(4, [new, None], keeps=[6, 6, -1]))
     assert ledger.next_number == 5
+
+
+def test_the_pool_reports_slot_changes_net_between_plans():
+    """What a plan tells the workers: a slot allocated and released before any plan saw it is left out; a slot
+    released and given to another sequence appears in both lists, under its two epochs."""
+    from pipeline.memory.state_slots import StateSlotPool
+
+    pool = StateSlotPool(3)
+    a, b = pool.allocate(), pool.allocate()
+    assert pool.take_changes().allocated == [a, b]
+    pool.free(a)
+    c = pool.allocate()  # slot 3 (the free list is first in, first out), then a's slot under a new epoch
+    d = pool.allocate()
+    pool.free(c)
+    changes = pool.take_changes()
+    assert changes.released == [a] and changes.allocated == [d] and d.index == a.index and d.epoch > a.epoch
+    assert not pool.take_changes()

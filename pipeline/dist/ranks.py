@@ -1,0 +1,234 @@
+"""The expert-parallel process layout: which rank this process is, how the ranks find each other, and the head's
+local workers.
+
+``conveyor serve --ep-size N`` on one machine starts N-1 ``conveyor worker`` processes itself (rank r on GPU r) and
+meets them through a TCP store it opens on a free port. Across machines, every process is started the torchrun way
+(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``): rank 0 runs ``conveyor serve``, the
+others ``conveyor worker`` with the same engine flags. The ranks join one torch.distributed group (NCCL on GPUs,
+gloo on CPUs) for the device bytes and the MoE all-reduces, and a gloo group for the head's messages.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from pipeline.config import EngineConfig
+from pipeline.dist.group import ExpertGroup, ExpertShard
+from pipeline.request import RepetitionDetection
+
+log = logging.getLogger("conveyor.dist")
+
+LOCAL_WORKER_ENV = "CONVEYOR_LOCAL_WORKER"  # set for workers the head started: they end with it
+
+
+@dataclass(frozen=True, slots=True)
+class Rendezvous:
+    rank: int
+    world_size: int
+    local_rank: int
+    addr: str
+    port: int
+
+    @classmethod
+    def from_env(cls) -> Rendezvous | None:
+        """torchrun's variables, or None when they are not set."""
+        env = os.environ
+        if "RANK" not in env or "WORLD_SIZE" not in env:
+            return None
+        try:
+            return cls(int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"])),
+                       env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500")))
+        except ValueError as exc:
+            raise ValueError(f"the rendezvous environment (RANK, WORLD_SIZE, ...) is not valid: {exc}") from None
+
+    def env(self) -> dict[str, str]:
+        return {"RANK": str(self.rank), "WORLD_SIZE": str(self.world_size), "LOCAL_RANK": str(self.local_rank),
+                "MASTER_ADDR": self.addr, "MASTER_PORT": str(self.port)}
+
+
+def config_to_json(config: EngineConfig) -> str:
+    return json.dumps(asdict(config))
+
+
+def config_from_json(text: str) -> EngineConfig:
+    fields = json.loads(text)
+    if fields.get("repetition_detection") is not None:
+        fields["repetition_detection"] = RepetitionDetection(**fields["repetition_detection"])
+    return EngineConfig(**fields)
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """Rank r's device: GPU r of its machine (``--device cuda``), else the CPU."""
+    if config.device.startswith("cuda"):
+        return torch.device("cuda", local_rank)
+    return torch.device(config.device)
+
+
+@dataclass(slots=True)
+class ParallelContext:
+    """This rank's place in the split: its experts' group, the message group, its device, and (on a head that
+    started them) the local worker processes."""
+
+    group: ExpertGroup
+    messages: Any  # the gloo group of the head's messages
+    device: torch.device
+    workers: list[subprocess.Popen] = field(default_factory=list)
+    store: Any = None  # the head's rendezvous store (it lives as long as the groups)
+    shared_caches: int = 0  # the head's caches every rank holds (the first ones; the handshake finds it)
+    closing: bool = False
+
+    @property
+    def rank(self) -> int:
+        return self.group.shard.rank
+
+    @property
+    def size(self) -> int:
+        return self.group.shard.size
+
+    @property
+    def is_head(self) -> bool:
+        return self.rank == 0
+
+    def agree(self, layout: dict[str, Any]) -> list[dict[str, Any]]:
+        """Every rank's ``layout`` (a startup handshake over the message group)."""
+        import torch.distributed as dist
+
+        layouts: list[Any] = [None] * self.size
+        dist.all_gather_object(layouts, layout, group=self.messages)
+        return layouts
+
+    def watch(self, on_lost: Callable[[int, int], None]) -> None:
+        """``on_lost(rank, exit code)`` when a local worker ends while the head is not closing (a thread each,
+        waiting on the process)."""
+        for rank, process in enumerate(self.workers, start=1):
+            def wait(rank: int = rank, process: subprocess.Popen = process) -> None:
+                code = process.wait()
+                if not self.closing:
+                    on_lost(rank, code)
+
+            threading.Thread(target=wait, name=f"ep-worker-{rank}-watch", daemon=True).start()
+
+    def abort(self) -> None:
+        """A rank is gone: abort the groups so a collective waiting for it returns with an error (NCCL waits
+        otherwise)."""
+        import torch.distributed as dist
+
+        abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+        if abort is not None and dist.is_initialized():
+            try:
+                abort()
+            except Exception:  # noqa: BLE001 (best effort: the engine is failing already)
+                log.exception("aborting the expert-parallel groups")
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Leave the groups and wait for the local workers (they stop on the head's STOP or its exit); kill those
+        still running after ``timeout_s``."""
+        import torch.distributed as dist
+
+        self.closing = True
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                log.exception("leaving the expert-parallel groups")
+        for process in self.workers:
+            try:
+                process.wait(timeout_s)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait()
+
+
+def _join(config: EngineConfig, rendezvous: Rendezvous, store: Any = None) -> ParallelContext:
+    import torch.distributed as dist
+
+    device = rank_device(config, rendezvous.local_rank)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    timeout = timedelta(seconds=config.ep_timeout_s)
+    if store is None and os.environ.get(LOCAL_WORKER_ENV):  # a worker of a head that opened the store itself
+        store = dist.TCPStore(rendezvous.addr, rendezvous.port, rendezvous.world_size, is_master=False,
+                              timeout=timeout)
+    kwargs: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rendezvous.rank,
+                            world_size=rendezvous.world_size, timeout=timeout,
+                            device_id=device if device.type == "cuda" else None, **kwargs)
+    messages = dist.new_group(backend="gloo", timeout=timeout)
+    return ParallelContext(ExpertGroup(ExpertShard(rendezvous.rank, rendezvous.world_size)), messages, device)
+
+
+def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None) -> ParallelContext:
+    """Rank 0 of ``config.ep_size``: with torchrun's environment, join the others; without it, start the local
+    workers and meet them."""
+    import torch.distributed as dist
+
+    size = config.ep_size
+    rendezvous = Rendezvous.from_env()
+    if rendezvous is not None:
+        if rendezvous.world_size != size or rendezvous.rank != 0:
+            raise ValueError(f"--ep-size {size} on rank {rendezvous.rank} of {rendezvous.world_size}: the head is "
+                             f"rank 0 of a world of --ep-size ranks (the others run `conveyor worker`)")
+        return _join(config, rendezvous)
+    if config.device.startswith("cuda") and torch.cuda.device_count() < size:
+        raise ValueError(f"--ep-size {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
+    timeout = timedelta(seconds=config.ep_timeout_s)
+    store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
+    workers = []
+    say(f"starting {size - 1} expert-parallel worker(s)")
+    for rank in range(1, size):
+        env = {**os.environ, **Rendezvous(rank, size, rank, "127.0.0.1", store.port).env(), LOCAL_WORKER_ENV: "1"}
+        workers.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--config-json",
+                                         config_to_json(config)], env=env))
+    try:
+        context = _join(config, Rendezvous(0, size, 0, "127.0.0.1", store.port), store)
+    except BaseException:
+        for process in workers:
+            process.kill()
+        raise
+    context.workers, context.store = workers, store
+    return context
+
+
+def end_with_parent() -> None:
+    """Linux: this process gets SIGTERM when the process that started it ends (a local worker outlives no head)."""
+    try:
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def worker_main(config: EngineConfig) -> int:
+    """``conveyor worker``: join the head's group, load this rank's shard as the head does, and run its steps."""
+    from pipeline.dist.worker import Worker
+    from pipeline.loading import load_model
+
+    rendezvous = Rendezvous.from_env()
+    if rendezvous is None or rendezvous.rank == 0:
+        raise SystemExit("conveyor worker runs as rank 1.. of a torchrun-style environment (RANK, WORLD_SIZE, "
+                         "MASTER_ADDR, MASTER_PORT, LOCAL_RANK); rank 0 is `conveyor serve --ep-size N`")
+    if os.environ.get(LOCAL_WORKER_ENV):
+        end_with_parent()
+    config = config.resolved()
+    config.validate()
+    if not config.device.startswith("cuda"):
+        torch.set_num_threads(max(1, torch.get_num_threads() // rendezvous.world_size))
+    context = _join(config, rendezvous)
+    try:
+        loaded = load_model(config, parallel=context)
+        Worker(loaded.runner, context.messages).run()
+    finally:
+        context.close()
+    return 0

@@ -1,0 +1,57 @@
+"""An expert-parallel worker: a rank holding its share of the experts beside replicated dense layers and caches. It
+takes the head's messages (pipeline/dist/step_message.py, sent by the comm stage, pipeline/dist/comm.py), checks
+each against its slot ledger, and runs a step's device copies and forward as the head does, so every MoE block's
+all-reduce meets its peers'. It samples nothing and keeps no KV tiers: what the head's tiers restore, and the
+tokens a step feeds from the previous one, arrive from the head's device.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from pipeline.dist.comm import receive_message, share_rows, share_tokens
+from pipeline.dist.step_message import MessageKind, SlotLedger, StepMessage
+from pipeline.memory.kv_offload import BlockTransfers, run_block_transfers
+
+
+def _pairs(array) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in array.tolist()]
+
+
+class Worker:
+    def __init__(self, runner, messages: Any = None, data: Any = None) -> None:
+        self.runner = runner  # a ModelRunner over this rank's shard (ModelArchConfig.expert_shard), caches allocated
+        self.ledger = SlotLedger(max(0, runner.num_state_slots - 1))
+        self.messages = messages  # the head's message group (None: the default one)
+        self.data = data  # the device bytes' group (None: the default one)
+        self.steps = 0
+
+    @torch.inference_mode()
+    def apply(self, message: StepMessage) -> bool:
+        """Check and run one message; False once the head stops."""
+        self.ledger.accept(message)
+        if message.kind is MessageKind.STOP:
+            return False
+        if message.kind is not MessageKind.STEP:
+            return True
+        runner = self.runner
+        if len(message.block_copies):
+            run_block_transfers(BlockTransfers(None, copies=_pairs(message.block_copies)), runner.paged_caches)
+        share_rows(runner.paged_caches, 1, message.loaded_blocks, False, self.data)
+        share_rows(runner.snapshots, 0, message.loaded_snapshots, False,
+                   self.data)
+        if len(message.state_copies) or len(message.state_saves) or len(message.state_loads):
+            states = BlockTransfers(None, state_copies=_pairs(message.state_copies),
+                                    state_saves=_pairs(message.state_saves), state_loads=_pairs(message.state_loads))
+            run_block_transfers(states, (), runner.state_caches, runner.snapshots)
+        fed = share_tokens(None, message.fed_tokens, runner.device, self.data) if message.fed_tokens else None
+        if message.forward.num_tokens:
+            runner.forward(runner.prepare(message.forward), fed)
+        self.steps += 1
+        return True
+
+    def run(self) -> None:
+        """Until the head stops: receive, check, run."""
+        while self.apply(receive_message(self.messages)):
+            pass
