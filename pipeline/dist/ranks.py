@@ -138,17 +138,20 @@ class ParallelContext:
         import torch.distributed as dist
 
         self.closing = True
-        if dist.is_initialized():
-            try:
-                dist.destroy_process_group()
-            except Exception:  # noqa: BLE001
-                log.exception("leaving the expert-parallel groups")
         for process in self.workers:
             try:
                 process.wait(timeout_s)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait()
+        if dist.is_initialized():
+            try:
+                if dist.get_backend() == "nccl":  # NCCL's orderly teardown can wait for a rank that has gone
+                    self.abort()  # (which leaves every group too)
+                else:
+                    dist.destroy_process_group()
+            except Exception:  # noqa: BLE001
+                log.exception("leaving the expert-parallel groups")
 
 
 def _join(config: EngineConfig, rendezvous: Rendezvous, store: Any = None) -> ParallelContext:
