@@ -233,3 +233,78 @@ def _state(pid: int) -> str:
             return handle.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return "Z"
+
+
+def test_ranks_started_the_torchrun_way_give_one_ranks_tokens(moe_dir, monkeypatch):
+    """Across machines every rank is started with torchrun's environment: the head (`serve`, rank 0) joins a
+    `conveyor worker` rank it did not start, and the tokens are one rank's."""
+    from tests.web.test_serve_process import free_port
+
+    port = free_port()
+    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
+    config = config_for(moe_dir, max_num_batched_tokens=24, ep_size=2)
+    worker = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--model", str(moe_dir),
+                               "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "512",
+                               "--max-num-seqs", "16", "--max-num-batched-tokens", "24", "--ep-size", "2"],
+                              env={**os.environ, **env, "RANK": "1", "LOCAL_RANK": "0"}, cwd=ROOT)
+    try:
+        for name, value in {**env, "RANK": "0", "LOCAL_RANK": "0"}.items():
+            monkeypatch.setenv(name, value)
+
+        async def main() -> list[list[int]]:
+            engine = await Engine.create(config)
+            try:
+                assert engine.parallel.workers == []  # not started by this head
+                batch = prompts(3, seed=3)
+                results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=greedy()) for p in batch])
+                return [r[0].token_ids for r in results]
+            finally:
+                await engine.shutdown()
+
+        two = run_async(main())
+        assert worker.wait(60) == 0
+    finally:
+        if worker.poll() is None:
+            worker.kill()
+            worker.wait(30)
+    monkeypatch.delenv("RANK")
+    one = run_async(collect_one_rank(moe_dir))
+    assert two == one
+
+
+async def collect_one_rank(model_dir) -> list[list[int]]:
+    engine = await Engine.create(config_for(model_dir, max_num_batched_tokens=24))
+    try:
+        batch = prompts(3, seed=3)
+        results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=greedy()) for p in batch])
+        return [r[0].token_ids for r in results]
+    finally:
+        await engine.shutdown()
+
+
+def test_preemption_grammars_and_sampling_under_two_ranks(hybrid_dir):
+    """A pool small enough to preempt (states recomputed, slots released and given again), grammar-constrained and
+    seeded sampled requests, and n-gram verify rows, at once: two ranks give one rank's tokens."""
+    from pipeline.grammar.spec import GrammarSpec
+    from tests.pipeline.grammar.test_structured_output import SCHEMA
+
+    batch = [p * 2 for p in prompts(6, seed=5)]
+    params = [greedy(20), SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
+              SamplingParams(max_tokens=40, temperature=0.0, grammar=GrammarSpec.json_schema(SCHEMA))] * 2
+
+    async def run(**overrides) -> tuple[list[list[int]], dict]:
+        engine = await Engine.create(config_for(hybrid_dir, num_kv_blocks=24, max_num_batched_tokens=16,
+                                                speculative_method="ngram", num_speculative_tokens=3,
+                                                prompt_lookup_min=1, **overrides))
+        try:
+            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
+                                             for p, q in zip(batch, params)])
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [r[0].token_ids for r in results], engine.stats()
+        finally:
+            await engine.shutdown()
+
+    one, _ = run_async(run())
+    two, stats = run_async(run(ep_size=2))
+    assert two == one and stats["preemptions"] > 0
