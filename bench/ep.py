@@ -91,6 +91,26 @@ async def run_ep(a: argparse.Namespace, ep: int, model_dir: str, report: dict) -
             best = max(runs, key=lambda r: r["tok_s"])
             report["rows"].append({**best, "runs_tok_s": [r["tok_s"] for r in runs]})
             print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in best.items()}), flush=True)
+        if a.profile_batch:  # the head's GPU only: its kernels a step, the all-reduces' waits for the worker included
+            import torch
+
+            from gpu_steps import top_kernels
+
+            steps = engine.stats()["device_steps"]
+            activity = torch.profiler.ProfilerActivity
+            kind = activity.CUDA if torch.cuda.is_available() else activity.CPU
+            with torch.profiler.profile(activities=[kind]) as prof:
+                row = await measure(engine, ep, a.profile_batch, a, seed=99)
+            steps = engine.stats()["device_steps"] - steps
+            kernels = top_kernels(prof, 30)
+            for kernel in kernels["kernels"]:
+                kernel["ms_a_step"] = kernel["self_device_ms"] / steps
+            entry["profile"] = {"batch": a.profile_batch, "steps": steps, "wall_ms_a_step": row["wall_s"] * 1e3 / steps,
+                                "device_ms_a_step": kernels["total_device_ms"] / steps, **kernels}
+            print(json.dumps({"ep": ep, "profile": {k: v for k, v in entry["profile"].items() if k != "kernels"}}),
+                  flush=True)
+            for kernel in kernels["kernels"][:25]:
+                print(f"  {kernel['ms_a_step']:8.3f} ms/step {kernel['calls']:6d}  {kernel['name']}", flush=True)
         entry["expert_parallel"] = engine.stats()["expert_parallel"]
     finally:
         await engine.shutdown()
@@ -233,6 +253,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest batch")
     ap.add_argument("--layers", type=int, default=None, help="trim num_hidden_layers (a shape that does not fit)")
     ap.add_argument("--allreduce-json", default=None, help="bench/ep_allreduce.py's output, for the comm share")
+    ap.add_argument("--profile-batch", type=int, default=0,
+                    help="also one run at this batch under torch.profiler: the head GPU's kernels a step")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="HBM GB/s for the limit (default: data sheet)")
     a = ap.parse_args()
     shape = dict(chosen_shape(a.shape, a.quick))
