@@ -161,7 +161,12 @@ class PrefillStage(DeviceStage):
     async def _wait_for_wake_or_messages(self) -> None:
         receive = asyncio.ensure_future(self.receive())
         woken = asyncio.ensure_future(self._wake.wait())
-        done, _ = await asyncio.wait({receive, woken}, return_when=asyncio.FIRST_COMPLETED)
+        try:
+            done, _ = await asyncio.wait({receive, woken}, return_when=asyncio.FIRST_COMPLETED)
+        except asyncio.CancelledError:  # the stage stops: its two waits go with it
+            receive.cancel()
+            woken.cancel()
+            raise
         woken.cancel()
         if receive in done:
             self._accept(receive.result())
