@@ -130,7 +130,10 @@ class Engine:
         engine.start()
         if parallel is not None:
             loop = asyncio.get_running_loop()
-            parallel.watch(lambda rank, code: loop.call_soon_threadsafe(engine.rank_lost, rank, code))
+            parallel.on_lost = lambda rank, code: loop.call_soon_threadsafe(engine.rank_lost, rank, code)
+            for rank, process in enumerate(parallel.workers, start=1):  # one that ended while loading finished
+                if process.poll() is not None:
+                    engine.rank_lost(rank, process.returncode)
         engine._interpreter = tune_for_serving(config.gc_young_threshold, config.gil_switch_interval_s)
         return engine
 

@@ -164,6 +164,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         say("capturing the drafter's CUDA graphs")
         drafter.capture_graphs(min(config.cuda_graph_max_batch, MAX_DRAFT_ROWS), max_model_len,
                                config.num_speculative_tokens + 1)
+    if parallel is not None:
+        parallel.set_timeout(parallel.step_timeout_s)  # every rank has loaded: serving
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter)
 

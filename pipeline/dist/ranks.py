@@ -31,6 +31,10 @@ from pipeline.request import RepetitionDetection
 log = logging.getLogger("conveyor.dist")
 
 LOCAL_WORKER_ENV = "CONVEYOR_LOCAL_WORKER"  # set for workers the head started: they end with it
+# the longest wait for another rank: meeting (a worker process starting), then loading (a large model's shards, the
+# profiling forwards); --ep-timeout applies once serving
+MEETING_TIMEOUT_S = 120.0
+LOADING_TIMEOUT_S = 900.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,8 +90,10 @@ class ParallelContext:
     device: torch.device
     workers: list[subprocess.Popen] = field(default_factory=list)
     store: Any = None  # the head's rendezvous store (it lives as long as the groups)
+    step_timeout_s: float = 60.0  # --ep-timeout: a collective's longest wait once serving
     shared_caches: int = 0  # the head's caches every rank holds (the first ones; the handshake finds it)
     closing: bool = False
+    on_lost: Callable[[int, int], None] | None = None  # a local worker ended (None: abort the groups)
 
     @property
     def rank(self) -> int:
@@ -109,14 +115,27 @@ class ParallelContext:
         dist.all_gather_object(layouts, layout, group=self.messages)
         return layouts
 
-    def watch(self, on_lost: Callable[[int, int], None]) -> None:
-        """``on_lost(rank, exit code)`` when a local worker ends while the head is not closing (a thread each,
-        waiting on the process)."""
+    def set_timeout(self, seconds: float) -> None:
+        """A collective that waits longer than this for another rank fails (from the next one on)."""
+        import torch.distributed as dist
+
+        dist.group.WORLD.set_timeout(timedelta(seconds=seconds))
+        self.messages.set_timeout(timedelta(seconds=seconds))
+
+    def watch(self) -> None:
+        """A thread a local worker, waiting on its process: when one ends while the head is not closing,
+        ``on_lost(rank, exit code)``, or while loading (no ``on_lost`` yet) the groups are aborted, so the head's
+        collective waiting for it fails instead of waiting out the timeout."""
         for rank, process in enumerate(self.workers, start=1):
             def wait(rank: int = rank, process: subprocess.Popen = process) -> None:
                 code = process.wait()
-                if not self.closing:
-                    on_lost(rank, code)
+                if self.closing:
+                    return
+                log.error("expert-parallel rank %d ended (exit code %d)", rank, code)
+                if self.on_lost is not None:
+                    self.on_lost(rank, code)
+                else:
+                    self.abort()
 
             threading.Thread(target=wait, name=f"ep-worker-{rank}-watch", daemon=True).start()
 
@@ -126,7 +145,8 @@ class ParallelContext:
         import torch.distributed as dist
 
         abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
-        if abort is not None and dist.is_initialized():
+        # (gloo needs none: its collectives fail as soon as a peer's connection closes)
+        if abort is not None and dist.is_initialized() and dist.get_backend() == "nccl":
             try:
                 abort()
             except Exception:  # noqa: BLE001 (best effort: the engine is failing already)
@@ -160,7 +180,7 @@ def _join(config: EngineConfig, rendezvous: Rendezvous, store: Any = None) -> Pa
     device = rank_device(config, rendezvous.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=config.ep_timeout_s)
+    timeout = timedelta(seconds=max(config.ep_timeout_s, MEETING_TIMEOUT_S))
     if store is None and os.environ.get(LOCAL_WORKER_ENV):  # a worker of a head that opened the store itself
         store = dist.TCPStore(rendezvous.addr, rendezvous.port, rendezvous.world_size, is_master=False,
                               timeout=timeout)
@@ -168,8 +188,15 @@ def _join(config: EngineConfig, rendezvous: Rendezvous, store: Any = None) -> Pa
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rendezvous.rank,
                             world_size=rendezvous.world_size, timeout=timeout,
                             device_id=device if device.type == "cuda" else None, **kwargs)
-    messages = dist.new_group(backend="gloo", timeout=timeout)
-    return ParallelContext(ExpertGroup(ExpertShard(rendezvous.rank, rendezvous.world_size)), messages, device)
+    try:
+        messages = dist.new_group(backend="gloo", timeout=timeout)
+        context = ParallelContext(ExpertGroup(ExpertShard(rendezvous.rank, rendezvous.world_size)), messages, device,
+                                  step_timeout_s=config.ep_timeout_s)
+        context.set_timeout(max(config.ep_timeout_s, LOADING_TIMEOUT_S))
+    except BaseException:
+        dist.destroy_process_group()
+        raise
+    return context
 
 
 def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None) -> ParallelContext:
@@ -186,7 +213,7 @@ def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None
         return _join(config, rendezvous)
     if config.device.startswith("cuda") and torch.cuda.device_count() < size:
         raise ValueError(f"--ep-size {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
-    timeout = timedelta(seconds=config.ep_timeout_s)
+    timeout = timedelta(seconds=max(config.ep_timeout_s, MEETING_TIMEOUT_S))
     store = dist.TCPStore("127.0.0.1", 0, size, is_master=True, timeout=timeout, wait_for_workers=False)
     workers = []
     say(f"starting {size - 1} expert-parallel worker(s)")
@@ -201,6 +228,7 @@ def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None
             process.kill()
         raise
     context.workers, context.store = workers, store
+    context.watch()
     return context
 
 

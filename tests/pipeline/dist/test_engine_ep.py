@@ -308,3 +308,21 @@ def test_preemption_grammars_and_sampling_under_two_ranks(hybrid_dir):
     one, _ = run_async(run())
     two, stats = run_async(run(ep_size=2))
     assert two == one and stats["preemptions"] > 0
+
+
+def test_a_worker_that_fails_to_load_fails_the_start_and_leaves_nothing(moe_dir, monkeypatch):
+    """A worker that cannot load its shard (here: told a model path that does not exist) ends; the head's start
+    fails at its next collective instead of waiting out a timeout, and a later engine starts cleanly."""
+    import dataclasses
+
+    from pipeline.dist import ranks
+
+    real = ranks.config_to_json
+    monkeypatch.setattr(ranks, "config_to_json", lambda config: real(dataclasses.replace(config, model="/nonexistent")))
+    started = time.monotonic()
+    with pytest.raises(Exception):  # noqa: B017 (the error is the collective's: the peer's connection closed)
+        run_async(Engine.create(config_for(moe_dir, ep_size=2)))
+    assert time.monotonic() - started < 60
+    monkeypatch.setattr(ranks, "config_to_json", real)
+    two = run_async(run_engine(moe_dir, ep_size=2))[0]
+    assert two == run_async(run_engine(moe_dir))[0]
