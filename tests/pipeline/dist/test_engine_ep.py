@@ -122,11 +122,25 @@ def mtp_dir(make_model_dir):
     return directory
 
 
-@pytest.mark.parametrize("method", ["ngram", "mtp"])
-def test_speculation_under_two_ranks_gives_plain_tokens(moe_dir, mtp_dir, method):
+@pytest.fixture(scope="module")
+def drafter_dirs(make_model_dir, mtp_dir, tmp_path_factory) -> dict:
+    """The drafters' directories: a DFlash drafter of the hybrid model, a small dense draft model."""
+    import json
+
+    from tests.model_utils import write_dflash_drafter
+
+    dflash = tmp_path_factory.mktemp("dflash")
+    write_dflash_drafter(dflash, json.loads((mtp_dir / "config.json").read_text()), [0, 2], seed=13)
+    return {"dflash": str(dflash), "draft": str(make_model_dir("llama", seed=11))}
+
+
+@pytest.mark.parametrize("method", ["ngram", "mtp", "dflash", "draft"])
+def test_speculation_under_two_ranks_gives_plain_tokens(moe_dir, mtp_dir, drafter_dirs, method):
     """Verify rows (and, for a hybrid model, their kept states and restores) run on both ranks; the drafter on the
-    head alone (the MTP head holds all its experts there)."""
-    model_dir = mtp_dir if method == "mtp" else moe_dir
+    head alone (the MTP head holds all its experts there; the DFlash and draft models' caches follow the target's
+    in the head's blocks)."""
+    model_dir = moe_dir if method == "ngram" else mtp_dir
+    drafter = {"speculative_model": drafter_dirs[method]} if method in drafter_dirs else {}
     batch = [p * 3 + p[:2] for p in prompts(4, seed=21)]  # repeats: the n-gram drafter finds drafts
 
     async def run(**overrides) -> tuple[list[list[int]], dict]:
@@ -140,7 +154,8 @@ def test_speculation_under_two_ranks_gives_plain_tokens(moe_dir, mtp_dir, method
             await engine.shutdown()
 
     plain, _ = run_async(run())
-    spec, stats = run_async(run(ep_size=2, speculative_method=method, num_speculative_tokens=3, prompt_lookup_min=1))
+    spec, stats = run_async(run(ep_size=2, speculative_method=method, num_speculative_tokens=3, prompt_lookup_min=1,
+                                **drafter))
     assert spec == plain and stats["speculation"]["drafted_tokens"] > 0
 
 
