@@ -78,6 +78,7 @@ async def measure(engine: Engine, ep: int, batch: int, a: argparse.Namespace, se
 async def run_ep(a: argparse.Namespace, ep: int, model_dir: str, report: dict) -> None:
     """One engine at EP=ep: every batch size, then shut down (the worker with it)."""
     config = engine_config(a, model_dir, ep_size=ep, max_num_seqs=a.max_num_seqs or max(a.batches),
+                           ep_split_linear_attention=a.split_linear_attention and ep > 1,
                            max_model_len=max(1024, a.prompt_len + a.new_tokens + 64), prefix_caching=False,
                            gpu_memory_utilization=a.gpu_memory_utilization)
     begin = time.perf_counter()
@@ -253,6 +254,8 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest batch")
     ap.add_argument("--layers", type=int, default=None, help="trim num_hidden_layers (a shape that does not fit)")
     ap.add_argument("--allreduce-json", default=None, help="bench/ep_allreduce.py's output, for the comm share")
+    ap.add_argument("--split-linear-attention", action="store_true",
+                    help="EP > 1: each rank keeps half of every Gated DeltaNet layer's heads and states")
     ap.add_argument("--profile-batch", type=int, default=0,
                     help="also one run at this batch under torch.profiler: the head GPU's kernels a step")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="HBM GB/s for the limit (default: data sheet)")

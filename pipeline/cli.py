@@ -73,6 +73,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "and `conveyor worker` on the other ranks)")
     parser.add_argument("--ep-timeout", type=float, default=defaults.ep_timeout_s, metavar="SECONDS",
                         help="a collective waiting this long for another rank fails the engine")
+    parser.add_argument("--ep-split-linear-attention", action="store_true",
+                        help="hybrid models with --ep-size: each rank keeps its share of every Gated DeltaNet layer's "
+                             "heads and recurrent states (one more all-reduce a layer; no host tier for state snapshots)")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,
@@ -108,6 +111,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         num_speculative_tokens=args.num_speculative_tokens,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                         ep_size=args.ep_size, ep_timeout_s=args.ep_timeout,
+                        ep_split_linear_attention=args.ep_split_linear_attention,
                         gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))

@@ -53,6 +53,9 @@ class EngineConfig:
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
     ep_size: int = 1  # expert parallelism: ranks sharing the experts (rank 0 serves, pipeline/dist/)
     ep_timeout_s: float = 60.0  # a collective waiting this long for another rank fails (and the engine with it)
+    # hybrid models under expert parallelism: each rank keeps its share of every Gated DeltaNet layer's heads and
+    # recurrent states (one more all-reduce a layer; no host tier for state snapshots)
+    ep_split_linear_attention: bool = False
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
     gil_switch_interval_s: float = 0.001  # sys.setswitchinterval while serving (Python's default is 5 ms)
@@ -110,6 +113,8 @@ class EngineConfig:
             raise ValueError(f"num_speculative_tokens must be between 0 and {MAX_SPECULATIVE_TOKENS}")
         if self.ep_size < 1 or self.ep_timeout_s <= 0:
             raise ValueError("ep_size must be at least 1 and ep_timeout_s positive")
+        if self.ep_split_linear_attention and self.ep_size < 2:
+            raise ValueError("ep_split_linear_attention splits heads over expert-parallel ranks: it needs ep_size >= 2")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -100,6 +100,9 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         if not arch.num_experts:
             raise ValueError(f"{arch.model_type} has no experts: --ep-size needs a mixture-of-experts model")
         arch = replace(arch, expert_shard=parallel.group.shard)
+        if config.ep_split_linear_attention and arch.is_hybrid:
+            check_split_states(config)
+            arch = replace(arch, linear_head_shard=parallel.group.shard)
     tokenizer = Tokenizer.from_pretrained(path)
     generation_config = load_generation_config(path)
     dummy = config.load_format == "dummy"
@@ -168,6 +171,16 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         parallel.set_timeout(parallel.step_timeout_s)  # every rank has loaded: serving
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter)
+
+
+def check_split_states(config: EngineConfig) -> None:
+    """Recurrent states split over the ranks have no host tier: the head's host copy of a snapshot would hold its
+    own heads only."""
+    from pipeline.memory.snapshot_tiers import snapshot_host_gib
+
+    if config.prefix_caching and snapshot_host_gib(config, True) > 0:
+        raise ValueError("--ep-split-linear-attention keeps each rank's share of the recurrent states, which the "
+                         "snapshots' host tier cannot hold: set --state-snapshot-host-gib 0 or leave the split off")
 
 
 def agree_on_caches(parallel: ParallelContext, runner: ModelRunner, num_blocks: int, snapshots: int) -> int:

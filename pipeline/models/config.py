@@ -72,6 +72,8 @@ class ModelArchConfig:
     # hybrid Gated DeltaNet (Qwen3-Next, Qwen3.5): "linear_attention" / "full_attention" per layer; () = all full
     layer_types: tuple[str, ...] = ()
     expert_shard: ExpertShard = ExpertShard()  # expert parallelism: the routed experts this rank holds (runtime)
+    # expert parallelism with split recurrent states: the Gated DeltaNet heads this rank holds (runtime)
+    linear_head_shard: ExpertShard = ExpertShard()
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     linear_key_head_dim: int = 0

@@ -7,6 +7,11 @@ and the delta rule advances an fp32 state [HV, Dk, Dv] per sequence; the output 
 gated by silu(z), and projected back. On a decode step the norm runs inside the delta-rule kernel. The conv window and the state live in two per-layer tensors indexed by
 each row's state slot (``ctx.state_slots``); the model's ``cache_specs`` declares them.
 
+Under expert parallelism a layer may keep only its rank's share of the heads (``keep_heads``: a contiguous run of
+key heads and the value heads that read them): its projection rows, conv channels, gates and states, and the
+columns of ``out_proj``, whose partial output is summed over the ranks. Each rank then reads and writes half the
+delta-rule states.
+
 Both HF layouts load into the one projection: Qwen3.5's ``in_proj_qkv`` / ``in_proj_z`` / ``in_proj_b`` /
 ``in_proj_a``, and Qwen3-Next's ``in_proj_qkvz`` / ``in_proj_ba``, whose rows are grouped per key head
 (``split_qwen3_next_projections`` regroups them at load time).
@@ -17,6 +22,7 @@ import torch
 from torch import nn
 
 from kernels import gdn
+from pipeline.dist.group import ExpertGroup
 from pipeline.models.forward_context import ForwardContext, StateSlotSpec
 from pipeline.models.layers import Linear, MergedLinear
 
@@ -65,6 +71,33 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(num_v_heads, dtype=torch.float32, device=device))
         self.norm = GatedRMSNorm(head_v_dim, rms_norm_eps, dtype, device)
         self.out_proj = Linear(self.value_dim, hidden_size, False, dtype, device)
+        self.head_group: ExpertGroup | None = None  # keep_heads: the ranks holding the other heads
+
+    @torch.no_grad()
+    def keep_heads(self, rank: int, size: int) -> None:
+        """Keep rank ``rank`` of ``size``'s share of the heads (after loading, before any cache is sized)."""
+        hk, hv, dk, dv = self.num_k_heads, self.num_v_heads, self.head_k_dim, self.head_v_dim
+        if hk % size:
+            raise ValueError(f"{hk} key heads cannot be split over {size} ranks")
+        k_local, v_local = hk // size, hv // size
+        ks = slice(rank * k_local * dk, (rank + 1) * k_local * dk)
+        vs = slice(rank * v_local * dv, (rank + 1) * v_local * dv)
+        heads = slice(rank * v_local, (rank + 1) * v_local)
+        key, conv, value = self.key_dim, self.conv_dim, self.value_dim
+        rows = torch.cat([torch.arange(key)[ks], key + torch.arange(key)[ks], 2 * key + torch.arange(value)[vs],
+                          conv + torch.arange(value)[vs], conv + value + torch.arange(hv)[heads],
+                          conv + value + hv + torch.arange(hv)[heads]]).to(self.in_proj.weight.device)
+        self.in_proj.weight = nn.Parameter(self.in_proj.weight.index_select(0, rows), requires_grad=False)
+        channels = rows[:2 * k_local * dk + v_local * dv]
+        self.conv1d.weight = nn.Parameter(self.conv1d.weight.index_select(0, channels), requires_grad=False)
+        self.dt_bias = nn.Parameter(self.dt_bias[heads].clone(), requires_grad=False)
+        self.A_log = nn.Parameter(self.A_log[heads].clone(), requires_grad=False)
+        self.out_proj.weight = nn.Parameter(self.out_proj.weight[:, vs].contiguous(), requires_grad=False)
+        self.num_k_heads, self.num_v_heads = k_local, v_local
+        self.key_dim, self.value_dim = k_local * dk, v_local * dv
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj.out_sizes = [self.conv_dim, self.value_dim, v_local, v_local]
+        self.out_proj.in_features = self.value_dim
 
     def state_specs(self, dtype: torch.dtype) -> list[StateSlotSpec]:
         """The conv window [C, K-1] in the model dtype, then the delta-rule state [HV, Dk, Dv] in fp32."""
@@ -96,7 +129,8 @@ class GatedDeltaNet(nn.Module):
                                  ssm_states, ctx.state_slots, meta.query_start_loc, ctx.has_initial_state,
                                  meta.max_query_len, meta.query_start_loc_host,
                                  gated_norm=(z, self.norm.weight, self.norm.eps), keep_slots=ctx.keep_slots)
-        return self.out_proj(o.view(T, V))
+        out = self.out_proj(o.view(T, V))
+        return out if self.head_group is None else self.head_group.all_reduce(out)
 
 
 def split_qwen3_next_projections(name: str, tensor: torch.Tensor, num_k_heads: int, num_v_heads: int,

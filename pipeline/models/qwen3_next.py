@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from pipeline.dist.group import ExpertGroup
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import CacheSpec, ForwardContext, PagedKVSpec
 from pipeline.models.gated_delta_net import GatedDeltaNet, split_qwen3_next_projections
@@ -101,6 +102,23 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
                              "one full_attention layer")
         super().__init__(arch, dtype, device)
         self.mtp: MultiTokenPredictor | None = None
+
+    def _linear_attention(self) -> list[GatedDeltaNet]:
+        return [layer.linear_attn for layer in self.model.layers if layer.linear_attn is not None]
+
+    def after_load(self) -> None:
+        """Expert parallelism with ``arch.linear_head_shard``: each Gated DeltaNet layer keeps this rank's heads."""
+        shard = self.arch.linear_head_shard
+        if shard.size > 1:
+            for mixer in self._linear_attention():
+                mixer.keep_heads(shard.rank, shard.size)
+
+    def join_expert_group(self, group: ExpertGroup) -> None:
+        """The MoE blocks sum over ``group``, and so do Gated DeltaNet layers that keep a share of the heads."""
+        super().join_expert_group(group)
+        if self.arch.linear_head_shard.size > 1:
+            for mixer in self._linear_attention():
+                mixer.head_group = group
 
     def attach_mtp(self) -> None:
         """Build the MTP head (before loading: its ``mtp.*`` weights load with the model's) and store the hidden

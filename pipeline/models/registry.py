@@ -67,6 +67,8 @@ def finish_model(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] |
         initialize_dummy_weights(model)
     else:
         model.load_weights(weights)
+    if hasattr(model, "after_load"):  # a model that keeps a share of its layers' heads (expert parallelism)
+        model.after_load()
     model.eval()
     model.requires_grad_(False)
     if prepack and next(model.parameters()).device.type == "cpu":

@@ -72,11 +72,12 @@ async def run_engine(model_dir, **overrides) -> tuple[list[list[int]], dict]:
         await engine.shutdown()
 
 
-@pytest.mark.parametrize("model", ["moe_dir", "hybrid_dir"])
-def test_two_ranks_give_one_ranks_tokens(request, model):
+@pytest.mark.parametrize("model,split", [("moe_dir", False), ("hybrid_dir", False), ("hybrid_dir", True)])
+def test_two_ranks_give_one_ranks_tokens(request, model, split):
+    """``split``: each rank also keeps half of every Gated DeltaNet layer's heads and states."""
     model_dir = request.getfixturevalue(model)
     one, _ = run_async(run_engine(model_dir))
-    two, stats = run_async(run_engine(model_dir, ep_size=2))
+    two, stats = run_async(run_engine(model_dir, ep_size=2, ep_split_linear_attention=split))
     assert two == one
     parallel = stats["expert_parallel"]
     assert parallel["size"] == 2 and parallel["messages"] > 20 and parallel["workers"][0]["exit_code"] is None
@@ -162,6 +163,21 @@ def test_speculation_under_two_ranks_gives_plain_tokens(moe_dir, mtp_dir, drafte
 def test_a_model_without_experts_is_refused(tiny_model_dir):
     with pytest.raises(ValueError, match="no experts"):
         run_async(Engine.create(config_for(tiny_model_dir, ep_size=2)))
+
+
+def test_split_states_keep_half_the_heads_and_refuse_a_snapshot_host_tier(hybrid_dir):
+    async def state_bytes(**overrides) -> int:
+        engine = await Engine.create(config_for(hybrid_dir, **overrides))
+        try:
+            return engine.loaded.runner.state_bytes
+        finally:
+            await engine.shutdown()
+
+    whole, split = run_async(state_bytes(ep_size=2)), run_async(state_bytes(ep_size=2, ep_split_linear_attention=True))
+    assert split * 2 == whole
+    with pytest.raises(ValueError, match="host tier"):
+        run_async(Engine.create(config_for(hybrid_dir, ep_size=2, ep_split_linear_attention=True,
+                                           kv_offload_host_gib=1 / 1024)))
 
 
 async def first_delta_then_rest(engine: Engine) -> asyncio.Task:
