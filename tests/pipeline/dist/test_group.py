@@ -32,40 +32,51 @@ def test_every_expert_has_one_rank():
         ExpertShard(0, 9).experts(8)
 
 
-def run_model(model_dir: str, shard: ExpertShard, group: ExpertGroup | None) -> tuple[list, list]:
-    arch = dataclasses.replace(ModelArchConfig.from_hf(load_hf_config(model_dir)), expert_shard=shard)
+def run_model(model_dir: str, shard: ExpertShard, group: ExpertGroup | None,
+              split: bool = False) -> tuple[list, list, list[int]]:
+    """Greedy tokens, logits, and each Gated DeltaNet layer's value heads (``split``: the layers keep the shard's
+    heads too)."""
+    arch = dataclasses.replace(ModelArchConfig.from_hf(load_hf_config(model_dir)), expert_shard=shard,
+                               linear_head_shard=shard if split else ExpertShard())
     model = build_model(arch, iter_weights(model_dir), torch.float32, "cpu")
     if group is not None:
         model.join_expert_group(group)
     out = run_paged(model, PROMPTS, NEW_TOKENS, chunks=3)
-    return out.generated, [torch.stack(steps) for steps in out.decode_logits] + out.prompt_logits
+    heads = [m.num_v_heads for m in model.modules() if type(m).__name__ == "GatedDeltaNet"]
+    return out.generated, [torch.stack(steps) for steps in out.decode_logits] + out.prompt_logits, heads
 
 
-def _rank(rank: int, model_dir: str, store: str, result: str) -> None:
+def _rank(rank: int, model_dir: str, store: str, result: str, split: bool = False) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=2)
     try:
         group = ExpertGroup(ExpertShard(rank, 2))
-        generated, logits = run_model(model_dir, group.shard, group)
-        torch.save({"generated": generated, "logits": logits, "calls": group.calls}, f"{result}.{rank}")
+        generated, logits, heads = run_model(model_dir, group.shard, group, split)
+        torch.save({"generated": generated, "logits": logits, "calls": group.calls, "value_heads": heads},
+                   f"{result}.{rank}")
     finally:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-def test_two_ranks_holding_half_the_experts_each_equal_one(make_model_dir, tmp_path, model_type):
+@pytest.mark.parametrize("model_type,split", [("qwen3_moe", False), ("qwen3_5_moe_text", False),
+                                              ("qwen3_5_moe_text", True)])
+def test_two_ranks_holding_half_the_experts_each_equal_one(make_model_dir, tmp_path, model_type, split):
+    """``split``: each rank also keeps half of every Gated DeltaNet layer's heads (and sums its partial output)."""
     model_dir = str(make_model_dir(model_type, seed=9, num_experts=8))
-    generated, logits = run_model(model_dir, ExpertShard(), None)
+    generated, logits, heads = run_model(model_dir, ExpertShard(), None)
     result = str(tmp_path / "rank")
-    mp.start_processes(_rank, args=(model_dir, str(tmp_path / "store"), result), nprocs=2, start_method="spawn")
+    mp.start_processes(_rank, args=(model_dir, str(tmp_path / "store"), result, split), nprocs=2,
+                       start_method="spawn")
     ranks = [torch.load(f"{result}.{rank}") for rank in range(2)]
     for got in ranks:  # every rank computes the whole forward: the same tokens and logits
         assert got["generated"] == generated
         for mine, one in zip(got["logits"], logits):
             torch.testing.assert_close(mine, one, rtol=1e-4, atol=1e-4)
     assert ranks[0]["calls"] == ranks[1]["calls"] > 0
+    if split:  # each rank kept half of every Gated DeltaNet layer's value heads
+        assert ranks[0]["value_heads"] == ranks[1]["value_heads"] == [h // 2 for h in heads] and heads
 
 
 def test_one_rank_calls_no_collective(make_model_dir, monkeypatch):
@@ -141,7 +152,7 @@ def test_a_worker_runs_the_heads_steps_from_its_messages(make_model_dir, tmp_pat
     """Two ranks, the second driven only by the head's messages: the head's greedy tokens are the one-rank
     model's, and the worker ran every step."""
     model_dir = str(make_model_dir("qwen3_5_moe_text", seed=9, num_experts=8))
-    generated, _ = run_model(model_dir, ExpertShard(), None)
+    generated, _, _ = run_model(model_dir, ExpertShard(), None)
     result = str(tmp_path / "rank")
     mp.start_processes(_head_or_worker, args=(model_dir, str(tmp_path / "store"), result), nprocs=2,
                        start_method="spawn")
