@@ -6,7 +6,7 @@ tokens a step feeds from the previous one, arrive from the head's device.
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -14,13 +14,16 @@ from pipeline.dist.comm import receive_message, share_rows, share_tokens
 from pipeline.dist.step_message import MessageKind, SlotLedger, StepMessage
 from pipeline.memory.kv_offload import BlockTransfers, run_block_transfers
 
+if TYPE_CHECKING:
+    from pipeline.runner.model_runner import ModelRunner
+
 
 def _pairs(array) -> list[tuple[int, int]]:
     return [(int(a), int(b)) for a, b in array.tolist()]
 
 
 class Worker:
-    def __init__(self, runner, messages: Any = None, data: Any = None) -> None:
+    def __init__(self, runner: ModelRunner, messages: Any = None, data: Any = None) -> None:
         self.runner = runner  # a ModelRunner over this rank's shard (ModelArchConfig.expert_shard), caches allocated
         self.ledger = SlotLedger(max(0, runner.num_state_slots - 1))
         self.messages = messages  # the head's message group (None: the default one)
@@ -39,8 +42,7 @@ class Worker:
         if len(message.block_copies):
             run_block_transfers(BlockTransfers(None, copies=_pairs(message.block_copies)), runner.paged_caches)
         share_rows(runner.paged_caches, 1, message.loaded_blocks, False, self.data)
-        share_rows(runner.snapshots, 0, message.loaded_snapshots, False,
-                   self.data)
+        share_rows(runner.snapshots, 0, message.loaded_snapshots, False, self.data)
         if len(message.state_copies) or len(message.state_saves) or len(message.state_loads):
             states = BlockTransfers(None, state_copies=_pairs(message.state_copies),
                                     state_saves=_pairs(message.state_saves), state_loads=_pairs(message.state_loads))
