@@ -17,24 +17,14 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from kernels.moe import fused_moe  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from moe_tune import graph_ms  # noqa: E402
 
-def timed_ms(fn, repeats: int = 30) -> float:
-    """Median ms of ``fn`` replayed from a CUDA graph of ``repeats`` calls (launch costs out, weights cold)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeats):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) / repeats)
-    return sorted(times)[len(times) // 2]
+REPEATS = 30  # calls in a graph: launch costs out, and each call reads its weights cold
+
+
+def timed_ms(fn) -> float:
+    return graph_ms([fn] * REPEATS)
 
 
 def main() -> None:

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.dist.step_message import MessageKind, StepMessage
+from pipeline.memory.kv_offload import BlockTransfers
 from pipeline.memory.state_slots import StateSlot
 from pipeline.runner.step_plan import StepPlan
 
@@ -70,6 +71,14 @@ def _pairs(pairs: list[tuple[int, int]] | None) -> np.ndarray:
     return np.array(pairs or [], dtype=np.int64).reshape(-1, 2)
 
 
+_NO_COPIES = BlockTransfers(None)  # a step without copies (read only)
+
+
+def _targets(pairs: list[tuple[int, int]]) -> np.ndarray:
+    """The destinations of (source, destination) copies: what a restore fills."""
+    return np.array([target for _, target in pairs], dtype=np.int64)
+
+
 def _slots(slots: list[StateSlot]) -> tuple[np.ndarray, np.ndarray]:
     return (np.array([s.index for s in slots], dtype=np.int64), np.array([s.epoch for s in slots], dtype=np.int64))
 
@@ -98,29 +107,21 @@ class CommStage:
         if changes is not None and changes.allocated:
             self._send(StepMessage(MessageKind.ALLOCATE, self.number, *_slots(changes.allocated)))
         forward = plan.forward
-        transfers = plan.transfers
+        copies = plan.transfers or _NO_COPIES
         epochs = plan.state_epochs if plan.state_epochs is not None else np.zeros(forward.num_seqs, dtype=np.int64)
         fed = 0 if not len(forward.feed_targets) or previous_tokens is None else int(previous_tokens.shape[0])
-        if transfers is None:
-            message = StepMessage(MessageKind.STEP, self.number, epochs=epochs, fed_tokens=fed, forward=forward)
-        else:
-            message = StepMessage(
-                MessageKind.STEP, self.number, epochs=epochs, block_copies=_pairs(transfers.copies),
-                loaded_blocks=np.array([block for _, block in transfers.loads], dtype=np.int64),
-                loaded_snapshots=np.array([index for _, index in transfers.snapshot_loads], dtype=np.int64),
-                state_copies=_pairs(transfers.state_copies), state_saves=_pairs(transfers.state_saves),
-                state_loads=_pairs(transfers.state_loads), fed_tokens=fed, forward=forward)
-        self._send(message)
+        self._send(StepMessage(
+            MessageKind.STEP, self.number, epochs=epochs, block_copies=_pairs(copies.copies),
+            loaded_blocks=_targets(copies.loads), loaded_snapshots=_targets(copies.snapshot_loads),
+            state_copies=_pairs(copies.state_copies), state_saves=_pairs(copies.state_saves),
+            state_loads=_pairs(copies.state_loads), fed_tokens=fed, forward=forward))
 
     def share(self, plan: StepPlan, previous_tokens: torch.Tensor | None, paged: Sequence[torch.Tensor],
               snapshots: Sequence[torch.Tensor]) -> None:
         """After the head's copies, before its forward: the restored blocks and snapshots, the fed tokens."""
-        transfers = plan.transfers
-        if transfers is not None and transfers.loads:
-            share_rows(paged[:self.shared_caches], 1, np.array([b for _, b in transfers.loads]), True, self.data)
-        if transfers is not None and transfers.snapshot_loads:
-            share_rows(snapshots[:self.shared_states], 0, np.array([i for _, i in transfers.snapshot_loads]), True,
-                       self.data)
+        if plan.transfers is not None:
+            share_rows(paged[:self.shared_caches], 1, _targets(plan.transfers.loads), True, self.data)
+            share_rows(snapshots[:self.shared_states], 0, _targets(plan.transfers.snapshot_loads), True, self.data)
         if len(plan.forward.feed_targets) and previous_tokens is not None:
             share_tokens(previous_tokens, 0, previous_tokens.device, self.data)
 

@@ -63,6 +63,18 @@ async def workload(engine: Engine) -> list[list[int]]:
     return outputs
 
 
+async def run_batch(config, batch: list[list[int]], params: list[SamplingParams]) -> tuple[list[list[int]], dict]:
+    """Every prompt at once on an engine of ``config``: each one's tokens and the stats (settled, nothing leaked)."""
+    engine = await Engine.create(config)
+    try:
+        results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q) for p, q in zip(batch, params)])
+        await settle(engine)
+        assert_no_leaks(engine)
+        return [r[0].token_ids for r in results], engine.stats()
+    finally:
+        await engine.shutdown()
+
+
 async def run_engine(model_dir, **overrides) -> tuple[list[list[int]], dict]:
     engine = await Engine.create(config_for(model_dir, max_num_batched_tokens=24, state_snapshot_interval=8,
                                             **overrides))
@@ -144,19 +156,12 @@ def test_speculation_under_two_ranks_gives_plain_tokens(moe_dir, mtp_dir, drafte
     drafter = {"speculative_model": drafter_dirs[method]} if method in drafter_dirs else {}
     batch = [p * 3 + p[:2] for p in prompts(4, seed=21)]  # repeats: the n-gram drafter finds drafts
 
-    async def run(**overrides) -> tuple[list[list[int]], dict]:
-        engine = await Engine.create(config_for(model_dir, state_snapshot_interval=8, **overrides))
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=greedy(40)) for p in batch])
-            await settle(engine)
-            assert_no_leaks(engine)
-            return [r[0].token_ids for r in results], engine.stats()
-        finally:
-            await engine.shutdown()
+    def run(**overrides) -> tuple[list[list[int]], dict]:
+        config = config_for(model_dir, state_snapshot_interval=8, **overrides)
+        return run_async(run_batch(config, batch, [greedy(40)] * len(batch)))
 
-    plain, _ = run_async(run())
-    spec, stats = run_async(run(ep_size=2, speculative_method=method, num_speculative_tokens=3, prompt_lookup_min=1,
-                                **drafter))
+    plain, _ = run()
+    spec, stats = run(ep_size=2, speculative_method=method, num_speculative_tokens=3, prompt_lookup_min=1, **drafter)
     assert spec == plain and stats["speculation"]["drafted_tokens"] > 0
 
 
@@ -299,18 +304,8 @@ def test_ranks_started_the_torchrun_way_give_one_ranks_tokens(moe_dir, monkeypat
             worker.kill()
             worker.wait(30)
     monkeypatch.delenv("RANK")
-    one = run_async(collect_one_rank(moe_dir))
+    one, _ = run_async(run_batch(config_for(moe_dir, max_num_batched_tokens=24), prompts(3, seed=3), [greedy()] * 3))
     assert two == one
-
-
-async def collect_one_rank(model_dir) -> list[list[int]]:
-    engine = await Engine.create(config_for(model_dir, max_num_batched_tokens=24))
-    try:
-        batch = prompts(3, seed=3)
-        results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=greedy()) for p in batch])
-        return [r[0].token_ids for r in results]
-    finally:
-        await engine.shutdown()
 
 
 def test_preemption_grammars_and_sampling_under_two_ranks(hybrid_dir):
@@ -323,21 +318,13 @@ def test_preemption_grammars_and_sampling_under_two_ranks(hybrid_dir):
     params = [greedy(20), SamplingParams(max_tokens=20, temperature=0.8, seed=7, ignore_eos=True),
               SamplingParams(max_tokens=40, temperature=0.0, grammar=GrammarSpec.json_schema(SCHEMA))] * 2
 
-    async def run(**overrides) -> tuple[list[list[int]], dict]:
-        engine = await Engine.create(config_for(hybrid_dir, num_kv_blocks=24, max_num_batched_tokens=16,
-                                                speculative_method="ngram", num_speculative_tokens=3,
-                                                prompt_lookup_min=1, **overrides))
-        try:
-            results = await asyncio.gather(*[collect(engine, prompt_token_ids=p, params=q)
-                                             for p, q in zip(batch, params)])
-            await settle(engine)
-            assert_no_leaks(engine)
-            return [r[0].token_ids for r in results], engine.stats()
-        finally:
-            await engine.shutdown()
+    def run(**overrides) -> tuple[list[list[int]], dict]:
+        config = config_for(hybrid_dir, num_kv_blocks=24, max_num_batched_tokens=16, speculative_method="ngram",
+                            num_speculative_tokens=3, prompt_lookup_min=1, **overrides)
+        return run_async(run_batch(config, batch, params))
 
-    one, _ = run_async(run())
-    two, stats = run_async(run(ep_size=2))
+    one, _ = run()
+    two, stats = run(ep_size=2)
     assert two == one and stats["preemptions"] > 0
 
 
