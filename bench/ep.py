@@ -78,7 +78,7 @@ async def measure(engine: Engine, ep: int, batch: int, a: argparse.Namespace, se
 async def run_ep(a: argparse.Namespace, ep: int, model_dir: str, report: dict) -> None:
     """One engine at EP=ep: every batch size, then shut down (the worker with it)."""
     config = engine_config(a, model_dir, ep_size=ep, max_num_seqs=a.max_num_seqs or max(a.batches),
-                           ep_split_linear_attention=a.split_linear_attention and ep > 1,
+                           ep_split_linear_attention=a.split_linear_attention if ep > 1 else None,
                            max_model_len=max(1024, a.prompt_len + a.new_tokens + 64), prefix_caching=False,
                            gpu_memory_utilization=a.gpu_memory_utilization)
     begin = time.perf_counter()
@@ -119,13 +119,13 @@ async def run_ep(a: argparse.Namespace, ep: int, model_dir: str, report: dict) -
         free_device()
 
 
-def allreduce_step_us(ar: dict | None, tokens: int, moe_layers: int) -> dict | None:
+def allreduce_step_us(ar: dict | None, tokens: int, reducing_layers: int) -> dict | None:
     """A step's all-reduces from bench/ep_allreduce.py's graph replay (the run at ``tokens``, else the nearest),
-    scaled from its layer count to ``moe_layers``."""
+    scaled from its layer count to ``reducing_layers``."""
     if not ar or not ar.get("runs"):
         return None
     row = min(ar["runs"], key=lambda r: abs(r["tokens"] - tokens))
-    return {"tokens_measured": row["tokens"], "step_us": row["graph_step_us"] * moe_layers / ar["layers"],
+    return {"tokens_measured": row["tokens"], "step_us": row["graph_step_us"] * reducing_layers / ar["layers"],
             "measured_layers": ar["layers"], "measured_hidden": ar.get("hidden")}
 
 
@@ -147,10 +147,11 @@ def busier_rank_experts(s: dict, ep: int, draws: int = 20000) -> float:
     return total / draws
 
 
-def decode_bytes(s: dict, ep: int, context: int) -> dict:
+def decode_bytes(s: dict, ep: int, context: int, split: bool) -> dict:
     """Bytes one GPU reads in a batch-1 decode step, bf16 weights (2 bytes a parameter). Every rank: the attention
     and Gated DeltaNet projections, norms and routers, one embedding row, the whole lm_head, the KV of ``context``
-    tokens at each attention layer and each GDN layer's recurrent state (read and written). Experts: top-k of
+    tokens at each attention layer and each GDN layer's recurrent state (read and written); ``split`` (the ranks
+    split the GDN heads): 1 / ep of the GDN projections and states. Experts: top-k of
     num_experts, each 3 * hidden * moe_intermediate parameters; ``even_split`` gives a GPU k / ep of them plus the
     shared expert (on one rank), ``busier_rank`` the expected load of the busier rank (busier_rank_experts)."""
     h, nh, kvh, d = (s[x] for x in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim"))
@@ -167,13 +168,15 @@ def decode_bytes(s: dict, ep: int, context: int) -> dict:
         params["gated_deltanet"] = (layers - attn) * (h * (conv + value + 2 * heads) +
                                                       conv * s.get("linear_conv_kernel_dim", 4) + value * h)
     routed, shared = 3 * h * s["moe_intermediate_size"], 3 * h * s.get("shared_expert_intermediate_size", 0)
-    replicated = 2 * sum(params.values())
-    cache = attn * context * 2 * kvh * d * 2 + 2 * state_bytes_per_seq(s)
+    share = ep if split else 1
+    dense = 2 * sum(v / share if k == "gated_deltanet" else v for k, v in params.items())
+    cache = attn * context * 2 * kvh * d * 2 + 2 * state_bytes_per_seq(s) / share
     even = 2 * layers * (s["num_experts_per_tok"] / ep * routed + shared)
     busier = 2 * layers * busier_rank_experts(s, ep)
-    return {"ep": ep, "context_tokens": context, "replicated_params": params, "replicated_bytes": replicated,
-            "kv_and_state_bytes": cache, "experts_bytes_even_split": even, "experts_bytes_busier_rank": busier,
-            "total_bytes_even_split": replicated + cache + even, "total_bytes_busier_rank": replicated + cache + busier}
+    return {"ep": ep, "context_tokens": context, "split_linear_attention": split, "dense_params": params,
+            "dense_bytes": dense, "kv_and_state_bytes": cache, "experts_bytes_even_split": even,
+            "experts_bytes_busier_rank": busier, "total_bytes_even_split": dense + cache + even,
+            "total_bytes_busier_rank": dense + cache + busier}
 
 
 def derived(report: dict, a: argparse.Namespace, shape: dict, ar: dict | None) -> None:
@@ -181,12 +184,16 @@ def derived(report: dict, a: argparse.Namespace, shape: dict, ar: dict | None) -
     rows = {(r["ep"], r["batch"]): r for r in report["rows"]}
     report["ratios"] = [{"batch": b, "ep2_over_ep1": rows[2, b]["tok_s"] / rows[1, b]["tok_s"],
                          "target": TARGETS.get(b)} for b in a.batches if (1, b) in rows and (2, b) in rows]
-    moe_layers = shape["num_hidden_layers"]  # every layer of these shapes has an MoE block
+    split = {ep: report["engines"].get(str(ep), {}).get("expert_parallel", {}).get("split_linear_attention", False)
+             for ep in a.eps}
+    # every layer of these shapes has an MoE block; split Gated DeltaNet layers reduce their output too
+    reducing = {ep: shape["num_hidden_layers"] + (layer_kinds(shape).count("linear_attention") if split[ep] else 0)
+                for ep in a.eps}
     report["comm_share"] = {"method": "estimated from separately measured all-reduce graph time (bench/"
-                                      "ep_allreduce.py, scaled to this shape's MoE layers) / the EP=2 decode step "
-                                      "(B / decode tok/s)", "rows": []}
+                                      "ep_allreduce.py, scaled to this shape's all-reducing layers: MoE, and Gated "
+                                      "DeltaNet when split) / the EP=2 decode step (B / decode tok/s)", "rows": []}
     for b in a.batches:
-        step = allreduce_step_us(ar, b, moe_layers)
+        step = allreduce_step_us(ar, b, reducing.get(2, 0))
         if step and (2, b) in rows:
             report["comm_share"]["rows"].append({"batch": b, **step, "decode_step_ms": rows[2, b]["decode_step_ms"],
                                                  "share": step["step_us"] / 1e3 / rows[2, b]["decode_step_ms"]})
@@ -197,8 +204,8 @@ def derived(report: dict, a: argparse.Namespace, shape: dict, ar: dict | None) -
     for ep in a.eps:
         if (ep, 1) not in rows:
             continue
-        terms = decode_bytes(shape, ep, a.prompt_len + a.new_tokens // 2)
-        comm = allreduce_step_us(ar, 1, moe_layers) if ep > 1 else {"step_us": 0.0}
+        terms = decode_bytes(shape, ep, a.prompt_len + a.new_tokens // 2, split[ep])
+        comm = allreduce_step_us(ar, 1, reducing[ep]) if ep > 1 else {"step_us": 0.0}
         comm_s = comm["step_us"] * 1e-6 if comm else 0.0
         limit = {f"limit_tok_s_{kind}": 1 / (terms[f"total_bytes_{kind}"] / (bandwidth * 1e9) + comm_s)
                  for kind in ("busier_rank", "even_split")}
@@ -254,8 +261,9 @@ def main() -> None:
     ap.add_argument("--max-num-seqs", type=int, default=None, help="default: the largest batch")
     ap.add_argument("--layers", type=int, default=None, help="trim num_hidden_layers (a shape that does not fit)")
     ap.add_argument("--allreduce-json", default=None, help="bench/ep_allreduce.py's output, for the comm share")
-    ap.add_argument("--split-linear-attention", action="store_true",
-                    help="EP > 1: each rank keeps half of every Gated DeltaNet layer's heads and states")
+    ap.add_argument("--split-linear-attention", action=argparse.BooleanOptionalAction, default=None,
+                    help="EP > 1: each rank keeps its share of every Gated DeltaNet layer's heads and states "
+                         "(default: the engine's, which splits them)")
     ap.add_argument("--profile-batch", type=int, default=0,
                     help="also one run at this batch under torch.profiler: the head GPU's kernels a step")
     ap.add_argument("--bandwidth-gbs", type=float, default=None, help="HBM GB/s for the limit (default: data sheet)")

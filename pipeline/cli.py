@@ -73,9 +73,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              "and `conveyor worker` on the other ranks)")
     parser.add_argument("--ep-timeout", type=float, default=defaults.ep_timeout_s, metavar="SECONDS",
                         help="a collective waiting this long for another rank fails the engine")
-    parser.add_argument("--ep-split-linear-attention", action="store_true",
+    parser.add_argument("--ep-split-linear-attention", action=argparse.BooleanOptionalAction, default=None,
                         help="hybrid models with --ep-size: each rank keeps its share of every Gated DeltaNet layer's "
-                             "heads and recurrent states (one more all-reduce a layer; no host tier for state snapshots)")
+                             "heads and recurrent states (one more all-reduce a layer; no host tier for state "
+                             "snapshots). Default: on, unless a snapshot host tier is configured")
     parser.add_argument("--disable-run-ahead", action="store_true",
                         help="read each decode step's tokens before launching the next (no overlap)")
     parser.add_argument("--gc-young-threshold", type=int, default=defaults.gc_young_threshold,

@@ -54,8 +54,9 @@ class EngineConfig:
     ep_size: int = 1  # expert parallelism: ranks sharing the experts (rank 0 serves, pipeline/dist/)
     ep_timeout_s: float = 60.0  # a collective waiting this long for another rank fails (and the engine with it)
     # hybrid models under expert parallelism: each rank keeps its share of every Gated DeltaNet layer's heads and
-    # recurrent states (one more all-reduce a layer; no host tier for state snapshots)
-    ep_split_linear_attention: bool = False
+    # recurrent states (one more all-reduce a layer; no host tier for state snapshots). None: split unless a
+    # snapshot host tier is configured (pipeline/loading.py split_linear_attention)
+    ep_split_linear_attention: bool | None = None
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
     gil_switch_interval_s: float = 0.001  # sys.setswitchinterval while serving (Python's default is 5 ms)

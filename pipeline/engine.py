@@ -290,7 +290,8 @@ class Engine:
         parallel, comm = self.parallel, self.loaded.runner.comm
         if parallel is None or comm is None:
             return {"size": 1}
-        return {"size": parallel.size, "messages": comm.number, "message_bytes": comm.bytes_sent,
+        return {"size": parallel.size, "split_linear_attention": self.loaded.arch.linear_head_shard.size > 1,
+                "messages": comm.number, "message_bytes": comm.bytes_sent,
                 "workers": [{"rank": rank, "pid": p.pid, "exit_code": p.poll()}
                             for rank, p in enumerate(parallel.workers, start=1)]}
 

@@ -100,8 +100,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         if not arch.num_experts:
             raise ValueError(f"{arch.model_type} has no experts: --ep-size needs a mixture-of-experts model")
         arch = replace(arch, expert_shard=parallel.group.shard)
-        if config.ep_split_linear_attention and arch.is_hybrid:
-            check_split_states(config)
+        if arch.is_hybrid and split_linear_attention(config):
             arch = replace(arch, linear_head_shard=parallel.group.shard)
     tokenizer = Tokenizer.from_pretrained(path)
     generation_config = load_generation_config(path)
@@ -173,14 +172,19 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter)
 
 
-def check_split_states(config: EngineConfig) -> None:
-    """Recurrent states split over the ranks have no host tier: the head's host copy of a snapshot would hold its
-    own heads only."""
+def split_linear_attention(config: EngineConfig) -> bool:
+    """Whether a hybrid model's ranks split the Gated DeltaNet heads: on by default (each rank reads half the
+    recurrent states, which decode at large batches is bound by), off where a snapshot host tier is configured (the
+    head's host copy of a snapshot would hold its own heads only); asking for it with such a tier is an error."""
     from pipeline.memory.snapshot_tiers import snapshot_host_gib
 
-    if config.prefix_caching and snapshot_host_gib(config, True) > 0:
+    host_tier = snapshot_host_gib(config, True) > 0
+    if config.ep_split_linear_attention is None:
+        return not host_tier
+    if config.ep_split_linear_attention and host_tier:
         raise ValueError("--ep-split-linear-attention keeps each rank's share of the recurrent states, which the "
                          "snapshots' host tier cannot hold: set --state-snapshot-host-gib 0 or leave the split off")
+    return config.ep_split_linear_attention
 
 
 def agree_on_caches(parallel: ParallelContext, runner: ModelRunner, num_blocks: int, snapshots: int) -> int:

@@ -84,15 +84,17 @@ async def run_engine(model_dir, **overrides) -> tuple[list[list[int]], dict]:
         await engine.shutdown()
 
 
-@pytest.mark.parametrize("model,split", [("moe_dir", False), ("hybrid_dir", False), ("hybrid_dir", True)])
+@pytest.mark.parametrize("model,split", [("moe_dir", None), ("hybrid_dir", False), ("hybrid_dir", None)])
 def test_two_ranks_give_one_ranks_tokens(request, model, split):
-    """``split``: each rank also keeps half of every Gated DeltaNet layer's heads and states."""
+    """``split`` None: the default, which for a hybrid model keeps half of every Gated DeltaNet layer's heads and
+    states on each rank; False: every rank holds them all."""
     model_dir = request.getfixturevalue(model)
     one, _ = run_async(run_engine(model_dir))
     two, stats = run_async(run_engine(model_dir, ep_size=2, ep_split_linear_attention=split))
     assert two == one
     parallel = stats["expert_parallel"]
     assert parallel["size"] == 2 and parallel["messages"] > 20 and parallel["workers"][0]["exit_code"] is None
+    assert parallel["split_linear_attention"] == (model == "hybrid_dir" and split is None)
     assert stats["prefix_cache"]["hit_tokens"] > 0
 
 
@@ -170,19 +172,20 @@ def test_a_model_without_experts_is_refused(tiny_model_dir):
         run_async(Engine.create(config_for(tiny_model_dir, ep_size=2)))
 
 
-def test_split_states_keep_half_the_heads_and_refuse_a_snapshot_host_tier(hybrid_dir):
+def test_split_states_keep_half_the_heads_unless_a_snapshot_host_tier_needs_them_whole(hybrid_dir):
     async def state_bytes(**overrides) -> int:
-        engine = await Engine.create(config_for(hybrid_dir, **overrides))
+        engine = await Engine.create(config_for(hybrid_dir, ep_size=2, **overrides))
         try:
             return engine.loaded.runner.state_bytes
         finally:
             await engine.shutdown()
 
-    whole, split = run_async(state_bytes(ep_size=2)), run_async(state_bytes(ep_size=2, ep_split_linear_attention=True))
-    assert split * 2 == whole
+    host_tier = dict(kv_offload_host_gib=1 / 1024)
+    whole = run_async(state_bytes(ep_split_linear_attention=False))
+    assert run_async(state_bytes()) * 2 == whole
+    assert run_async(state_bytes(**host_tier)) == whole
     with pytest.raises(ValueError, match="host tier"):
-        run_async(Engine.create(config_for(hybrid_dir, ep_size=2, ep_split_linear_attention=True,
-                                           kv_offload_host_gib=1 / 1024)))
+        run_async(Engine.create(config_for(hybrid_dir, ep_size=2, ep_split_linear_attention=True, **host_tier)))
 
 
 async def first_delta_then_rest(engine: Engine) -> asyncio.Task:
