@@ -8,6 +8,9 @@ have the same semantics, including ``write_kv`` skipping padding slots (< 0).
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 
@@ -18,6 +21,29 @@ from kernels.triton_gemv import SKINNY_MAX_M, NormedProjection, gemv_norm_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
 from kernels.triton_qkv_prologue import qkv_prologue_ref, qkv_prologue_triton
 from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
+
+
+_ROWS_AS_DECODE: ContextVar[bool] = ContextVar("rows_as_decode", default=False)
+MAX_DECODE_ROW_TOKENS = SKINNY_MAX_M  # rows_as_decode: rows of up to this many tokens (a verify row, K <= 15)
+
+
+@contextmanager
+def rows_as_decode(enabled: bool = True) -> Iterator[None]:
+    """Within it, a GPU step of decode-sized rows (a speculative verify row: up to 16 tokens of one sequence)
+    computes every token as a one-token decode row computes it: each projection row alone (the GEMVs' row loop),
+    the norm inside the projection as at one row, and each token's attention through the decode kernel with the
+    decode partition. The tokens a verify row accepts then carry plain decoding's bits: its greedy output equals
+    plain decoding's in bf16 too. Off, such rows take the multi-row kernels (faster, other sums)."""
+    token = _ROWS_AS_DECODE.set(enabled)
+    try:
+        yield
+    finally:
+        _ROWS_AS_DECODE.reset(token)
+
+
+def decode_rows_on() -> bool:
+    """Whether ``rows_as_decode`` is on here."""
+    return _ROWS_AS_DECODE.get()
 
 
 def triton_available() -> bool:
@@ -61,13 +87,13 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return gemv_triton(x, weight, bias)
+    return gemv_triton(x, weight, bias, row_loop=decode_rows_on())
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None, write_normed: bool) -> NormedProjection:
     """The residual-add RMSNorm inside a skinny projection (where ``skinny_linear_applies``)."""
-    return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed)
+    return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed, row_loop=decode_rows_on())
 
 
 def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,

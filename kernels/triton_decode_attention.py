@@ -7,9 +7,17 @@ each part writes a normalized partial output and its log-sum-exp, and a small re
 ``decode_num_splits`` picks the count from the batch shape; with one split the kernel writes the output directly
 and no reduce runs. The key tile step, the output gate and the plan are
 shared with the prefill kernel (``kernels/triton_paged_attention.py``).
+
+``paged_rows_attention_triton`` runs the same kernel over the tokens of speculative-decoding verify rows (up to 16
+new tokens a sequence): each token is one decode "pseudo-row" whose context ends at its own position, so it gets
+the bitwise result plain decoding gives that token as a one-token row under the same plan (same splits, tiles and
+reduce), and greedy output with speculation equals greedy output without it. The prefill kernel, which would
+otherwise serve these rows, sums in another order.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -37,17 +45,27 @@ def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr, gate_ptr,
     qk_scale, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh, stride_gb, stride_gh,
+    row_seq_ptr, new_from_ptr,  # ROWS only (last: the plain kernel's other arguments keep their places)
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True,
+    EARLY: tl.constexpr = True, ROWS: tl.constexpr = False,
 ):
+    """Program (b, kvh, split): one split of row b's keys for the query heads of KV head kvh.
+
+    Plain decode (``ROWS`` False): row b is sequence b, its context ``seq_lens[b]`` keys, its one new key the last
+    (``row_seq_ptr`` and ``new_from_ptr`` unused). ``ROWS`` (``paged_rows_attention_triton``): row b is token b of
+    the step, ``seq_lens_ptr`` holds each token's own context length (its position + 1), ``row_seq_ptr`` its
+    sequence (the block-table row) and ``new_from_ptr`` the first position the step writes in that sequence; every
+    key from there on is this step's, read only after the wait. Nothing else differs: the same tiles and
+    operations, so a token's output is bitwise the one a one-token decode row at its position gets."""
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
+    seq = tl.load(row_seq_ptr + b) if ROWS else b  # the block-table row
     split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * split_len
     end = tl.minimum(start + split_len, seq_len)
@@ -58,23 +76,28 @@ def _decode_split_kernel(
     dim_ok = dims < HEAD_DIM
     heads = kvh * GROUP + rows
     q_mask = row_ok[:, None] & dim_ok[None, :]
-    bt_row = bt_ptr + b.to(tl.int64) * stride_bt
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
     k_base = k_ptr + kvh * stride_kh
     v_base = v_ptr + kvh * stride_kh
 
-    # The split's first key tile. Every key but the step's own (position seq_len - 1, which the prologue kernel
-    # writes) was written by an earlier step, and the block table and lengths by host copies before it: all of it
-    # may be read before the wait, overlapping the kernels this one waits on.
+    # The split's first key tile. Every key but the step's own (positions new_from .. seq_len - 1, which the
+    # prologue kernel writes; plain decode: seq_len - 1 alone) was written by an earlier step, and the block table,
+    # lengths and rows arrays by host copies or kernels finished before this step's chain (triton_compat): all of
+    # it may be read before the wait, overlapping the kernels this one waits on.
     offs_n = start + tl.arange(0, BLOCK_N)
     n_ok = offs_n < end
     blk = tl.load(bt_row + offs_n // BLOCK_SIZE, mask=n_ok, other=0)
     kv_off = (blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt)[:, None] + dims[None, :]
-    old = (n_ok & (offs_n < seq_len - 1))[:, None] & dim_ok[None, :]
+    new_from = tl.load(new_from_ptr + b) if ROWS else seq_len - 1  # the first key this step writes
+    old = (n_ok & (offs_n < new_from))[:, None] & dim_ok[None, :]
     k = tl.load(k_base + kv_off, mask=old, other=0.0)
     v = tl.load(v_base + kv_off, mask=old, other=0.0)
     if EARLY:
         pdl_wait(PDL)
-    new = (offs_n == seq_len - 1)[:, None] & dim_ok[None, :]  # the step's own key, if it falls in this tile
+    if ROWS:  # the step's keys up to the row's own, those in this tile (n_ok: below end <= seq_len)
+        new = (n_ok & (offs_n >= new_from))[:, None] & dim_ok[None, :]
+    else:
+        new = (offs_n == seq_len - 1)[:, None] & dim_ok[None, :]  # the step's own key, if it falls in this tile
     k = tl.where(new, tl.load(k_base + kv_off, mask=new, other=0.0), k)
     v = tl.where(new, tl.load(v_base + kv_off, mask=new, other=0.0), v)
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
@@ -109,10 +132,71 @@ def _decode_split_kernel(
         o_ptrs = out_ptr + b * stride_ob + heads[:, None] * stride_oh + dims[None, :]
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
-        part = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [B, H, splits] row-major
+        part = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [rows, H, splits] row-major
         tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], out, mask=q_mask)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
         tl.store(part_lse_ptr + part, lse, mask=row_ok)
+
+
+@dataclass(slots=True)
+class DecodeRows:
+    """Per-token rows of a step for ``paged_rows_attention_triton``, int32 device arrays of [T] (T tokens)."""
+
+    seq: torch.Tensor  # the token's sequence (its block-table row)
+    seq_len: torch.Tensor  # its position + 1: the keys it attends to
+    new_from: torch.Tensor  # the first position the step writes in its sequence: seq_lens[b] - q_b
+
+
+def decode_rows(meta, num_tokens: int) -> DecodeRows:
+    """The step's ``DecodeRows``, built on the device with no host sync (CUDA-graph capturable): token t belongs to
+    the sequence b with ``query_start_loc[b] <= t < query_start_loc[b + 1]`` and sits at position
+    ``seq_lens[b] - (query_start_loc[b + 1] - t)``. ``num_tokens`` is ``query_start_loc[-1]``, passed because
+    reading it would sync. Build once a step; every attention layer reads the same. Needs q_b <= seq_lens[b] (the
+    CUDA graphs' padding rows have seq_len q): a row's seq_len is at least 1."""
+    qsl = meta.query_start_loc.to(torch.int32).contiguous()  # both no-ops for the pipeline's metadata
+    ends = qsl[1:]
+    tokens = torch.arange(num_tokens, dtype=torch.int32, device=qsl.device)
+    seq = torch.searchsorted(ends, tokens, right=True, out_int32=True)
+    seq_lens = meta.seq_lens.to(torch.int32)
+    seq_len = (seq_lens - ends).index_select(0, seq) + tokens + 1
+    new_from = (seq_lens - (ends - qsl[:-1])).index_select(0, seq)
+    return DecodeRows(seq=seq, seq_len=seq_len, new_from=new_from)
+
+
+def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float, plan: TritonAttentionPlan, splits: int,
+                   gate: torch.Tensor | None, rows: DecodeRows | None, kvh: int, group: int) -> torch.Tensor:
+    """The split kernel over (rows of ``query``, KV heads, ``splits``), then the reduce when ``splits`` > 1: one
+    launch path for plain decode (``rows`` None, row b = sequence b) and for verify rows (row b = token b)."""
+    if gate is not None and (gate.shape != query.shape or gate.stride(-1) != 1):
+        raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
+    R, H, d = query.shape
+    d_pad = block_pow2(d)
+    block_n = block_pow2(plan.decode_block_n or (64 if d_pad <= 128 else 32))  # tl.dot needs >= 16
+    out = torch.empty_like(query)
+    direct = splits == 1
+    part_acc = query.new_empty(0 if direct else R * H * splits * d_pad, dtype=torch.float32)
+    part_lse = query.new_empty(0 if direct else R * H * splits, dtype=torch.float32)
+    fp32, precision = dtype_choices(kv_cache_layer)
+    k, v = kv_cache_layer[0], kv_cache_layer[1]
+    g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
+    row_seq, new_from = (rows.seq, rows.new_from) if rows is not None else (seq_lens, seq_lens)  # unused: plain
+    _decode_split_kernel[(R, kvh, splits)](
+        query, k, v, block_tables, seq_lens, out, part_acc, part_lse, g, scale * LOG2E, splits,
+        query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), *g_strides, row_seq, new_from,
+        HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
+        BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
+        num_stages=2, EARLY=EARLY_LOADS, ROWS=rows is not None, **pdl_launch(query),
+    )
+    if not direct:
+        split_reduce_kernel[(R, H)](
+            part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides,
+            HEAD_DIM=d, D_PAD=d_pad, S_PAD=block_pow2(splits, 2), GATED=gate is not None,
+            num_warps=8 if block_pow2(splits, 2) * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
+            **pdl_launch(query),
+        )
+    return out
 
 
 def paged_decode_attention_triton(
@@ -125,35 +209,36 @@ def paged_decode_attention_triton(
 ) -> torch.Tensor:  # [B, H, D]
     """Decode-only batch, split-KV (flash-decoding) with a reduce kernel when there is more than one split.
     ``gate``: the output is ``out * sigmoid(gate)`` (``output_gate``), applied where the output is stored."""
-    query, kvh, group, d = check_query(query, kv_cache_layer)
-    if gate is not None and (gate.shape != query.shape or gate.stride(-1) != 1):
-        raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
+    query, kvh, group, _ = check_query(query, kv_cache_layer)
     plan = plan if isinstance(plan, TritonAttentionPlan) else TritonAttentionPlan()
-    B, H, _ = query.shape
-    d_pad = block_pow2(d)
-    block_n = block_pow2(plan.decode_block_n or (64 if d_pad <= 128 else 32))  # tl.dot needs >= 16
-    splits = plan.num_splits or decode_num_splits(B, kvh, meta.max_seq_len, num_sms_of(query.device))
-    out = torch.empty_like(query)
-    direct = splits == 1
-    part_acc = query.new_empty(0 if direct else B * H * splits * d_pad, dtype=torch.float32)
-    part_lse = query.new_empty(0 if direct else B * H * splits, dtype=torch.float32)
-    fp32, precision = dtype_choices(kv_cache_layer)
-    k, v = kv_cache_layer[0], kv_cache_layer[1]
-    g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
-    _decode_split_kernel[(B, kvh, splits)](
-        query, k, v, meta.block_tables, meta.seq_lens, out, part_acc, part_lse, g, scale * LOG2E, splits,
-        query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
-        out.stride(0), out.stride(1), *g_strides,
-        HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
-        BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2, EARLY=EARLY_LOADS, **pdl_launch(query),
-    )
-    if not direct:
-        split_reduce_kernel[(B, H)](
-            part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides,
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=block_pow2(splits, 2), GATED=gate is not None,
-            num_warps=8 if block_pow2(splits, 2) * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
-            **pdl_launch(query),
-        )
-    return out
+    splits = plan.num_splits or decode_num_splits(query.shape[0], kvh, meta.max_seq_len, num_sms_of(query.device))
+    return _decode_launch(query, kv_cache_layer, meta.block_tables, meta.seq_lens, scale, plan, splits, gate, None,
+                          kvh, group)
 
+
+def paged_rows_attention_triton(
+    query: torch.Tensor,  # [T, H, D], the step's tokens concatenated by sequence
+    kv_cache_layer: torch.Tensor,  # [2, NB, BS, KVH, D]
+    meta,
+    scale: float,
+    plan: TritonAttentionPlan | None,
+    gate: torch.Tensor | None = None,  # [T, H, D], last dim contiguous
+    rows: DecodeRows | None = None,
+) -> torch.Tensor:  # [T, H, D]
+    """Every token of a varlen step (speculative verify rows) as one decode row: token t of sequence b at position
+    p attends to keys 0..p of b exactly as ``paged_decode_attention_triton`` attends for a one-token row with
+    seq_len p + 1, so the outputs are bitwise equal under the same ``plan``. Pass the plan plain decoding takes
+    (``plan.num_splits`` fixed: the pipeline's ``decode_plan``); without one the split count is the decode
+    heuristic's for ``meta``'s sequences. ``rows``: ``decode_rows(meta, T)``, built once a step (built here if
+    None). The causal mask is implicit: each row's keys end at its own position."""
+    query, kvh, group, _ = check_query(query, kv_cache_layer)
+    plan = plan if isinstance(plan, TritonAttentionPlan) else TritonAttentionPlan()
+    T = query.shape[0]
+    if rows is None:
+        rows = decode_rows(meta, T)
+    elif not (rows.seq.shape == rows.seq_len.shape == rows.new_from.shape == (T,)):
+        raise ValueError(f"rows of {tuple(rows.seq.shape)} tokens do not fit query {tuple(query.shape)}")
+    splits = plan.num_splits or decode_num_splits(meta.seq_lens.shape[0], kvh, meta.max_seq_len,
+                                                  num_sms_of(query.device))
+    return _decode_launch(query, kv_cache_layer, meta.block_tables, rows.seq_len, scale, plan, splits, gate, rows,
+                          kvh, group)

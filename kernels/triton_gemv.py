@@ -85,6 +85,33 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
     WRITE_BLOCK: tl.constexpr = 16, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
+    ROW_LOOP: tl.constexpr = False,
+):
+    """ROW_LOOP: each program runs the one-row program (M = 1, BLOCK_M = 1) for each of the M rows in turn, the
+    same operations on the same tiles as a one-row launch, so every row's bits equal its own one-row launch's
+    whatever M is (speculative verify rows against one-token decode rows). The weight slice a program streams is
+    read again per row, from L1/L2."""
+    if ROW_LOOP:
+        for row in range(M):
+            _gemv_program(x_ptr + row * x_s0, w_ptr, b_ptr, y_ptr + row * N, ws_ptr + row * N, M * N,
+                          1, N, K, k_split, x_s0, r_ptr + row * r_s0, r_s0, nw_ptr, res_out_ptr + row * K,
+                          normed_ptr + row * K, eps, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N,
+                          BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
+    else:
+        _gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M * N, M, N, K, k_split, x_s0, r_ptr, r_s0, nw_ptr,
+                      res_out_ptr, normed_ptr, eps, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N,
+                      BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
+
+
+@_jit
+def _gemv_program(
+    x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, ws_split_stride,
+    M, N, K, k_split, x_s0,
+    r_ptr, r_s0, nw_ptr, res_out_ptr, normed_ptr, eps,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split).
 
@@ -131,7 +158,7 @@ def _gemv_kernel(
         out = tl.sum(acc, axis=2)
     out_mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
     if SPLIT:
-        tl.store(ws_ptr + (pid_k * M + offs_m[None, :]) * N + offs_n[:, None], out, mask=out_mask)
+        tl.store(ws_ptr + pid_k * ws_split_stride + offs_m[None, :] * N + offs_n[:, None], out, mask=out_mask)
     else:
         if NORM:
             rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
@@ -189,14 +216,15 @@ GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "1") == "1"
 GEMV_TMA_MIN_BYTES = 32 << 20
 
 
-def _tma_for(x: torch.Tensor, weight: torch.Tensor):
-    """kernels.triton_gemv_tma when ``GEMV_TMA`` sends this GEMV there (W large enough, ``tma_supported``), else
-    None. Imported at first use: it imports this module (``NormedProjection``)."""
+def _tma_for(x: torch.Tensor, weight: torch.Tensor, row_loop: bool = False):
+    """kernels.triton_gemv_tma when ``GEMV_TMA`` sends this GEMV there (W large enough, ``tma_supported`` for one
+    row, or for each row with ``row_loop``), else None. Imported at first use: it imports this module
+    (``NormedProjection``)."""
     if not GEMV_TMA or weight.numel() * weight.element_size() < GEMV_TMA_MIN_BYTES:
         return None
     from kernels import triton_gemv_tma
 
-    return triton_gemv_tma if triton_gemv_tma.tma_supported(x, weight) else None
+    return triton_gemv_tma if triton_gemv_tma.tma_supported(x[:1] if row_loop else x, weight) else None
 
 
 def _whole_rows_tile(m: int, k: int, dtype: torch.dtype) -> tuple[int, int] | None:
@@ -254,11 +282,12 @@ def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, use_dot: bool | None = None,
-    prefetch: bool | None = None,
+    prefetch: bool | None = None, row_loop: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic.
     On GPUs with dependent launch, W is read before the kernels before this one have finished: W must be a weight
-    (nothing in the step writes it), as every caller's is."""
+    (nothing in the step writes it), as every caller's is. ``row_loop``: every row computed exactly as a one-row
+    call computes it (``_gemv_kernel``'s ROW_LOOP; the TMA kernel's row loop for the weights it takes)."""
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     if m == 0 or n == 0 or k == 0:
@@ -268,9 +297,10 @@ def gemv_triton(
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
     overridden = (block_n, block_k, split_k, num_warps, num_stages, use_dot, prefetch) != (None,) * 7
-    if not overridden and (tma := _tma_for(x, weight)):
-        return tma.gemv_tma(x, weight, bias, pdl=bool(pdl))
-    cfg = gemv_config(m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
+    row_loop = row_loop and m > 1  # one row: the plain launch is the same program
+    if not overridden and (tma := _tma_for(x, weight, row_loop)):
+        return tma.gemv_tma(x, weight, bias, pdl=bool(pdl), row_loop=row_loop)
+    cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
         raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two (>= 16 for the dot path)")
@@ -285,7 +315,8 @@ def gemv_triton(
         HAS_BIAS=bias is not None, SPLIT=splits > 1, USE_DOT=cfg["use_dot"],
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
-        num_stages=num_stages or cfg["num_stages"], PREFETCH=bool(pdl) if prefetch is None else prefetch, **pdl,
+        num_stages=num_stages or cfg["num_stages"], PREFETCH=bool(pdl) if prefetch is None else prefetch,
+        ROW_LOOP=row_loop, **pdl,
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
@@ -317,9 +348,10 @@ def gemv_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                      weight: torch.Tensor, bias: torch.Tensor | None = None, write_normed: bool = False, *,
                      block_n: int | None = None, block_k: int | None = None,
-                     num_warps: int | None = None, prefetch: bool | None = None) -> NormedProjection:
+                     num_warps: int | None = None, prefetch: bool | None = None,
+                     row_loop: bool = False) -> NormedProjection:
     """``gemv_norm_ref`` in one launch: the residual-add RMSNorm in the GEMV's K loop (no K split). At decode
-    batch sizes this replaces a norm kernel a layer."""
+    batch sizes this replaces a norm kernel a layer. ``row_loop``: as ``gemv_triton``'s."""
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
@@ -330,9 +362,11 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     r = x if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
-    if (block_n, block_k, num_warps, prefetch) == (None,) * 4 and (tma := _tma_for(x, weight)):
-        return tma.gemv_norm_tma(x, residual, norm_weight, eps, weight, bias, write_normed, pdl=bool(pdl))
-    cfg = gemv_norm_config(m, n, k, x.dtype, sms, pdl=bool(pdl))
+    row_loop = row_loop and m > 1
+    if (block_n, block_k, num_warps, prefetch) == (None,) * 4 and (tma := _tma_for(x, weight, row_loop)):
+        return tma.gemv_norm_tma(x, residual, norm_weight, eps, weight, bias, write_normed, pdl=bool(pdl),
+                                 row_loop=row_loop)
+    cfg = gemv_norm_config(1 if row_loop else m, n, k, x.dtype, sms, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     grid_n = triton.cdiv(n, bn)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -346,7 +380,7 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=cfg["num_stages"], NORM=True, HAS_RES=residual is not None, WRITE_NORMED=write_normed,
-        WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, **pdl,
+        WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop, **pdl,
     )
     return out
 

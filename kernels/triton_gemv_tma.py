@@ -148,6 +148,78 @@ def _gemv_tma_kernel(
                 tl.store(normed_ptr + c + offs_c, (xc.to(tl.float32) * rstd * nwc).to(xc.dtype), mask=c_mask)
 
 
+@_jit
+def _gemv_tma_rows_kernel(
+    w_desc, w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_out_ptr, normed_ptr, rstd_ptr, M, N, K, eps,
+    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr, PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+):
+    """``_gemv_tma_kernel`` for M rows (x, the residual and y contiguous [M, .]), each row's bits those of its own
+    one-row launch: the flat loop runs (row block, row, K tile), so a row block's every row takes the same tiles
+    in the same order into a fresh accumulator, and its W slice (BLOCK_N x K) is read again per row while it is
+    still in L2. A row's 1/rms (NORM) goes through ``rstd_ptr`` ([grid, M]) to the residual and normed writes."""
+    pid = tl.program_id(0)
+    grid = tl.num_programs(0)
+    k_tiles = tl.cdiv(K, BLOCK_K)
+    per_block = M * k_tiles
+    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, grid) * per_block
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    start = 0
+    if PDL:  # as the one-row kernel: row 0's first tile by plain loads before the wait
+        rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+        if EVEN_K:
+            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :])
+        else:
+            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+        if not LATE_TRIGGER:
+            gdc_launch_dependents()
+        gdc_wait()
+        acc, squares = _accumulate(w_first, 0, K, offs_k, x_ptr, r_ptr, nw_ptr, acc, squares, NORM, HAS_RES, EVEN_K)
+        start = 1
+        if k_tiles == 1:
+            rstd = _finish_row_block(acc, squares, pid, N, K, eps, b_ptr, y_ptr, BLOCK_N, NORM, HAS_BIAS)
+            if NORM:
+                tl.store(rstd_ptr + pid * M, rstd)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    for it in tl.range(start, total, num_stages=STAGES):
+        j = it // per_block
+        m = (it - j * per_block) // k_tiles
+        kt = it - j * per_block - m * k_tiles
+        rb = pid + j * grid
+        k = kt * BLOCK_K
+        w = w_desc.load([rb * BLOCK_N, k])
+        acc, squares = _accumulate(w, k, K, offs_k, x_ptr + m * K, r_ptr + m * K, nw_ptr, acc, squares, NORM,
+                                   HAS_RES, EVEN_K)
+        if kt == k_tiles - 1:
+            rstd = _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr + m * N, BLOCK_N, NORM, HAS_BIAS)
+            if NORM:
+                tl.store(rstd_ptr + pid * M + m, rstd)
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+    if PDL and LATE_TRIGGER:
+        gdc_launch_dependents()
+    if NORM and (HAS_RES or WRITE_NORMED):
+        tl.debug_barrier()  # this program's 1/rms stores, read back below
+        offs_c = tl.arange(0, WRITE_BLOCK)
+        for m in range(M):
+            rstd = tl.load(rstd_ptr + pid * M + m)
+            for c in range(pid * WRITE_BLOCK, K, grid * WRITE_BLOCK):
+                c_mask = c + offs_c < K
+                xc = tl.load(x_ptr + m * K + c + offs_c, mask=c_mask, other=0.0)
+                if HAS_RES:
+                    rc = tl.load(r_ptr + m * K + c + offs_c, mask=c_mask, other=0.0)
+                    xc = (xc.to(tl.float32) + rc.to(tl.float32)).to(xc.dtype)
+                    tl.store(res_out_ptr + m * K + c + offs_c, xc, mask=c_mask)
+                if WRITE_NORMED:
+                    nwc = tl.load(nw_ptr + c + offs_c, mask=c_mask, other=0.0).to(tl.float32)
+                    tl.store(normed_ptr + m * K + c + offs_c, (xc.to(tl.float32) * rstd * nwc).to(xc.dtype),
+                             mask=c_mask)
+
+
 @functools.cache
 def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
@@ -202,33 +274,37 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     desc = TensorDescriptor(weight, [n, k], [k, 1], [bn, bk])
     residual, nw, eps, res_out, normed = norm if norm is not None else (None, y, 0.0, y, None)
     launch = pdl_launch(x) if pdl is None else ({"PDL": True, "launch_pdl": True} if pdl else {})
-    _gemv_tma_kernel[(grid,)](
-        desc, weight, x, bias if bias is not None else y, y, residual if residual is not None else x, nw,
-        res_out, normed if normed is not None else y, n, k, eps,
-        HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
-        WRITE_NORMED=normed is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk, STAGES=cfg["stages"],
-        WRITE_BLOCK=max(16, min(2048, triton.next_power_of_2(triton.cdiv(k, grid)))),
-        LATE_TRIGGER=bool(launch) and bool(cfg["late_trigger"]), num_warps=cfg["num_warps"], **launch,
-    )
+    args = (desc, weight, x, bias if bias is not None else y, y, residual if residual is not None else x, nw,
+            res_out, normed if normed is not None else y)
+    options = dict(HAS_BIAS=bias is not None, NORM=norm is not None, HAS_RES=residual is not None,
+                   WRITE_NORMED=normed is not None, EVEN_K=k % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+                   STAGES=cfg["stages"], WRITE_BLOCK=max(16, min(2048, triton.next_power_of_2(triton.cdiv(k, grid)))),
+                   LATE_TRIGGER=bool(launch) and bool(cfg["late_trigger"]), num_warps=cfg["num_warps"], **launch)
+    if x.shape[0] == 1:
+        _gemv_tma_kernel[(grid,)](*args, n, k, eps, **options)
+    else:  # each row as its own one-row launch would compute it
+        rstd = torch.empty(grid * x.shape[0] if norm is not None else 1, dtype=torch.float32, device=x.device)
+        _gemv_tma_rows_kernel[(grid,)](*args, rstd, x.shape[0], n, k, eps, **options)
 
 
-def _check_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+def _check_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, row_loop: bool) -> None:
     _check_operands(x, weight, bias)
-    if x.shape[0] != 1 or x.dtype not in (torch.bfloat16, torch.float16) or 0 in weight.shape:
-        raise ValueError(f"the TMA GEMV takes one 16-bit row and a non-empty W, got x {tuple(x.shape)} {x.dtype}"
-                         f" and W {tuple(weight.shape)}")
+    if (x.shape[0] != 1 and not row_loop) or x.dtype not in (torch.bfloat16, torch.float16) or 0 in weight.shape:
+        raise ValueError(f"the TMA GEMV takes one 16-bit row (several with row_loop) and a non-empty W, got x "
+                         f"{tuple(x.shape)} {x.dtype} and W {tuple(weight.shape)}")
 
 
 def gemv_tma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
              block_n: int | None = None, block_k: int | None = None, stages: int | None = None,
              programs_per_sm: int | None = None, num_warps: int | None = None, late_trigger: bool | None = None,
-             pdl: bool | None = None) -> torch.Tensor:
+             pdl: bool | None = None, row_loop: bool = False) -> torch.Tensor:
     """``gemv_ref`` for x [1, K] and W [N, K] (16-bit, contiguous; see ``tma_supported``); keywords override
     ``tma_config``, ``pdl`` (None: the device's default) dependent launch. W must be a weight: under PDL its first
-    tile is read before the kernels before this one have finished."""
-    _check_one_row(x, weight, bias)
-    x = x if x.stride(1) == 1 else x.contiguous()
-    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    tile is read before the kernels before this one have finished. ``row_loop``: x may have up to 16 rows, each
+    computed as a one-row call computes it (``_gemv_tma_rows_kernel``)."""
+    _check_one_row(x, weight, bias, row_loop)
+    x = x.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     overrides = {"block_n": block_n, "block_k": block_k, "stages": stages, "programs_per_sm": programs_per_sm,
                  "num_warps": num_warps, "late_trigger": late_trigger}
     _launch(x, weight, None if bias is None else bias.contiguous(), y, None, overrides, pdl)
@@ -239,14 +315,16 @@ def gemv_norm_tma(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
                   weight: torch.Tensor, bias: torch.Tensor | None = None, write_normed: bool = False, *,
                   block_n: int | None = None, block_k: int | None = None, stages: int | None = None,
                   programs_per_sm: int | None = None, num_warps: int | None = None,
-                  late_trigger: bool | None = None, pdl: bool | None = None) -> NormedProjection:
-    """``gemv_norm_ref`` (residual-add RMSNorm, then the projection) in one launch of the TMA kernel."""
-    _check_one_row(x, weight, bias)
+                  late_trigger: bool | None = None, pdl: bool | None = None,
+                  row_loop: bool = False) -> NormedProjection:
+    """``gemv_norm_ref`` (residual-add RMSNorm, then the projection) in one launch of the TMA kernel;
+    ``row_loop`` as ``gemv_tma``'s."""
+    _check_one_row(x, weight, bias, row_loop)
     if norm_weight.shape != (x.shape[1],) or (residual is not None and residual.shape != x.shape):
         raise ValueError(f"norm weight {tuple(norm_weight.shape)} / residual shape do not match x {tuple(x.shape)}")
-    x = x if x.stride(1) == 1 else x.contiguous()
-    r = None if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
-    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    x = x.contiguous()
+    r = None if residual is None else residual.contiguous()
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     out = NormedProjection(y, x if r is None else torch.empty_like(x), torch.empty_like(x) if write_normed else None)
     overrides = {"block_n": block_n, "block_k": block_k, "stages": stages, "programs_per_sm": programs_per_sm,
                  "num_warps": num_warps, "late_trigger": late_trigger}

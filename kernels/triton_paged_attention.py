@@ -43,6 +43,9 @@ class TritonAttentionPlan:
     prefill_splits: int | None = None  # prefill KV partitions per tile (1: none)
     prefill_warps: int | None = None  # warps per prefill program
     prefill_stages: int | None = None  # software-pipeline stages of the prefill key loop
+    # rows_as_decode (kernels/dispatch.py): the step's tokens as one-token decode rows
+    # (kernels/triton_decode_attention.py DecodeRows); None: multi-token rows take the prefill kernel
+    decode_rows: object | None = None
 
 
 def block_pow2(n: int, least: int = 16) -> int:
@@ -320,5 +323,9 @@ def paged_attention_triton(
         from kernels.triton_decode_attention import paged_decode_attention_triton  # that module builds on this one
 
         return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan, gate)
+    if isinstance(plan, TritonAttentionPlan) and plan.decode_rows is not None:
+        from kernels.triton_decode_attention import paged_rows_attention_triton
+
+        return paged_rows_attention_triton(query, kv_cache_layer, meta, scale, plan, gate, rows=plan.decode_rows)
     out = paged_prefill_attention_triton(query, kv_cache_layer, meta, scale, plan)
     return out if gate is None else out * torch.sigmoid(gate)

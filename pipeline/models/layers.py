@@ -145,8 +145,9 @@ def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, 
     layer) x is the residual. One decode row on the GPU runs the norm inside the projection's GEMV
     (``gemv_norm_triton``): a norm kernel fewer a layer, 1-3 us each at batch 1 on an H200
     (bench/results/gemv-norm-tune-h200.json). Above one row the separate norm did as well or better there.
-    ``CONVEYOR_NORM_IN_PROJECTION=0`` (read at import) keeps the norm separate, for A/B runs."""
-    if (NORM_IN_PROJECTION and x.shape[0] == 1 and proj.packed is None
+    ``CONVEYOR_NORM_IN_PROJECTION=0`` (read at import) keeps the norm separate, for A/B runs. Under
+    ``dispatch.rows_as_decode`` every row of a skinny batch takes the one-row path (each row alone)."""
+    if (NORM_IN_PROJECTION and (x.shape[0] == 1 or dispatch.decode_rows_on()) and proj.packed is None
             and dispatch.skinny_linear_applies(x, proj.weight)):
         out = dispatch.norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, keep_normed)
         return out.y, out.residual, out.normed

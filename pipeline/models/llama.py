@@ -5,13 +5,16 @@ from __future__ import annotations
 import re
 import warnings
 from collections.abc import Iterable
+from dataclasses import replace
 from typing import Protocol
 
 import torch
 from torch import nn
 
-from kernels.dispatch import use_triton
+from kernels.dispatch import MAX_DECODE_ROW_TOKENS, decode_rows_on, use_triton
 from kernels.paged_attention import plan_paged_attention
+from kernels.triton_decode_attention import decode_rows
+from kernels.triton_paged_attention import TritonAttentionPlan
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import ForwardContext, PagedKVSpec
 from pipeline.models.layers import (
@@ -41,11 +44,14 @@ def fill_attention_context(rotary: RotaryEmbedding, positions: torch.Tensor, ctx
     """What every attention layer reads from ``ctx`` and is computed once a forward: the rope of the positions and
     the attention plan (the Triton path's launch choices, or the torch reference's gather indices / masks)."""
     ctx.rope = rotary.cos_sin(positions)
-    ctx.attention_plan = (
-        ctx.attention.kernel_plan
-        if use_triton(positions.device)
-        else plan_paged_attention(ctx.attention, ctx.kv_cache(0).shape[2])
-    )
+    if not use_triton(positions.device):
+        ctx.attention_plan = plan_paged_attention(ctx.attention, ctx.kv_cache(0).shape[2])
+        return
+    meta, plan = ctx.attention, ctx.attention.kernel_plan
+    if (isinstance(plan, TritonAttentionPlan) and decode_rows_on() and not meta.is_decode_only
+            and meta.max_query_len <= MAX_DECODE_ROW_TOKENS):  # verify rows: each token as a decode row
+        plan = replace(plan, decode_rows=decode_rows(meta, positions.shape[0]))
+    ctx.attention_plan = plan
 
 
 class LlamaDecoderLayer(nn.Module):

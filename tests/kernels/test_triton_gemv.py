@@ -221,3 +221,57 @@ def test_gemv_pdl_config_takes_whole_rows_at_one_row_when_asked(monkeypatch):
     assert gemv_config(4, 2048, 2048, torch.bfloat16, pdl=True) == gemv_config(4, 2048, 2048, torch.bfloat16)
     norm = gemv_norm_config(1, 5120, 2048, torch.bfloat16, pdl=True)
     assert (norm["block_n"], norm["block_k"], norm["split_k"]) == (8, 2048, 1)
+
+
+def split_rows(fn, x: torch.Tensor, *rest):
+    """``fn`` called on each row of x (and of a residual in ``rest``) alone, the rows stacked."""
+    return [fn(x[i:i + 1], *(r[i:i + 1] if isinstance(r, torch.Tensor) and r.shape == x.shape else r for r in rest))
+            for i in range(x.shape[0])]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(2, 130, 256), (3, 7, 9000), (16, 64, 300)])  # (3, 7, 9000): a K split
+def test_row_loop_gives_each_row_its_one_row_bits(dtype, m, n, k):
+    """Speculative verify rows against one-token decode rows: the same bits, not merely close ones."""
+    x, w, b = operands(m, n, k, dtype, True, seed=3)
+    wide = torch.cat([x, x], dim=1)[:, :k]  # a strided x as well
+    for rows in (x, wide):
+        out = gemv_triton(rows, w, b, row_loop=True)
+        assert torch.equal(out, torch.cat(split_rows(lambda r: gemv_triton(r, w, b), rows)))
+        close(out, gemv_ref(rows, w, b))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("residual", [False, True])
+def test_norm_row_loop_gives_each_row_its_one_row_bits(dtype, residual):
+    from kernels.triton_gemv import gemv_norm_ref, gemv_norm_triton
+
+    m, n, k = 4, 70, 200
+    x, w, b = operands(m, n, k, dtype, True, seed=5)
+    r = randn(m, k, dtype=dtype, seed=9) if residual else None
+    nw = (1 + 0.3 * randn(k, seed=8)).to(dtype)
+    out = gemv_norm_triton(x, r, nw, 1e-6, w, b, True, row_loop=True)
+    singles = [gemv_norm_triton(x[i:i + 1], None if r is None else r[i:i + 1], nw, 1e-6, w, b, True)
+               for i in range(m)]
+    for field in ("y", "residual", "normed"):
+        assert torch.equal(getattr(out, field), torch.cat([getattr(s, field) for s in singles])), field
+    ref = gemv_norm_ref(x, r, nw, 1e-6, w, b, True)
+    close(out.y, ref.y)
+    close(out.normed, ref.normed)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [2, 5, 16])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288), (8192, 2048), (151936, 1024)])  # the last two: TMA
+def test_gpu_row_loop_bits(m, n, k):
+    from kernels.triton_gemv import gemv_norm_triton
+
+    x, w, _ = operands(m, n, k, torch.bfloat16, False, seed=1)
+    r, nw = randn(m, k, dtype=torch.bfloat16, seed=2), (1 + 0.3 * randn(k, seed=3)).to(torch.bfloat16)
+    out = gemv_triton(x, w, row_loop=True)
+    assert torch.equal(out, torch.cat(split_rows(lambda row: gemv_triton(row, w), x)))
+    close(out, gemv_ref(x, w))
+    normed = gemv_norm_triton(x, r, nw, 1e-6, w, None, True, row_loop=True)
+    singles = [gemv_norm_triton(x[i:i + 1], r[i:i + 1], nw, 1e-6, w, None, True) for i in range(m)]
+    for field in ("y", "residual", "normed"):
+        assert torch.equal(getattr(normed, field), torch.cat([getattr(s, field) for s in singles])), field

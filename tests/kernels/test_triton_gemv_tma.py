@@ -123,11 +123,11 @@ def test_dispatch_falls_back_where_tma_is_not_supported(monkeypatch):
 def test_dispatch_routes_only_unoverridden_supported_calls(monkeypatch):
     calls: list[str] = []
 
-    def fake_gemv(x, w, b=None, *, pdl=None):
+    def fake_gemv(x, w, b=None, *, pdl=None, row_loop=False):
         calls.append(f"gemv pdl={pdl}")
         return gemv_ref(x, w, b)
 
-    def fake_norm(x, res, nw, eps, w, b=None, write_normed=False, *, pdl=None):
+    def fake_norm(x, res, nw, eps, w, b=None, write_normed=False, *, pdl=None, row_loop=False):
         calls.append(f"norm pdl={pdl}")
         return gemv_norm_ref(x, res, nw, eps, w, b, write_normed)
 
@@ -248,3 +248,23 @@ def test_gpu_tma_in_a_cuda_graph_and_dispatch(monkeypatch):
     close(gemv_triton(x, w, bias), gemv_ref(x, w, bias))
     out = gemv_norm_triton(x, r, nw, 1e-6, w, None, True)
     close(out.y, gemv_norm_ref(x, r, nw, 1e-6, w, None, True).y)
+
+
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter run of the kernel (the GPU tests cover the compiled one)")
+@pytest.mark.parametrize("n,k,block_n,block_k", [(70, 200, 8, 64), (64, 256, 4, 256)])
+def test_interpreted_rows_kernel_gives_each_row_its_one_row_bits(monkeypatch, n, k, block_n, block_k):
+    """``row_loop``: every row of a several-row call equals its own one-row call, bit for bit (a ragged row block,
+    one K tile and several), with the norm's residual and normed rows."""
+    monkeypatch.setattr(triton_gemv_tma, "_sms", lambda x: 2)
+    kw = {"block_n": block_n, "block_k": block_k, "programs_per_sm": 1, "pdl": False}
+    _, w, b, _, nw = operands(n, k)
+    x, r = randn(3, k, seed=11), randn(3, k, seed=12)
+    out = gemv_tma(x, w, b, row_loop=True, **kw)
+    assert torch.equal(out, torch.cat([gemv_tma(x[i:i + 1], w, b, **kw) for i in range(3)]))
+    close(out, gemv_ref(x, w, b))
+    for res in (None, r):
+        rows = gemv_norm_tma(x, res, nw, 1e-6, w, b, True, row_loop=True, **kw)
+        singles = [gemv_norm_tma(x[i:i + 1], None if res is None else res[i:i + 1], nw, 1e-6, w, b, True, **kw)
+                   for i in range(3)]
+        for field in ("y", "residual", "normed"):
+            assert torch.equal(getattr(rows, field), torch.cat([getattr(s, field) for s in singles])), field

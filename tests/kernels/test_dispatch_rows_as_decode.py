@@ -1,0 +1,54 @@
+"""``kernels.dispatch.rows_as_decode``: the switch that makes verify rows compute as one-token decode rows."""
+
+from __future__ import annotations
+
+import asyncio
+
+import torch
+
+from kernels import dispatch
+
+
+def test_the_switch_is_scoped_and_reaches_the_gemvs(monkeypatch):
+    seen = []
+    monkeypatch.setattr(dispatch, "gemv_triton", lambda x, w, b=None, *, row_loop=False: seen.append(row_loop))
+    monkeypatch.setattr(dispatch, "gemv_norm_triton", lambda *args, row_loop=False: seen.append(row_loop))
+    x, w = torch.zeros(3, 8), torch.zeros(4, 8)
+    assert not dispatch.decode_rows_on()
+    dispatch.skinny_linear(x, w)
+    with dispatch.rows_as_decode():
+        assert dispatch.decode_rows_on()
+        dispatch.skinny_linear(x, w)
+        dispatch.norm_linear(x, None, torch.ones(8), 1e-6, w, None, False)
+        with dispatch.rows_as_decode(False):
+            dispatch.skinny_linear(x, w)
+    dispatch.skinny_linear(x, w)
+    assert seen == [False, True, True, False, False]
+
+
+def test_the_switch_does_not_leak_into_other_tasks():
+    async def main() -> list[bool]:
+        async def other() -> bool:
+            return dispatch.decode_rows_on()
+
+        with dispatch.rows_as_decode():
+            task = asyncio.ensure_future(other())  # copies the context now: on
+        later = asyncio.ensure_future(other())  # after: off
+        return [await task, await later]
+
+    assert asyncio.run(main()) == [True, False]
+
+
+def test_a_drafter_turns_it_on_for_the_runner(tiny_model_dir):
+    from pipeline.engine import Engine
+    from tests.engine_utils import config_for
+
+    async def flag(**overrides) -> bool:
+        engine = await Engine.create(config_for(tiny_model_dir, **overrides))
+        try:
+            return engine.loaded.runner.rows_as_decode
+        finally:
+            await engine.shutdown()
+
+    assert not asyncio.run(flag())
+    assert asyncio.run(flag(speculative_method="ngram", num_speculative_tokens=3))
