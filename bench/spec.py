@@ -157,6 +157,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 256)")
     ap.add_argument("--profile", action="store_true", help="profile the first batch's first drafter run")
+    ap.add_argument("--exact-speculation", action="store_true",
+                    help="verify rows computed as one-token decode rows (EngineConfig.exact_speculation)")
     a = ap.parse_args()
     shape = chosen_shape(a.shape, a.quick)
     sizes = dict(prompt=32, new=24, batches=[1, 4]) if a.quick else dict(prompt=128, new=256, batches=[1, 16, 64])
@@ -164,7 +166,8 @@ def main() -> None:
     sizes["new"] = a.new_tokens or sizes["new"]
     model_dir = write_model_dir(shape, a.tokenizer)
     draft_dir = None
-    options: dict = dict(speculative_method="ngram" if a.method == "replay" else a.method)
+    options: dict = dict(speculative_method="ngram" if a.method == "replay" else a.method,
+                         exact_speculation=a.exact_speculation)
     if a.method == "draft":
         draft_dir = write_model_dir(dict(QWEN3_0_6B, **(QUICK_DRAFT if a.quick else {}),
                                          vocab_size=shape["vocab_size"]), a.tokenizer)
@@ -174,6 +177,7 @@ def main() -> None:
         options["speculative_model"] = draft_dir
         report_drafter = dflash_shape(shape)
     report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "method": a.method,
+                    "exact_speculation": a.exact_speculation,
                     "date": time.strftime("%Y-%m-%d %H:%M"), "sizes": sizes}
     if a.method == "dflash":
         report["drafter_shape"] = report_drafter

@@ -63,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="the drafter's HF directory (--speculative-method dflash or draft; same tokenizer)")
     parser.add_argument("--num-speculative-tokens", type=int, default=0, metavar="K",
                         help="drafts a sequence offers per step (with --speculative-method)")
+    parser.add_argument("--exact-speculation", action="store_true",
+                        help="compute each verified token as a one-token decode row (GPU, dense models: output equal "
+                             "to plain decoding's in bf16 too; verify rows cost more)")
     parser.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
                         help="n-gram drafter: the shortest suffix it looks up in the prompt and output")
     parser.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
@@ -109,7 +112,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         state_snapshot_interval=args.state_snapshot_interval,
                         state_snapshot_host_gib=args.state_snapshot_host_gib,
                         speculative_method=args.speculative_method, speculative_model=args.speculative_model,
-                        num_speculative_tokens=args.num_speculative_tokens,
+                        num_speculative_tokens=args.num_speculative_tokens, exact_speculation=args.exact_speculation,
                         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
                         ep_size=args.ep_size, ep_timeout_s=args.ep_timeout,
                         ep_split_linear_attention=args.ep_split_linear_attention,

@@ -48,6 +48,9 @@ class EngineConfig:
     speculative_method: str | None = None
     speculative_model: str | None = None  # the drafter's HF directory (speculative_method "dflash" or "draft")
     num_speculative_tokens: int = 0  # drafts a sequence offers per step (K)
+    # verify rows computed as one-token decode rows (kernels/dispatch.py rows_as_decode): on a GPU in bf16 a dense
+    # model's output with speculation then equals plain decoding's bit for bit; its verify rows cost more
+    exact_speculation: bool = False
     prompt_lookup_min: int = 2  # n-gram drafter: the shortest suffix it looks up
     prompt_lookup_max: int = 4  # and the longest
     chat_template: str | None = None  # a template file (or the template itself) overriding the model's
@@ -116,6 +119,8 @@ class EngineConfig:
             raise ValueError("ep_size must be at least 1 and ep_timeout_s positive")
         if self.ep_split_linear_attention and self.ep_size < 2:
             raise ValueError("ep_split_linear_attention splits heads over expert-parallel ranks: it needs ep_size >= 2")
+        if self.exact_speculation and self.speculative_method is None:
+            raise ValueError("exact_speculation applies to speculation: set speculative_method too")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
 

@@ -23,12 +23,6 @@ from pipeline.stages.intake import ModelLimits, generation_defaults
 from pipeline.thinking import ThinkingTags
 from pipeline.tokenizer import Tokenizer
 
-# With a drafter, verify rows compute each token as a one-token decode row does (kernels/dispatch.py
-# rows_as_decode): speculation keeps plain decoding's bits on the GPU. CONVEYOR_VERIFY_AS_DECODE=0 gives them the
-# multi-row kernels instead (faster verify rows, other bf16 sums), for A/B runs.
-VERIFY_AS_DECODE = os.environ.get("CONVEYOR_VERIFY_AS_DECODE", "1") != "0"
-
-
 @dataclass(slots=True)
 class LoadedModel:
     path: str
@@ -129,7 +123,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
                          max_num_seqs=config.max_num_seqs + spare,
                          extra_cache_specs=draft_model.cache_specs(dtype) if draft_model is not None else ())
-    runner.rows_as_decode = config.speculative_method is not None and VERIFY_AS_DECODE
+    runner.rows_as_decode = config.exact_speculation  # verify rows as one-token decode rows (kernels/dispatch.py)
     cpu_memory = (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes
                   if device.type != "cuda" and not config.num_kv_blocks else None)
     snapshots = num_snapshots(config, runner, cpu_memory)

@@ -72,7 +72,7 @@ class ModelRunner:
         # KV tier copies' host side runs here, beside the forward (pipeline/memory/kv_offload.py)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.comm: CommStage | None = None  # expert parallelism, on the head: the workers hear of every step
-        # a drafter is set: verify rows compute each token as a one-token decode row does (kernels/dispatch.py
+        # exact speculation: verify rows compute each token as a one-token decode row does (kernels/dispatch.py
         # rows_as_decode), so speculation keeps plain decoding's bits
         self.rows_as_decode = False
 

@@ -39,7 +39,7 @@ def test_the_switch_does_not_leak_into_other_tasks():
     assert asyncio.run(main()) == [True, False]
 
 
-def test_a_drafter_turns_it_on_for_the_runner(tiny_model_dir):
+def test_exact_speculation_turns_it_on_for_the_runner(tiny_model_dir):
     from pipeline.engine import Engine
     from tests.engine_utils import config_for
 
@@ -50,5 +50,6 @@ def test_a_drafter_turns_it_on_for_the_runner(tiny_model_dir):
         finally:
             await engine.shutdown()
 
-    assert not asyncio.run(flag())
-    assert asyncio.run(flag(speculative_method="ngram", num_speculative_tokens=3))
+    spec = dict(speculative_method="ngram", num_speculative_tokens=3)
+    assert not asyncio.run(flag()) and not asyncio.run(flag(**spec))
+    assert asyncio.run(flag(**spec, exact_speculation=True))

@@ -58,3 +58,21 @@ def test_prefix_caching_is_on_unless_the_flag_says_no() -> None:
     add_engine_args(parser)
     assert engine_config(parser.parse_args([])).prefix_caching
     assert not engine_config(parser.parse_args(["--no-prefix-caching"])).prefix_caching
+
+
+def test_the_flags_reach_exact_speculation_and_the_head_split() -> None:
+    import argparse
+
+    from pipeline.cli import add_engine_args, engine_config
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    plain = engine_config(parser.parse_args([]))
+    assert not plain.exact_speculation and plain.ep_split_linear_attention is None
+    args = ["--speculative-method", "ngram", "--num-speculative-tokens", "3", "--exact-speculation",
+            "--no-ep-split-linear-attention"]
+    config = engine_config(parser.parse_args(args))
+    assert config.exact_speculation and config.ep_split_linear_attention is False
+    config.validate()
+    with pytest.raises(ValueError, match="exact_speculation"):
+        engine_config(parser.parse_args(["--exact-speculation"])).validate()
