@@ -227,20 +227,6 @@ def _tma_for(x: torch.Tensor, weight: torch.Tensor, row_loop: bool = False):
     return triton_gemv_tma if triton_gemv_tma.tma_supported(x[:1] if row_loop else x, weight) else None
 
 
-# Several rows computed as one-row launches compute them (row_loop): the rows share each W tile in the FMA path's
-# [BLOCK_N, BLOCK_M, BLOCK_K] accumulator, with the one-row BLOCK_K, K split and warps (_shared_rows_config), else
-# the one-row program runs for each row in turn (ROW_LOOP). CONVEYOR_GEMV_ROWS_SHARED=0 picks the latter.
-ROWS_SHARED = os.environ.get("CONVEYOR_GEMV_ROWS_SHARED", "1") == "1"
-
-
-def _shared_rows_config(one_row: dict[str, int | bool], m: int) -> dict[str, int | bool]:
-    """The one-row FMA config for ``m`` rows sharing each W tile: BLOCK_K, the K split, the warps and stages kept
-    (each row's sums in the one-row order, if the reduction over K is laid out as there: the GPU tests check the
-    bits), BLOCK_M the rows, BLOCK_N cut so the accumulator stays the one-row size."""
-    block_m = triton.next_power_of_2(m)
-    return {**one_row, "block_m": block_m, "block_n": max(1, int(one_row["block_n"]) // block_m)}
-
-
 def _whole_rows_tile(m: int, k: int, dtype: torch.dtype) -> tuple[int, int] | None:
     """(BLOCK_N, BLOCK_K) of whole rows of W for M = 1 under PDL, or None (``WHOLE_ROWS`` off, a row too long)."""
     row_bytes = triton.next_power_of_2(k) * dtype.itemsize
@@ -301,8 +287,7 @@ def gemv_triton(
     """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic.
     On GPUs with dependent launch, W is read before the kernels before this one have finished: W must be a weight
     (nothing in the step writes it), as every caller's is. ``row_loop``: every row computed exactly as a one-row
-    call computes it (``ROWS_SHARED``: the rows share each W tile; else ``_gemv_kernel``'s ROW_LOOP; the TMA
-    kernel's row variants for the weights it takes)."""
+    call computes it (``_gemv_kernel``'s ROW_LOOP; the TMA kernel's row loop for the weights it takes)."""
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     if m == 0 or n == 0 or k == 0:
@@ -316,8 +301,6 @@ def gemv_triton(
     if not overridden and (tma := _tma_for(x, weight, row_loop)):
         return tma.gemv_tma(x, weight, bias, pdl=bool(pdl), row_loop=row_loop)
     cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
-    if row_loop and ROWS_SHARED and not cfg["use_dot"]:
-        cfg, row_loop = _shared_rows_config(cfg, m), False
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
         raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two (>= 16 for the dot path)")
@@ -384,8 +367,6 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
         return tma.gemv_norm_tma(x, residual, norm_weight, eps, weight, bias, write_normed, pdl=bool(pdl),
                                  row_loop=row_loop)
     cfg = gemv_norm_config(1 if row_loop else m, n, k, x.dtype, sms, pdl=bool(pdl))
-    if row_loop and ROWS_SHARED and not cfg["use_dot"]:
-        cfg, row_loop = _shared_rows_config(cfg, m), False
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     grid_n = triton.cdiv(n, bn)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -20,7 +20,6 @@ keeps the encoded map). ``gemv_triton`` / ``gemv_norm_triton`` dispatch weights 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
@@ -41,10 +40,6 @@ except ImportError:  # no triton, or one without host tensor descriptors
     TensorDescriptor = None
 
 SMEM_BYTES_PER_PROGRAM = 112 * 1024  # an override's STAGES x tile must fit twice in an SM (this and the next)
-# Several rows (row_loop): one W tile feeds every row's accumulator (_gemv_tma_shared_rows_kernel), else the rows
-# take the one-row loop in turn (_gemv_tma_rows_kernel, each row block's slice re-read per row).
-# CONVEYOR_GEMV_ROWS_SHARED=0 picks the latter.
-ROWS_SHARED = os.environ.get("CONVEYOR_GEMV_ROWS_SHARED", "1") == "1"
 
 
 @_jit
@@ -225,119 +220,6 @@ def _gemv_tma_rows_kernel(
                              mask=c_mask)
 
 
-@_jit
-def _accumulate_rows(w, k, K, offs_k, rows_m, x_ptr, r_ptr, nw_ptr, acc, squares,
-                     NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr):
-    """``_accumulate`` for every row at once: acc [R, BLOCK_N, BLOCK_K] += W tile times each row's x tile, each
-    element the same operations as the one-row accumulator's (rows_m clamped to the last row)."""
-    at = rows_m[:, None] * K + k + offs_k[None, :]
-    k_ok = (k + offs_k < K)[None, :]
-    if EVEN_K:
-        x_in = tl.load(x_ptr + at)
-    else:
-        x_in = tl.load(x_ptr + at, mask=k_ok, other=0.0)
-    xs = x_in.to(tl.float32)
-    if NORM:
-        if HAS_RES:
-            if EVEN_K:
-                r = tl.load(r_ptr + at)
-            else:
-                r = tl.load(r_ptr + at, mask=k_ok, other=0.0)
-            xs = (xs + r.to(tl.float32)).to(x_in.dtype).to(tl.float32)
-        squares += xs * xs
-        nw = tl.load(nw_ptr + k + offs_k, mask=k + offs_k < K, other=0.0).to(tl.float32)
-        xs = xs * nw[None, :]
-    acc += w.to(tl.float32)[None, :, :] * xs[:, None, :]
-    return acc, squares
-
-
-@_jit
-def _finish_rows_block(acc, squares, rb, M, N, K, eps, b_ptr, y_ptr, rows_m, BLOCK_M: tl.constexpr,
-                       BLOCK_N: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """``_finish_row_block`` for every row: reduce over K, scale by each row's 1/rms, add the bias, store;
-    returns the rows' 1/rms."""
-    offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
-    out = tl.sum(acc, axis=2)
-    rstd = tl.sum(squares, axis=1)  # unused without NORM
-    if NORM:
-        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
-        out = out * rstd[:, None]
-    if HAS_BIAS:
-        out += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[None, :]
-    mask = (tl.arange(0, BLOCK_M) < M)[:, None] & (offs_n < N)[None, :]
-    tl.store(y_ptr + rows_m[:, None] * N + offs_n[None, :], out.to(y_ptr.dtype.element_ty), mask=mask)
-    return rstd
-
-
-@_jit
-def _gemv_tma_shared_rows_kernel(
-    w_desc, w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_out_ptr, normed_ptr, M, N, K, eps,
-    HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    STAGES: tl.constexpr, WRITE_BLOCK: tl.constexpr, PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
-):
-    """``_gemv_tma_kernel`` for M rows that share each W tile: one TMA load feeds every row's own accumulator
-    ([BLOCK_M, BLOCK_N, BLOCK_K]); BLOCK_K and the K-tile order are the one-row launch's, so each row's sums are
-    its one-row sums as long as the reduction over K is laid out as there (the GPU tests check the bits)."""
-    pid = tl.program_id(0)
-    grid = tl.num_programs(0)
-    k_tiles = tl.cdiv(K, BLOCK_K)
-    total = tl.cdiv(tl.cdiv(N, BLOCK_N) - pid, grid) * k_tiles
-    offs_k = tl.arange(0, BLOCK_K)
-    rows_m = tl.minimum(tl.arange(0, BLOCK_M), M - 1)
-    acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-    squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    start = 0
-    rstd = tl.sum(squares, axis=1)
-    if PDL:
-        rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        if EVEN_K:
-            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :])
-        else:
-            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-        if not LATE_TRIGGER:
-            gdc_launch_dependents()
-        gdc_wait()
-        acc, squares = _accumulate_rows(w_first, 0, K, offs_k, rows_m, x_ptr, r_ptr, nw_ptr, acc, squares, NORM,
-                                        HAS_RES, EVEN_K)
-        start = 1
-        if k_tiles == 1:
-            rstd = _finish_rows_block(acc, squares, pid, M, N, K, eps, b_ptr, y_ptr, rows_m, BLOCK_M, BLOCK_N,
-                                      NORM, HAS_BIAS)
-            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-            squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    for it in tl.range(start, total, num_stages=STAGES):
-        j = it // k_tiles
-        kt = it - j * k_tiles
-        rb = pid + j * grid
-        k = kt * BLOCK_K
-        w = w_desc.load([rb * BLOCK_N, k])
-        acc, squares = _accumulate_rows(w, k, K, offs_k, rows_m, x_ptr, r_ptr, nw_ptr, acc, squares, NORM,
-                                        HAS_RES, EVEN_K)
-        if kt == k_tiles - 1:
-            rstd = _finish_rows_block(acc, squares, rb, M, N, K, eps, b_ptr, y_ptr, rows_m, BLOCK_M, BLOCK_N,
-                                      NORM, HAS_BIAS)
-            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-            squares = tl.zeros((BLOCK_M, BLOCK_K), dtype=tl.float32)
-    if PDL and LATE_TRIGGER:
-        gdc_launch_dependents()
-    if NORM and (HAS_RES or WRITE_NORMED):
-        offs_c = tl.arange(0, WRITE_BLOCK)
-        row_ok = (tl.arange(0, BLOCK_M) < M)[:, None]
-        for c in range(pid * WRITE_BLOCK, K, grid * WRITE_BLOCK):
-            c_mask = row_ok & (c + offs_c < K)[None, :]
-            at = rows_m[:, None] * K + (c + offs_c)[None, :]
-            xc = tl.load(x_ptr + at, mask=c_mask, other=0.0)
-            if HAS_RES:
-                rc = tl.load(r_ptr + at, mask=c_mask, other=0.0)
-                xc = (xc.to(tl.float32) + rc.to(tl.float32)).to(xc.dtype)
-                tl.store(res_out_ptr + at, xc, mask=c_mask)
-            if WRITE_NORMED:
-                nwc = tl.load(nw_ptr + c + offs_c, mask=c + offs_c < K, other=0.0).to(tl.float32)
-                tl.store(normed_ptr + at, (xc.to(tl.float32) * rstd[:, None] * nwc[None, :]).to(xc.dtype),
-                         mask=c_mask)
-
-
 @functools.cache
 def _capability_major(device_index: int) -> int:
     return torch.cuda.get_device_capability(device_index)[0]
@@ -383,8 +265,6 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
     n, k = weight.shape
     cfg = tma_config(n, k, x.dtype, _sms(x), norm=norm is not None)
     cfg.update({key: v for key, v in overrides.items() if v is not None})
-    if x.shape[0] > 1 and ROWS_SHARED:  # the rows' accumulators together the size of the one row's
-        cfg["block_n"] = max(1, cfg["block_n"] // triton.next_power_of_2(x.shape[0]))
     bn, bk = cfg["block_n"], cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or bk * x.element_size() < 16:
         raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two, a tile row >= 16 bytes")
@@ -402,10 +282,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, y:
                    LATE_TRIGGER=bool(launch) and bool(cfg["late_trigger"]), num_warps=cfg["num_warps"], **launch)
     if x.shape[0] == 1:
         _gemv_tma_kernel[(grid,)](*args, n, k, eps, **options)
-    elif ROWS_SHARED:  # each row as its own one-row launch would compute it, the rows sharing each W tile
-        _gemv_tma_shared_rows_kernel[(grid,)](*args, x.shape[0], n, k, eps, BLOCK_M=triton.next_power_of_2(
-            x.shape[0]), **options)
-    else:  # each row as its own one-row launch would compute it, the rows one after another
+    else:  # each row as its own one-row launch would compute it
         rstd = torch.empty(grid * x.shape[0] if norm is not None else 1, dtype=torch.float32, device=x.device)
         _gemv_tma_rows_kernel[(grid,)](*args, rstd, x.shape[0], n, k, eps, **options)
 

@@ -12,7 +12,6 @@ import os
 import pytest
 import torch
 
-from kernels import triton_gemv
 from kernels.triton_gemv import SKINNY_MAX_M, gemv_config, gemv_ref, gemv_triton
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
@@ -230,13 +229,10 @@ def split_rows(fn, x: torch.Tensor, *rest):
             for i in range(x.shape[0])]
 
 
-@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("m,n,k", [(2, 130, 256), (3, 7, 9000), (16, 64, 300)])  # (3, 7, 9000): a K split
-def test_row_loop_gives_each_row_its_one_row_bits(monkeypatch, shared, dtype, m, n, k):
-    """Speculative verify rows against one-token decode rows: the same bits, not merely close ones (``shared``:
-    the rows share each W tile; else the one-row program for each row in turn)."""
-    monkeypatch.setattr(triton_gemv, "ROWS_SHARED", shared)
+def test_row_loop_gives_each_row_its_one_row_bits(dtype, m, n, k):
+    """Speculative verify rows against one-token decode rows: the same bits, not merely close ones."""
     x, w, b = operands(m, n, k, dtype, True, seed=3)
     wide = torch.cat([x, x], dim=1)[:, :k]  # a strided x as well
     for rows in (x, wide):
@@ -245,13 +241,10 @@ def test_row_loop_gives_each_row_its_one_row_bits(monkeypatch, shared, dtype, m,
         close(out, gemv_ref(rows, w, b))
 
 
-@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("residual", [False, True])
-def test_norm_row_loop_gives_each_row_its_one_row_bits(monkeypatch, shared, dtype, residual):
+def test_norm_row_loop_gives_each_row_its_one_row_bits(dtype, residual):
     from kernels.triton_gemv import gemv_norm_ref, gemv_norm_triton
-
-    monkeypatch.setattr(triton_gemv, "ROWS_SHARED", shared)
 
     m, n, k = 4, 70, 200
     x, w, b = operands(m, n, k, dtype, True, seed=5)
@@ -268,15 +261,10 @@ def test_norm_row_loop_gives_each_row_its_one_row_bits(monkeypatch, shared, dtyp
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("m", [2, 5, 16])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288), (8192, 2048), (151936, 1024)])  # the last two: TMA
-def test_gpu_row_loop_bits(monkeypatch, shared, m, n, k):
-    from kernels import triton_gemv_tma
+def test_gpu_row_loop_bits(m, n, k):
     from kernels.triton_gemv import gemv_norm_triton
-
-    monkeypatch.setattr(triton_gemv, "ROWS_SHARED", shared)
-    monkeypatch.setattr(triton_gemv_tma, "ROWS_SHARED", shared)
 
     x, w, _ = operands(m, n, k, torch.bfloat16, False, seed=1)
     r, nw = randn(m, k, dtype=torch.bfloat16, seed=2), (1 + 0.3 * randn(k, seed=3)).to(torch.bfloat16)

@@ -251,14 +251,11 @@ def test_gpu_tma_in_a_cuda_graph_and_dispatch(monkeypatch):
 
 
 @pytest.mark.skipif(not INTERPRET, reason="the interpreter run of the kernel (the GPU tests cover the compiled one)")
-@pytest.mark.parametrize("shared", [True, False])
 @pytest.mark.parametrize("n,k,block_n,block_k", [(70, 200, 8, 64), (64, 256, 4, 256)])
-def test_interpreted_rows_kernel_gives_each_row_its_one_row_bits(monkeypatch, shared, n, k, block_n, block_k):
+def test_interpreted_rows_kernel_gives_each_row_its_one_row_bits(monkeypatch, n, k, block_n, block_k):
     """``row_loop``: every row of a several-row call equals its own one-row call, bit for bit (a ragged row block,
-    one K tile and several), with the norm's residual and normed rows; ``shared``: the rows share each W tile
-    (``_gemv_tma_shared_rows_kernel``), else they run in turn (``_gemv_tma_rows_kernel``)."""
+    one K tile and several), with the norm's residual and normed rows."""
     monkeypatch.setattr(triton_gemv_tma, "_sms", lambda x: 2)
-    monkeypatch.setattr(triton_gemv_tma, "ROWS_SHARED", shared)
     kw = {"block_n": block_n, "block_k": block_k, "programs_per_sm": 1, "pdl": False}
     _, w, b, _, nw = operands(n, k)
     x, r = randn(3, k, seed=11), randn(3, k, seed=12)
