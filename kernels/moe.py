@@ -176,14 +176,20 @@ def fused_moe(
 ) -> torch.Tensor:
     """The MoE expert compute: Triton kernels where ``dispatch.use_triton(x.device)`` (the GEMV-like decode kernels
     of ``kernels/triton_moe_decode.py`` when ``T * k <= DECODE_SLOTS``, else the grouped GEMMs of
-    ``kernels/triton_moe.py``), else ``fused_moe_ref``."""
-    from kernels.dispatch import use_triton
+    ``kernels/triton_moe.py``), else ``fused_moe_ref``. Under ``dispatch.rows_as_decode`` the decode kernels take
+    one token's launch configs whatever T is: each token's programs then compute as in a one-token step."""
+    from kernels.dispatch import decode_rows_on, use_triton
 
     if use_triton(x.device):
         if topk_ids.numel() <= DECODE_SLOTS:
-            from kernels.triton_moe_decode import fused_moe_decode_triton
+            from kernels.triton_moe_decode import decode_config, fused_moe_decode_triton
 
-            return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
+            configs = {}
+            if decode_rows_on():
+                gate_up, down = decode_config(1, topk_ids.shape[1])
+                configs = {"gate_up_config": gate_up, "down_config": down}
+            return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts,
+                                           **configs)
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)

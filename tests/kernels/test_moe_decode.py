@@ -152,3 +152,41 @@ def test_decode_config_down_tile_fits_the_register_budget(t, top_k):
         from kernels.triton_moe_decode import DECODE_CONFIGS
 
         assert (gate_up, (bn, bk, warps)) == next((g, d) for b, g, d in DECODE_CONFIGS[8] if t <= b)
+
+
+@needs_triton
+@pytest.mark.parametrize("t", [2, 5, 16])
+def test_rows_as_decode_gives_each_token_its_one_token_bits(monkeypatch, t):
+    """Under ``dispatch.rows_as_decode`` the decode kernels take one token's launch configs at any T, so every
+    token of a verify row gets the bits a one-token step gives it (a 5-token step's own configs differ)."""
+    import kernels.dispatch
+
+    monkeypatch.setattr(kernels.dispatch, "use_triton", lambda device: True)
+    x = randn(t, H, seed=12)
+    w13, w2 = weights()
+    tw, ids = routing(t, seed=3)
+    with kernels.dispatch.rows_as_decode():
+        y = moe.fused_moe(x, w13, w2, tw, ids)
+    alone = torch.cat([moe.fused_moe(x[i:i + 1], w13, w2, tw[i:i + 1], ids[i:i + 1]) for i in range(t)])
+    assert torch.equal(y, alone)
+    torch.testing.assert_close(y, fused_moe_ref(x, w13, w2, tw, ids), atol=1e-5, rtol=1e-5)
+
+
+def test_rows_as_decode_passes_one_tokens_configs(monkeypatch):
+    """The dispatch itself (the interpreter's sums do not depend on the tile, so the test above cannot tell the
+    configs apart on a CPU): one token's configs under ``rows_as_decode``, the table's own for T otherwise."""
+    import kernels.dispatch
+    import kernels.triton_moe_decode as decode
+
+    seen = []
+    monkeypatch.setattr(kernels.dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(decode, "fused_moe_decode_triton", lambda *a, **kw: seen.append(kw) or fused_moe_ref(*a))
+    x = randn(5, H, seed=12)
+    w13, w2 = weights()
+    tw, ids = routing(5, seed=3)
+    moe.fused_moe(x, w13, w2, tw, ids)
+    with kernels.dispatch.rows_as_decode():
+        moe.fused_moe(x, w13, w2, tw, ids)
+    gate_up, down = decode.decode_config(1, K)
+    assert seen == [{}, {"gate_up_config": gate_up, "down_config": down}]
+    assert decode.decode_config(5, K) != (gate_up, down)  # the configs differ at this T
