@@ -150,10 +150,13 @@ def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir, make_model_dir, mod
 
 
 @pytest.mark.gpu
-def test_gpu_bf16_verify_rows_keep_plain_decoding_bits(tiny_model_dir):
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+def test_gpu_bf16_verify_rows_keep_plain_decoding_bits(tiny_model_dir, make_model_dir, model):
     """bf16 on CUDA, one sequence, ``exact_speculation``: drafts replaying plain decoding's tokens are all accepted
     and the output is plain decoding's, token for token, because each verify token is computed as a one-token
     decode row (kernels/dispatch.py rows_as_decode)."""
+    if model != "llama":
+        tiny_model_dir = make_model_dir(model, seed=5)
     batch, params = prompts(1), [greedy(200)]
     plain, _ = run_async(run(tiny_model_dir, batch, params, device="cuda", dtype="bfloat16"))
     drafter = ReplayDrafter({tuple(batch[0]): plain[0][0]}, 0.0)
