@@ -231,7 +231,7 @@ def causal_conv1d_varlen(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
         return causal_conv1d_varlen_triton(x, weight, bias, conv_states, state_slots, query_start_loc,
                                            has_initial_state, "silu", max_query_len=max_query_len,
-                                           keep_slots=keep_slots)
+                                           keep_slots=keep_slots, as_decode_rows=dispatch.decode_rows_on())
     return causal_conv1d_varlen_ref(x, weight, bias, conv_states, state_slots, query_start_loc, has_initial_state,
                                     keep_slots=keep_slots)
 

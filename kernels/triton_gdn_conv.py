@@ -33,6 +33,8 @@ from kernels.triton_compat import tl, triton
 from kernels.triton_gdn import check_keep, check_varlen, pow2
 from kernels.triton_paged_attention import find_sequence
 
+DECODE_ROW_TOKENS = 16  # as_decode_rows: rows of up to this many tokens (a speculative verify row)
+
 
 @_jit(do_not_specialize=["num_seqs"])
 def _conv_varlen_kernel(
@@ -94,25 +96,27 @@ def _conv_varlen_kernel(
             tl.store(st[:, None] + jj[None, :] * stride_sk, new_state, mask=m)
 
 
-@_jit
+@_jit(do_not_specialize=["token"])
 def _conv_update_kernel(
-    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, keep_ptr, C,
+    x_ptr, w_ptr, bias_ptr, state_ptr, slots_ptr, qsl_ptr, init_ptr, y_ptr, keep_ptr, C, token,
     stride_xt, stride_yt, stride_wc, stride_wk, stride_ss, stride_sc, stride_sk,
     K: tl.constexpr, KM1_PAD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_C: tl.constexpr,
     KEEP: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = True,
 ):
+    """Token ``token`` of each row (0 for decode; a verify row's tokens one launch each, ``rows_as_decode``):
+    its output from the window in the row's slot, then the window moved on by it."""
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
-    t = tl.load(qsl_ptr + b)
-    empty = tl.load(qsl_ptr + b + 1) - t <= 0  # an empty row keeps its state
+    t = tl.load(qsl_ptr + b) + token
+    empty = tl.load(qsl_ptr + b + 1) - t <= 0  # an empty row (or one shorter than token + 1) keeps its state
     cols = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = cols < C
     jj = tl.arange(0, KM1_PAD)
     j_ok = jj < K - 1
     # The window (written by an earlier step), the slot and bounds (host copies) and the weights may be read
     # before the wait; only the token's input comes from the kernel this one waits on.
-    init = tl.load(init_ptr + b) != 0
+    init = (tl.load(init_ptr + b) != 0) | (token > 0)  # after the row's first token its slot holds its window
     st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols[:, None] * stride_sc + jj[None, :] * stride_sk
     m = c_ok[:, None] & j_ok[None, :]
     window = tl.load(st, mask=m & init, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_C, KM1_PAD]
@@ -135,7 +139,7 @@ def _conv_update_kernel(
     if K > 1:
         sd = state_ptr.dtype.element_ty
         new_window = tl.where((jj == K - 2)[None, :], x.to(sd)[:, None], shifted.to(x_ptr.dtype.element_ty).to(sd))
-        if KEEP:  # the row's only token: its kept window is the new one
+        if KEEP:  # the token's kept window is the new one
             keep = tl.load(keep_ptr + t.to(tl.int64)).to(tl.int64)
             tl.store(state_ptr + keep * stride_ss + cols[:, None] * stride_sc + jj[None, :] * stride_sk, new_window,
                      mask=m & (keep >= 0))
@@ -147,11 +151,14 @@ def causal_conv1d_varlen_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, conv_states: torch.Tensor,
     state_slots: torch.Tensor, query_start_loc: torch.Tensor, has_initial_state: torch.Tensor,
     activation: str | None = "silu", max_query_len: int | None = None, keep_slots: torch.Tensor | None = None,
+    as_decode_rows: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``causal_conv1d_varlen_ref``: y [T, C] in x's dtype; ``conv_states [num_slots, C, K-1]``
     updated in place. x may be a row-strided view (last dim contiguous); y is contiguous. An empty sequence (which
     the reference cannot take) leaves its slot alone. ``max_query_len`` (host): 1 takes the decode kernel; None or
-    more the varlen one. ``keep_slots [T]`` (int, device): the window after token t also goes to
+    more the varlen one; ``as_decode_rows`` with rows of up to 16 tokens: the decode kernel once for each token
+    position, so every token's output and window are bitwise a one-token step's (kernels/dispatch.py
+    rows_as_decode). ``keep_slots [T]`` (int, device): the window after token t also goes to
     ``conv_states[keep_slots[t]]`` unless that is negative, in the same kernel launch."""
     if activation not in ("silu", None):
         raise ValueError(f"activation {activation!r} is not supported")
@@ -177,10 +184,11 @@ def causal_conv1d_varlen_triton(
     b_arg = bias if bias is not None else weight
     keep_arg = keep_slots if keep_slots is not None else state_slots
     block_c = min(pow2(C, 16), 256)  # 512 B of each 16-bit token row
-    if max_query_len is not None and max_query_len <= 1:
-        _conv_update_kernel[(B, triton.cdiv(C, block_c))](
-            x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, keep_arg, C, *strides,
-            **common, BLOCK_C=block_c, num_warps=2, EARLY=EARLY_LOADS, **pdl_launch(x))
+    if max_query_len is not None and (max_query_len <= 1 or as_decode_rows and max_query_len <= DECODE_ROW_TOKENS):
+        for token in range(max(1, max_query_len)):  # a later token's window is the one the launch before wrote
+            _conv_update_kernel[(B, triton.cdiv(C, block_c))](
+                x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, keep_arg, C, token, *strides,
+                **common, BLOCK_C=block_c, num_warps=2, EARLY=EARLY_LOADS and token == 0, **pdl_launch(x))
         return y
     # short tiles (K-1 must fit in one) of 512 B rows: the best of an H200 sweep over 8-64 tokens x 64-512 channels
     # x 4/8 warps on 16 prompts of 512 tokens at the Qwen3.5-35B-A3B width (206 us against 345 for 64 x 128)

@@ -53,3 +53,20 @@ def test_exact_speculation_turns_it_on_for_the_runner(tiny_model_dir):
     spec = dict(speculative_method="ngram", num_speculative_tokens=3)
     assert not asyncio.run(flag()) and not asyncio.run(flag(**spec))
     assert asyncio.run(flag(**spec, exact_speculation=True))
+
+
+def test_the_gdn_conv_hears_of_it(monkeypatch):
+    """Verify rows of a hybrid model's conv: one-token launches of the decode kernel under the switch (the
+    interpreter's sums agree between the conv kernels, so the kernel tests cannot tell; this checks the flag)."""
+    import kernels.gdn as gdn
+    import kernels.triton_gdn_conv as conv
+
+    seen = []
+    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
+    monkeypatch.setattr(conv, "causal_conv1d_varlen_triton", lambda *a, **kw: seen.append(kw["as_decode_rows"]))
+    args = (torch.zeros(4, 8), torch.zeros(8, 4), None, torch.zeros(3, 8, 3), torch.ones(1, dtype=torch.int32),
+            torch.tensor([0, 4], dtype=torch.int32), torch.ones(1, dtype=torch.bool))
+    gdn.causal_conv1d_varlen(*args, max_query_len=4)
+    with dispatch.rows_as_decode():
+        gdn.causal_conv1d_varlen(*args, max_query_len=4)
+    assert seen == [False, True]

@@ -94,6 +94,44 @@ def test_decode_rows_through_both_kernels_agree_bitwise():
     assert torch.equal(ya, yb) and torch.equal(a, b)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_verify_rows_as_decode_rows_take_one_token_steps_bits(dtype):
+    """``as_decode_rows``: rows of 1-4 tokens (an empty one too), each token's output, the final windows and the
+    kept windows bitwise those of one-token steps run one after another, and close to the reference."""
+    from kernels.triton_gdn_conv import causal_conv1d_varlen_triton
+
+    gen = torch.Generator().manual_seed(21)
+    C, K, lens = 72, 4, [3, 1, 4, 0, 2]
+    T, B = sum(lens), len(lens)
+    x = torch.randn(T, C, generator=gen).to(device=DEVICE, dtype=dtype)
+    w = torch.randn(C, K, generator=gen).to(device=DEVICE, dtype=dtype)
+    bias = torch.randn(C, generator=gen).to(device=DEVICE, dtype=dtype)
+    states = torch.randn(32, C, K - 1, generator=gen).to(device=DEVICE, dtype=dtype)
+    slots = torch.tensor([3, 1, 7, 2, 5], dtype=torch.int32, device=DEVICE)
+    qsl = torch.tensor([0, *itertools.accumulate(lens)], dtype=torch.int32, device=DEVICE)
+    init = torch.tensor([True, True, True, True, False], device=DEVICE)
+    keep = torch.arange(10, 10 + T, dtype=torch.int32, device=DEVICE)
+    rows = states.clone()
+    y = causal_conv1d_varlen_triton(x, w, bias, rows, slots, qsl, init, max_query_len=max(lens), keep_slots=keep,
+                                    as_decode_rows=True)
+    steps, y_steps = states.clone(), torch.empty_like(y)
+    starts = qsl.tolist()
+    for b, n in enumerate(lens):
+        for i in range(n):  # one-token steps of this row, in order: a fresh row is fresh only at its first token
+            t = starts[b] + i
+            out = causal_conv1d_varlen_triton(x[t:t + 1], w, bias, steps, slots[b:b + 1],
+                                              torch.tensor([0, 1], dtype=torch.int32, device=DEVICE),
+                                              init[b:b + 1] | (i > 0), max_query_len=1, keep_slots=keep[t:t + 1])
+            y_steps[t] = out[0]
+    assert torch.equal(y, y_steps) and torch.equal(rows, steps)
+    ref_states = states.clone()
+    live = [b for b, n in enumerate(lens) if n > 0]
+    live_qsl = torch.tensor([0, *itertools.accumulate(lens[b] for b in live)], dtype=torch.int32, device=DEVICE)
+    ref = causal_conv1d_varlen_ref(x, w, bias, ref_states, slots[live], live_qsl, init[live], keep_slots=keep)
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(y, ref, **tol)
+
+
 def test_conv_rejects_bad_shapes():
     from kernels.triton_gdn_conv import causal_conv1d_varlen_triton
 

@@ -150,7 +150,7 @@ def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir, make_model_dir, mod
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("model", ["llama", "qwen3_moe"])
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "qwen3_5_moe_text"])
 def test_gpu_bf16_verify_rows_keep_plain_decoding_bits(tiny_model_dir, make_model_dir, model):
     """bf16 on CUDA, one sequence, ``exact_speculation``: drafts replaying plain decoding's tokens are all accepted
     and the output is plain decoding's, token for token, because each verify token is computed as a one-token
