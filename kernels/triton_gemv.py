@@ -1,4 +1,4 @@
-"""Skinny GEMM ``y = x @ W^T (+ bias)`` for batch-1..16 decode: Triton kernel, torch reference, benchmark.
+"""Skinny GEMM ``y = x @ W^T (+ bias)`` for batch-1..16 decode: Triton kernel and torch reference.
 
 At M <= 16 a linear layer streams its weight: N*K*elt bytes read, almost no math, so the kernel is built for
 bandwidth. Each program owns BLOCK_N rows of W (nn.Linear layout, K contiguous) and walks K in BLOCK_K-wide
@@ -395,40 +395,3 @@ def gemv_norm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 
     if m == 1 and n >= 1024 and not cfg["use_dot"] and not (pdl and _whole_rows_tile(m, k, dtype)):
         cfg["block_n"], cfg["block_k"] = 8, min(512, max(1, triton.next_power_of_2(k)))
     return cfg
-
-
-def bench_gemv(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16, iters: int = 50,
-               **overrides: int | bool) -> dict:
-    """Time gemv_triton and F.linear (CUDA only) as CUDA-graph replays of ``iters`` calls, by CUDA events.
-
-    The weight rotates over enough copies to overflow L2, so GB/s (weight + x + y bytes) is an HBM figure, as
-    in decode, where each layer's weight arrives cold."""
-    dev = torch.device("cuda")
-    gen = torch.Generator(device=dev).manual_seed(0)
-    elt = dtype.itemsize
-    copies = max(1, min(iters, triton.cdiv(3 * torch.cuda.get_device_properties(dev).L2_cache_size, n * k * elt)))
-    x = torch.randn(m, k, device=dev, generator=gen).to(dtype)
-    ws = [(torch.randn(n, k, device=dev, generator=gen) / k**0.5).to(dtype) for _ in range(copies)]
-
-    def timed(fn) -> float:
-        for w in ws:
-            fn(w)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for i in range(iters):
-                fn(ws[i % copies])
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / iters
-
-    triton_ms = timed(lambda w: gemv_triton(x, w, **overrides))
-    torch_ms = timed(lambda w: F.linear(x, w))
-    err = (gemv_triton(x, ws[0], **overrides).float() - gemv_ref(x, ws[0]).float()).abs().max().item()
-    nbytes = (n * k + m * k + m * n) * elt
-    return {"m": m, "n": n, "k": k, "triton_ms": triton_ms, "torch_ms": torch_ms,
-            "triton_GBps": nbytes / triton_ms / 1e6, "torch_GBps": nbytes / torch_ms / 1e6, "max_abs_err": err}
