@@ -35,6 +35,7 @@ LOCAL_WORKER_ENV = "CONVEYOR_LOCAL_WORKER"  # set for workers the head started: 
 # profiling forwards); --ep-timeout applies once serving
 MEETING_TIMEOUT_S = 120.0
 LOADING_TIMEOUT_S = 900.0
+READY_KEY = "conveyor/ready"  # + "/<rank>": a local worker has reached the meeting (its store client is up)
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +185,7 @@ def _join(config: EngineConfig, rendezvous: Rendezvous, store: Any = None) -> Pa
     if store is None and os.environ.get(LOCAL_WORKER_ENV):  # a worker of a head that opened the store itself
         store = dist.TCPStore(rendezvous.addr, rendezvous.port, rendezvous.world_size, is_master=False,
                               timeout=timeout)
+        store.set(f"{READY_KEY}/{rendezvous.rank}", "1")  # the head waits for this or for the process to end
     kwargs: dict[str, Any] = {"store": store} if store is not None else {"init_method": "env://"}
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rendezvous.rank,
                             world_size=rendezvous.world_size, timeout=timeout,
@@ -222,6 +224,7 @@ def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None
         workers.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--config-json",
                                          config_to_json(config)], env=env))
     try:
+        await_local_workers(store, workers, timeout.total_seconds())
         context = _join(config, Rendezvous(0, size, 0, "127.0.0.1", store.port), store)
     except BaseException:
         for process in workers:
@@ -230,6 +233,34 @@ def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None
     context.workers, context.store = workers, store
     context.watch()
     return context
+
+
+def await_local_workers(store: Any, workers: list[subprocess.Popen], timeout_s: float) -> None:
+    """Wait until every local worker has reached the meeting, or one has ended first: a worker that fails while it
+    starts (a bad flag, no device, an import error) fails the head's start at once instead of after the meeting
+    timeout. One thread waits on the store for the workers' ready keys, one per worker on its process."""
+    done = threading.Event()
+    failures: list[str] = []
+
+    def ready() -> None:
+        try:
+            store.wait([f"{READY_KEY}/{rank}" for rank in range(1, len(workers) + 1)], timedelta(seconds=timeout_s))
+        except Exception as exc:  # noqa: BLE001 (the store's timeout error)
+            failures.append(f"the expert-parallel workers did not start within {timeout_s:.0f} s ({exc})")
+        done.set()
+
+    def ended(rank: int, process: subprocess.Popen) -> None:
+        code = process.wait()
+        if not done.is_set():
+            failures.append(f"expert-parallel worker {rank} exited with code {code} before the ranks met")
+            done.set()
+
+    threading.Thread(target=ready, name="ep-meeting", daemon=True).start()
+    for rank, process in enumerate(workers, start=1):
+        threading.Thread(target=ended, args=(rank, process), name=f"ep-worker-{rank}-start", daemon=True).start()
+    done.wait()
+    if failures:
+        raise RuntimeError(failures[0])
 
 
 def end_with_parent() -> None:

@@ -347,3 +347,15 @@ def test_a_worker_that_fails_to_load_fails_the_start_and_leaves_nothing(moe_dir,
     monkeypatch.setattr(ranks, "config_to_json", real)
     two = run_async(run_engine(moe_dir, ep_size=2))[0]
     assert two == run_async(run_engine(moe_dir))[0]
+
+
+def test_a_worker_that_ends_before_the_ranks_meet_fails_the_start_at_once(moe_dir, monkeypatch):
+    """A local worker that cannot even start (here its interpreter is /bin/false: exit code 1 at once) fails the
+    head's start with its exit code, well inside the two-minute meeting timeout."""
+    import sys
+
+    monkeypatch.setattr(sys, "executable", "/bin/false")
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="worker 1 exited with code 1 before the ranks met"):
+        run_async(Engine.create(config_for(moe_dir, ep_size=2)))
+    assert time.monotonic() - started < 30
