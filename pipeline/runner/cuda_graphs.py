@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels.triton_decode_attention import decode_num_splits
+from kernels.dispatch import rows_as_decode
 from kernels.triton_paged_attention import TritonAttentionPlan
 from pipeline.models.attention import AttentionMetadata
 from pipeline.models.forward_context import ForwardContext
@@ -50,10 +51,13 @@ class _Graph:
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, caches: list[torch.Tensor], *, max_batch: int,
                  max_blocks_per_seq: int, max_model_len: int, num_kv_heads: int, device: torch.device,
-                 max_query_len: int = 1, keeps_states: bool = False) -> None:
+                 max_query_len: int = 1, keeps_states: bool = False, rows_as_decode: bool = False) -> None:
         """``keeps_states``: the graphs take per-token keep slots (hybrid models verifying drafts,
-        ``ForwardContext.keep_slots``); without, a batch that keeps states does not fit them."""
+        ``ForwardContext.keep_slots``); without, a batch that keeps states does not fit them. ``rows_as_decode``:
+        the one-sequence graphs compute each verify token as a one-token row (``kernels.dispatch.rows_as_decode``;
+        exact speculation)."""
         self.model = model
+        self.rows_as_decode = rows_as_decode
         self.keeps_states = keeps_states
         self.caches = caches
         self.max_batch = max_batch
@@ -106,11 +110,12 @@ class DecodeGraphs:
                 context = ForwardContext(self._meta(size, q, plan, max_model_len), self.caches,
                                          state_slots=self.state_slots[:size], keep_slots=keeps)
                 args = (self.input_ids[:size * q], self.positions[:size * q], context)
-                self.model.compute_logits(self.model(*args))  # compile kernels, settle allocations
-                torch.cuda.synchronize(device)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=pool):
-                    logits = self.model.compute_logits(self.model(*args))
+                with rows_as_decode(self.rows_as_decode and size == 1):
+                    self.model.compute_logits(self.model(*args))  # compile kernels, settle allocations
+                    torch.cuda.synchronize(device)
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, pool=pool):
+                        logits = self.model.compute_logits(self.model(*args))
                 self.graphs[(size, q)] = _Graph(graph, logits)
         torch.cuda.synchronize(device)
 

@@ -72,8 +72,9 @@ class ModelRunner:
         # KV tier copies' host side runs here, beside the forward (pipeline/memory/kv_offload.py)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.comm: CommStage | None = None  # expert parallelism, on the head: the workers hear of every step
-        # exact speculation: verify rows compute each token as a one-token decode row does (kernels/dispatch.py
-        # rows_as_decode), so speculation keeps plain decoding's bits
+        # exact speculation: a one-sequence step's verify row computes each token as a one-token decode row does
+        # (kernels/dispatch.py rows_as_decode), so speculation keeps plain decoding's bits; larger batches take the
+        # multi-row kernels as without it (plain decoding's own rows are multi-row there)
         self.rows_as_decode = False
 
     @property
@@ -170,13 +171,13 @@ class ModelRunner:
 
     def capture_decode_graphs(self, max_batch: int, max_model_len: int, max_query_len: int = 1) -> None:
         self.fix_decode_partition(max_batch, max_model_len)
-        with rows_as_decode(self.rows_as_decode):  # the verify graphs are captured as they will run
-            self.graphs = DecodeGraphs(self.model, self.caches, max_batch=max_batch,
-                                       max_blocks_per_seq=-(-max_model_len // self.block_size),
-                                       max_model_len=max_model_len,
-                                       num_kv_heads=self._num_kv_heads(),
-                                       device=self.device, max_query_len=max_query_len,
-                                       keeps_states=max_query_len > 1 and self.num_state_slots > 0)
+        self.graphs = DecodeGraphs(self.model, self.caches, max_batch=max_batch,
+                                   max_blocks_per_seq=-(-max_model_len // self.block_size),
+                                   max_model_len=max_model_len,
+                                   num_kv_heads=self._num_kv_heads(),
+                                   device=self.device, max_query_len=max_query_len,
+                                   keeps_states=max_query_len > 1 and self.num_state_slots > 0,
+                                   rows_as_decode=self.rows_as_decode)
 
     def _num_kv_heads(self) -> int:
         return next(s.num_kv_heads for s in self.cache_specs if isinstance(s, PagedKVSpec))
@@ -224,8 +225,8 @@ class ModelRunner:
                 batch.num_seqs, batch.num_tokens // batch.num_seqs, batch.block_tables.shape[1], keeps_states):
             return DeviceBatch(batch, graph=True)
         kernel_plan = None
-        decode_rows = batch.num_tokens == batch.num_seqs or (  # one-token rows, or verify rows taken as such
-            self.rows_as_decode and int(np.diff(batch.query_start_loc).max(initial=0)) <= MAX_DECODE_ROW_TOKENS)
+        # one-token rows, or a verify row taken as one-token rows: the decode partition
+        decode_rows = batch.num_tokens == batch.num_seqs or self._rows_as_decode(batch)
         if self.decode_partition is not None and self.device.type == "cuda" and decode_rows:
             max_batch, max_model_len, sms = self.decode_partition
             kernel_plan = decode_plan(batch.num_seqs, max_batch, self._num_kv_heads(), max_model_len, sms)
@@ -248,11 +249,15 @@ class ModelRunner:
             if not ids.is_cuda:
                 ids = ids.clone()  # a view of the plan's host array on CPU; do not write into it
             feed.apply(ids)
-        with rows_as_decode(self.rows_as_decode):
+        with rows_as_decode(self._rows_as_decode(batch)):
             hidden = self.model(ids, prepared.positions, prepared.context)
             if batch.num_logits == 0:  # prompt chunks short of their end
                 return hidden.new_empty((0, self.vocab_size), dtype=torch.float32)
             return self.model.compute_logits(hidden[prepared.logits_indices])
+
+    def _rows_as_decode(self, batch: ForwardBatch) -> bool:
+        """Exact speculation's one-sequence steps of up to MAX_DECODE_ROW_TOKENS tokens (``rows_as_decode``)."""
+        return self.rows_as_decode and batch.num_seqs == 1 and batch.num_tokens <= MAX_DECODE_ROW_TOKENS
 
     def sample(self, logits: torch.Tensor, sampling: SamplingBatch,
                previous_host: Callable[[], np.ndarray] | None = None) -> DeviceSample:

@@ -39,22 +39,6 @@ def test_the_switch_does_not_leak_into_other_tasks():
     assert asyncio.run(main()) == [True, False]
 
 
-def test_exact_speculation_turns_it_on_for_the_runner(tiny_model_dir):
-    from pipeline.engine import Engine
-    from tests.engine_utils import config_for
-
-    async def flag(**overrides) -> bool:
-        engine = await Engine.create(config_for(tiny_model_dir, **overrides))
-        try:
-            return engine.loaded.runner.rows_as_decode
-        finally:
-            await engine.shutdown()
-
-    spec = dict(speculative_method="ngram", num_speculative_tokens=3)
-    assert not asyncio.run(flag()) and not asyncio.run(flag(**spec))
-    assert asyncio.run(flag(**spec, exact_speculation=True))
-
-
 def test_the_gdn_conv_hears_of_it(monkeypatch):
     """Verify rows of a hybrid model's conv: one-token launches of the decode kernel under the switch (the
     interpreter's sums agree between the conv kernels, so the kernel tests cannot tell; this checks the flag)."""
