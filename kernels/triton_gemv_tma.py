@@ -83,6 +83,22 @@ def _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr,
 
 
 @_jit
+def _first_tile_then_wait(w_ptr, pid, N, K, offs_k, BLOCK_N: tl.constexpr, EVEN_K: tl.constexpr,
+                          LATE_TRIGGER: tl.constexpr):
+    """Dependent launch: program pid's first W tile by plain loads (they do not block; W is never written in a
+    step), the next kernel let go unless LATE_TRIGGER, then the wait for the kernel before."""
+    rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
+    if EVEN_K:
+        w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :])
+    else:
+        w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
+    if not LATE_TRIGGER:
+        gdc_launch_dependents()
+    gdc_wait()
+    return w_first
+
+
+@_jit
 def _gemv_tma_kernel(
     w_desc, w_ptr, x_ptr, b_ptr, y_ptr, r_ptr, nw_ptr, res_out_ptr, normed_ptr, N, K, eps,
     HAS_BIAS: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
@@ -105,14 +121,7 @@ def _gemv_tma_kernel(
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     start = 0
     if PDL:  # plain loads of the first tile (they do not block), then the wait for the kernel before
-        rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        if EVEN_K:
-            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :])
-        else:
-            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-        if not LATE_TRIGGER:
-            gdc_launch_dependents()
-        gdc_wait()
+        w_first = _first_tile_then_wait(w_ptr, pid, N, K, offs_k, BLOCK_N, EVEN_K, LATE_TRIGGER)
     rstd = tl.sum(squares, axis=0)
     if PDL:
         acc, squares = _accumulate(w_first, 0, K, offs_k, x_ptr, r_ptr, nw_ptr, acc, squares, NORM, HAS_RES, EVEN_K)
@@ -169,14 +178,7 @@ def _gemv_tma_rows_kernel(
     squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     start = 0
     if PDL:  # as the one-row kernel: row 0's first tile by plain loads before the wait
-        rows = tl.minimum(pid * BLOCK_N + tl.arange(0, BLOCK_N), N - 1).to(tl.int64)
-        if EVEN_K:
-            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :])
-        else:
-            w_first = tl.load(w_ptr + rows[:, None] * K + offs_k[None, :], mask=(offs_k < K)[None, :], other=0.0)
-        if not LATE_TRIGGER:
-            gdc_launch_dependents()
-        gdc_wait()
+        w_first = _first_tile_then_wait(w_ptr, pid, N, K, offs_k, BLOCK_N, EVEN_K, LATE_TRIGGER)
         acc, squares = _accumulate(w_first, 0, K, offs_k, x_ptr, r_ptr, nw_ptr, acc, squares, NORM, HAS_RES, EVEN_K)
         start = 1
         if k_tiles == 1:

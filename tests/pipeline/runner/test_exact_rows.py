@@ -5,7 +5,12 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from kernels import dispatch
+from pipeline.spec.replay import ReplayDrafter
+from tests.conftest import run_async
+from tests.pipeline.spec.test_engine_speculation import SPEC, greedy, prompts, run
 
 
 def test_exact_speculation_turns_it_on_for_the_runner(tiny_model_dir):
@@ -55,3 +60,20 @@ def test_only_one_sequence_steps_take_it(tiny_model_dir, monkeypatch):
     asyncio.run(main())
     assert any(on for _, _, on in seen) and any(seqs > 1 for seqs, _, _ in seen)
     assert all(on == (seqs == 1 and tokens <= 16) for seqs, tokens, on in seen)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "qwen3_5_moe_text"])
+def test_gpu_bf16_verify_rows_keep_plain_decoding_bits(tiny_model_dir, make_model_dir, model):
+    """bf16 on CUDA, one sequence, ``exact_speculation``: drafts replaying plain decoding's tokens are all accepted
+    and the output is plain decoding's, token for token, because each verify token is computed as a one-token
+    decode row (kernels/dispatch.py rows_as_decode)."""
+    if model != "llama":
+        tiny_model_dir = make_model_dir(model, seed=5)
+    batch, params = prompts(1), [greedy(200)]
+    plain, _ = run_async(run(tiny_model_dir, batch, params, device="cuda", dtype="bfloat16"))
+    drafter = ReplayDrafter({tuple(batch[0]): plain[0][0]}, 0.0)
+    spec, stats = run_async(run(tiny_model_dir, batch, params, drafter, device="cuda", dtype="bfloat16",
+                                exact_speculation=True, **SPEC))
+    assert spec == plain
+    assert stats["speculation"]["accepted_tokens"] == stats["speculation"]["drafted_tokens"] > 100

@@ -149,23 +149,6 @@ def test_gpu_verify_rows_through_cuda_graphs(tiny_model_dir, make_model_dir, mod
     assert spec == plain and stats["speculation"]["accepted_tokens"] > 0
 
 
-@pytest.mark.gpu
-@pytest.mark.parametrize("model", ["llama", "qwen3_moe", "qwen3_5_moe_text"])
-def test_gpu_bf16_verify_rows_keep_plain_decoding_bits(tiny_model_dir, make_model_dir, model):
-    """bf16 on CUDA, one sequence, ``exact_speculation``: drafts replaying plain decoding's tokens are all accepted
-    and the output is plain decoding's, token for token, because each verify token is computed as a one-token
-    decode row (kernels/dispatch.py rows_as_decode)."""
-    if model != "llama":
-        tiny_model_dir = make_model_dir(model, seed=5)
-    batch, params = prompts(1), [greedy(200)]
-    plain, _ = run_async(run(tiny_model_dir, batch, params, device="cuda", dtype="bfloat16"))
-    drafter = ReplayDrafter({tuple(batch[0]): plain[0][0]}, 0.0)
-    spec, stats = run_async(run(tiny_model_dir, batch, params, drafter, device="cuda", dtype="bfloat16",
-                                exact_speculation=True, **SPEC))
-    assert spec == plain
-    assert stats["speculation"]["accepted_tokens"] == stats["speculation"]["drafted_tokens"] > 100
-
-
 def test_drafts_shrink_where_they_fail_and_stop_in_large_batches(tiny_model_dir):
     """Drafts that are always wrong: each sequence's chances to draft come 1, 2, 4, 8, 16, 16 .. steps apart, the
     later ones with one draft (the output still equal). A batch above the budget's row limit drafts nothing until it
