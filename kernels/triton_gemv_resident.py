@@ -31,6 +31,7 @@ RESIDENT = os.environ.get("CONVEYOR_GEMV_RESIDENT", "1") == "1"
 RESIDENT_BYTES = 128 * 1024  # a program's slice of W: half of an SM's 256 KiB register file
 NUM_WARPS = 16  # 128 KiB over 512 threads: 64 registers a thread of packed weights
 MAX_ROWS = 16  # the row loop's rows (speculative verify rows; SKINNY_MAX_M)
+MAXNREG = int(os.environ.get("CONVEYOR_GEMV_RESIDENT_MAXNREG", "0")) or None
 
 
 @_jit
@@ -109,5 +110,5 @@ def gemv_resident(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     _gemv_resident_kernel[(triton.cdiv(n, rows),)](
         x, weight, bias if bias is not None else y, y, m, n, k, x.stride(0),
         HAS_BIAS=bias is not None, EVEN_K=k == block_k, ROWS=rows, BLOCK_K=block_k, OPAQUE=not INTERPRET,
-        num_warps=NUM_WARPS, **launch)
+        num_warps=NUM_WARPS, **({"maxnreg": MAXNREG} if MAXNREG else {}), **launch)
     return y
