@@ -21,7 +21,6 @@ import torch.nn.functional as F
 
 from kernels.triton_compat import INTERPRET, pdl_launch, pdl_wait, tl, triton
 from kernels.triton_compat import jit as _jit
-from kernels.triton_gemv_smem import gemv_smem, smem_for
 from kernels.triton_norm import rms_norm_ref
 
 SKINNY_MAX_M = 16
@@ -301,8 +300,6 @@ def gemv_triton(
     row_loop = row_loop and m > 1  # one row: the plain launch is the same program
     if not overridden and (tma := _tma_for(x, weight, row_loop)):
         return tma.gemv_tma(x, weight, bias, pdl=bool(pdl), row_loop=row_loop)
-    if not overridden and smem_for(x, weight, sms, row_loop, bool(pdl)):
-        return gemv_smem(x, weight, bias, num_sms=sms)
     cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
