@@ -25,9 +25,6 @@ from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
 
 _ROWS_AS_DECODE: ContextVar[bool] = ContextVar("rows_as_decode", default=False)
 MAX_DECODE_ROW_TOKENS = SKINNY_MAX_M  # rows_as_decode: rows of up to this many tokens (a verify row, K <= 15)
-# how rows_as_decode makes a projection's rows exact: "loop" (each row as the one-row program computes it) or
-# "invariant" (every row count, one row included, through one binary of the 16-row dot path)
-EXACT_PROJECTIONS = os.environ.get("CONVEYOR_EXACT_PROJECTIONS", "loop")
 
 
 @contextmanager
@@ -90,18 +87,13 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    on = decode_rows_on()
-    invariant = on and EXACT_PROJECTIONS == "invariant"
-    return gemv_triton(x, weight, bias, row_loop=on and not invariant, row_invariant=invariant)
+    return gemv_triton(x, weight, bias, row_loop=decode_rows_on())
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                 weight: torch.Tensor, bias: torch.Tensor | None, write_normed: bool) -> NormedProjection:
     """The residual-add RMSNorm inside a skinny projection (where ``skinny_linear_applies``)."""
-    on = decode_rows_on()
-    invariant = on and EXACT_PROJECTIONS == "invariant"
-    return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed, row_loop=on and not invariant,
-                            row_invariant=invariant)
+    return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed, row_loop=decode_rows_on())
 
 
 def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,

@@ -282,7 +282,7 @@ def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, use_dot: bool | None = None,
-    prefetch: bool | None = None, row_loop: bool = False, row_invariant: bool = False,
+    prefetch: bool | None = None, row_loop: bool = False,
 ) -> torch.Tensor:
     """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic.
     On GPUs with dependent launch, W is read before the kernels before this one have finished: W must be a weight
@@ -297,13 +297,10 @@ def gemv_triton(
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
     overridden = (block_n, block_k, split_k, num_warps, num_stages, use_dot, prefetch) != (None,) * 7
-    row_loop = row_loop and m > 1 and not row_invariant  # one row: the plain launch is the same program
-    if not overridden and not row_invariant and (tma := _tma_for(x, weight, row_loop)):
+    row_loop = row_loop and m > 1  # one row: the plain launch is the same program
+    if not overridden and (tma := _tma_for(x, weight, row_loop)):
         return tma.gemv_tma(x, weight, bias, pdl=bool(pdl), row_loop=row_loop)
-    if row_invariant:  # one binary for every row count: the dot path's launch for SKINNY_MAX_M rows
-        cfg = gemv_config(SKINNY_MAX_M, n, k, x.dtype, sms, True, pdl=bool(pdl))
-    else:
-        cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
+    cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
         raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two (>= 16 for the dot path)")
@@ -352,7 +349,7 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                      weight: torch.Tensor, bias: torch.Tensor | None = None, write_normed: bool = False, *,
                      block_n: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None, prefetch: bool | None = None,
-                     row_loop: bool = False, row_invariant: bool = False) -> NormedProjection:
+                     row_loop: bool = False) -> NormedProjection:
     """``gemv_norm_ref`` in one launch: the residual-add RMSNorm in the GEMV's K loop (no K split). At decode
     batch sizes this replaces a norm kernel a layer. ``row_loop``: as ``gemv_triton``'s."""
     _check_operands(x, weight, bias)
@@ -365,13 +362,11 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     r = x if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
-    row_loop = row_loop and m > 1 and not row_invariant
-    if (block_n, block_k, num_warps, prefetch) == (None,) * 4 and not row_invariant and (
-            tma := _tma_for(x, weight, row_loop)):
+    row_loop = row_loop and m > 1
+    if (block_n, block_k, num_warps, prefetch) == (None,) * 4 and (tma := _tma_for(x, weight, row_loop)):
         return tma.gemv_norm_tma(x, residual, norm_weight, eps, weight, bias, write_normed, pdl=bool(pdl),
                                  row_loop=row_loop)
-    cfg = gemv_norm_config(SKINNY_MAX_M if row_invariant else 1 if row_loop else m, n, k, x.dtype, sms,
-                           pdl=bool(pdl))
+    cfg = gemv_norm_config(1 if row_loop else m, n, k, x.dtype, sms, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     grid_n = triton.cdiv(n, bn)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)

@@ -260,41 +260,6 @@ def test_norm_row_loop_gives_each_row_its_one_row_bits(dtype, residual):
     close(out.normed, ref.normed)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(2, 130, 256), (5, 7, 9000), (16, 64, 300)])
-def test_row_invariant_rows_equal_one_row_calls(dtype, m, n, k):
-    """``row_invariant``: one binary for every row count, so a row's bits do not depend on the rows beside it."""
-    from kernels.triton_gemv import gemv_norm_triton
-
-    x, w, b = operands(m, n, k, dtype, True, seed=4)
-    out = gemv_triton(x, w, b, row_invariant=True)
-    assert torch.equal(out, torch.cat(split_rows(lambda r: gemv_triton(r, w, b, row_invariant=True), x)))
-    close(out, gemv_ref(x, w, b))
-    r, nw = randn(m, k, dtype=dtype, seed=6), (1 + 0.3 * randn(k, seed=7)).to(dtype)
-    normed = gemv_norm_triton(x, r, nw, 1e-6, w, b, True, row_invariant=True)
-    singles = [gemv_norm_triton(x[i:i + 1], r[i:i + 1], nw, 1e-6, w, b, True, row_invariant=True) for i in range(m)]
-    for field in ("y", "residual", "normed"):
-        assert torch.equal(getattr(normed, field), torch.cat([getattr(s, field) for s in singles])), field
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("m", [2, 5, 16])
-@pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288), (8192, 2048), (151936, 1024)])  # the last two: TMA
-def test_gpu_row_invariant_bits(m, n, k):
-    from kernels.triton_gemv import gemv_norm_triton
-
-    x, w, _ = operands(m, n, k, torch.bfloat16, False, seed=1)
-    r, nw = randn(m, k, dtype=torch.bfloat16, seed=2), (1 + 0.3 * randn(k, seed=3)).to(torch.bfloat16)
-    out = gemv_triton(x, w, row_invariant=True)
-    assert torch.equal(out, torch.cat(split_rows(lambda row: gemv_triton(row, w, row_invariant=True), x)))
-    close(out, gemv_ref(x, w))
-    normed = gemv_norm_triton(x, r, nw, 1e-6, w, None, True, row_invariant=True)
-    singles = [gemv_norm_triton(x[i:i + 1], r[i:i + 1], nw, 1e-6, w, None, True, row_invariant=True)
-               for i in range(m)]
-    for field in ("y", "residual", "normed"):
-        assert torch.equal(getattr(normed, field), torch.cat([getattr(s, field) for s in singles])), field
-
-
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [2, 5, 16])
 @pytest.mark.parametrize("n,k", [(4096, 4096), (1024, 12288), (8192, 2048), (151936, 1024)])  # the last two: TMA
