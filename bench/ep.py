@@ -36,7 +36,8 @@ sys.path.insert(0, ROOT)
 
 from pipeline.engine import Engine  # noqa: E402
 
-from gpu import engine_config, prompts, run_one, write_model_dir  # noqa: E402
+from gpu import engine_config, write_model_dir  # noqa: E402
+from gpu_requests import prompts, run_one  # noqa: E402
 from gpu_shapes import add_engine_args, chosen_shape  # noqa: E402
 from gpu_util import free_device, layer_kinds, state_bytes_per_seq  # noqa: E402
 

@@ -19,7 +19,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
-from gpu import engine_config, prompts, run_one, subprocess_json, write_model_dir  # noqa: E402
+from gpu import engine_config, subprocess_json, write_model_dir  # noqa: E402
+from gpu_requests import prompts, run_one  # noqa: E402
 from gpu_shapes import QUICK, QWEN3_8B  # noqa: E402
 from gpu_util import free_device, log, pct  # noqa: E402
 

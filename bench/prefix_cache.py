@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pipeline.engine import Engine  # noqa: E402
 
-from gpu import engine_config, run_one, write_model_dir  # noqa: E402
+from gpu import engine_config, write_model_dir  # noqa: E402
+from gpu_requests import run_one  # noqa: E402
 from gpu_shapes import add_engine_args, chosen_shape  # noqa: E402
 from gpu_util import pct, state_bytes_per_seq  # noqa: E402
 

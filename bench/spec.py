@@ -37,7 +37,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pipeline.engine import Engine  # noqa: E402
 from pipeline.spec.replay import ReplayDrafter  # noqa: E402
 
-from gpu import engine_config, prompts, run_one, write_model_dir  # noqa: E402
+from gpu import engine_config, write_model_dir  # noqa: E402
+from gpu_requests import prompts, run_one  # noqa: E402
 from gpu_shapes import QWEN3_8B, add_engine_args, chosen_shape  # noqa: E402
 
 # Qwen3-0.6B: a draft model of the Qwen3 family (the 8B's tokenizer and vocabulary)
