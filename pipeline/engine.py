@@ -37,6 +37,7 @@ from pipeline.prompt import PromptRenderer
 from pipeline.request import CancelReason, OutputDelta, Request, SamplingParams, new_request_id
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.scheduler import SeatPool, WaitingGauge
+from pipeline.spec.budget import draft_token_cost
 from pipeline.stage import Stage
 from pipeline.stages.decode import DecodeStage
 from pipeline.stages.detokenize import DetokenizeStage
@@ -78,7 +79,8 @@ class Engine:
                                    token_budget=config.max_num_batched_tokens)
         self.verify = VerifyStage(config.stage_queue_size, drafter=loaded.drafter, executor=self.executor)
         self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead, verify=self.verify,
-                                  num_speculative_tokens=config.num_speculative_tokens, **shared)
+                                  num_speculative_tokens=config.num_speculative_tokens,
+                                  draft_token_cost=draft_token_cost(config.exact_speculation, pin), **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, planner=self.planner,
                                     decode=self.decode, **shared)
         self.planner.bind(decode=self.decode, prefill=self.prefill)

@@ -13,6 +13,12 @@ drafter that is never right then costs a failed chance in ``MAX_WAIT`` steps. On
 failed chance at batch 1 cost about six decode steps while rejected rows were fed again (the verify row reads the
 experts of every token it holds), so a cap of 16 steps cost it 23%. A chance with nothing offered (no n-gram match)
 waits one step.
+
+Exact speculation on a GPU (``--exact-speculation``) computes each verified token as a one-token row, about
+``EXACT_TOKEN_COST`` decode steps a token (bench/README.md), so there a row is worth its drafts only where its
+expected tokens, ``1 + p + .. + p^k`` at a per-draft acceptance p, outrun its cost ``1 + cost * k``: each sequence
+verifies the k that gains most per step, at least one (a probe, so the acceptance estimate can recover), and its
+failed chances wait as above.
 """
 from __future__ import annotations
 
@@ -29,6 +35,21 @@ MAX_DRAFT_ROWS = 32  # running sequences above which no row drafts
 # verify row (a Qwen3.5-35B-A3B state is 61 MiB: 32 x 4 of them are 7.8 GiB); a row drafts no more than it can keep
 KEPT_STATES_PER_ROW = 4
 MAX_WAIT = 64  # the longest wait, in steps, between a sequence's chances to draft after they brought nothing
+# decode steps a verified token adds to its row when verify rows are computed as one-token rows (a 5-token row of the
+# Qwen3-8B shape took 4.4 decode steps on an H100: bench/README.md, "Verify rows computed as decode rows")
+EXACT_TOKEN_COST = 0.85
+
+
+def draft_token_cost(exact_speculation: bool, on_gpu: bool) -> float:
+    """``DraftBudget.token_cost`` for an engine: exact verify rows cost about a decode step a token on a GPU; elsewhere
+    (the CPU's torch kernels, the GPU's multi-row kernels) a row's tokens cost little more than one."""
+    return EXACT_TOKEN_COST if exact_speculation and on_gpu else 0.0
+
+
+def expected_tokens(k: int, acceptance: float) -> float:
+    """Tokens a row of k drafts yields when each draft holds with probability ``acceptance`` (the row's own token,
+    then drafts until the first rejected one)."""
+    return float(k + 1) if acceptance >= 1.0 else (1.0 - acceptance ** (k + 1)) / (1.0 - acceptance)
 
 
 @dataclass(slots=True)
@@ -36,6 +57,7 @@ class DraftBudget:
     k: int  # the configured drafts per row
     max_rows: int = MAX_DRAFT_ROWS  # running sequences above which no row drafts
     low_acceptance: float = 0.3  # below this average a sequence verifies one draft a step
+    token_cost: float = 0.0  # decode steps each draft adds to its verify row (0: a row costs about one step)
 
     def for_step(self, running: int) -> int:
         """The most drafts a row may verify in a step of ``running`` sequences."""
@@ -43,7 +65,19 @@ class DraftBudget:
 
     def for_sequence(self, limit: int, acceptance: float) -> int:
         """Drafts for one sequence under the step's ``limit``, from its acceptance average."""
+        if self.token_cost > 0.0:
+            return self.paying_drafts(limit, acceptance)
         return min(limit, 1) if acceptance < self.low_acceptance else limit
+
+    def paying_drafts(self, limit: int, acceptance: float) -> int:
+        """The k <= ``limit`` whose row yields the most tokens per decode step it costs; 1 where none pays (a
+        probe: the acceptance average moves only on verified rows), 0 under a zero limit."""
+        best_k, best = min(limit, 1), 0.0
+        for k in range(1, limit + 1):
+            rate = expected_tokens(k, acceptance) / (1.0 + self.token_cost * k)
+            if rate > best:
+                best_k, best = k, rate
+        return best_k
 
     @staticmethod
     def observe(acceptance: float, drafted: int, accepted: int) -> float:

@@ -56,12 +56,14 @@ class DecodeStage(DeviceStage):
     name = "decode"
 
     def __init__(self, inbox_size: int, *, planner: StepPlanner, run_ahead: bool = True,
-                 verify: VerifyStage | None = None, num_speculative_tokens: int = 0, **resources) -> None:
+                 verify: VerifyStage | None = None, num_speculative_tokens: int = 0, draft_token_cost: float = 0.0,
+                 **resources) -> None:
         super().__init__(inbox_size, **resources)
         self.planner = planner
         self.verify = verify  # speculation: where drafts come from (a row feeds them, and samples at each)
         drafter = verify.drafter if verify is not None else None
-        self.draft_budget = DraftBudget(num_speculative_tokens if drafter is not None else 0)
+        self.draft_budget = DraftBudget(num_speculative_tokens if drafter is not None else 0,
+                                        token_cost=draft_token_cost)
         self.spec = SpecStats(accepted_per_row=[0] * (self.draft_budget.k + 1))
         self._drafts: dict[int, list[int]] = {}  # seq_id -> drafts offered for the step being composed
         self._fillers: dict[int, int] = {}  # seq_id -> how many of its drafts are fillers (``_fill_rows``)

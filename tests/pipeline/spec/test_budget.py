@@ -5,7 +5,7 @@ import pytest
 
 from types import SimpleNamespace
 
-from pipeline.spec.budget import MAX_WAIT, DraftBudget
+from pipeline.spec.budget import EXACT_TOKEN_COST, MAX_WAIT, DraftBudget, draft_token_cost, expected_tokens
 
 
 def test_large_batches_draft_nothing_and_failing_sequences_one():
@@ -39,3 +39,39 @@ def test_failed_chances_wait_longer_and_an_accepted_draft_ends_the_wait():
         pass
     DraftBudget.settle(seq, 0, 0)  # nothing offered: one step, the backoff kept
     assert seq.draft_wait == 1 and seq.draft_backoff == 0
+
+
+def test_expected_tokens():
+    assert expected_tokens(0, 0.3) == 1.0 and expected_tokens(4, 1.0) == 5.0
+    assert expected_tokens(2, 0.5) == pytest.approx(1.75) and expected_tokens(3, 0.0) == 1.0
+
+
+def test_costly_rows_verify_the_drafts_that_pay_and_probe_otherwise():
+    exact = DraftBudget(k=4, token_cost=EXACT_TOKEN_COST)
+    assert exact.for_sequence(4, 1.0) == 4  # every draft taken: the longest row gains most
+    assert exact.for_sequence(4, 0.9) == 1  # 1.9 tokens for 1.85 steps beats 2.71 for 2.7
+    assert exact.for_sequence(4, 0.5) == 1 and exact.for_sequence(4, 0.0) == 1  # none pays: a one-draft probe
+    assert exact.for_sequence(0, 1.0) == 0
+    cheap = DraftBudget(k=4, token_cost=0.05)
+    assert cheap.for_sequence(4, 0.5) == 3  # 1.875 tokens for 1.15 steps: the best rate, not the longest row
+    assert draft_token_cost(True, True) == EXACT_TOKEN_COST
+    assert draft_token_cost(True, False) == draft_token_cost(False, True) == 0.0
+
+
+def test_a_drafter_never_right_costs_little_where_rows_are_costly():
+    """256 steps of one sequence whose drafts all fail, on exact rows (``EXACT_TOKEN_COST`` decode steps a draft):
+    the steps its verify rows add. Priced rows probe with one draft after the first failure; the rule without a price
+    keeps four drafts while the average stays above 0.3."""
+    def added_steps(token_cost: float) -> float:
+        budget = DraftBudget(k=4, token_cost=token_cost)
+        seq = SimpleNamespace(draft_acceptance=1.0, draft_wait=0, draft_backoff=0)
+        added = 0.0
+        for _ in range(256):
+            if DraftBudget.tick([seq]):
+                k = budget.for_sequence(budget.for_step(1), seq.draft_acceptance)
+                added += EXACT_TOKEN_COST * k
+                DraftBudget.settle(seq, k, 0)
+        return added
+
+    priced, unpriced = added_steps(EXACT_TOKEN_COST), added_steps(0.0)
+    assert priced < 0.05 * 256 and priced < 0.5 * unpriced
