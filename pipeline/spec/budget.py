@@ -16,9 +16,10 @@ waits one step.
 
 Exact speculation on a GPU (``--exact-speculation``) computes each verified token as a one-token row, about
 ``EXACT_TOKEN_COST`` decode steps a token (bench/README.md), so there a row is worth its drafts only where its
-expected tokens, ``1 + p + .. + p^k`` at a per-draft acceptance p, outrun its cost ``1 + cost * k``: each sequence
-verifies the k that gains most per step, at least one (a probe, so the acceptance estimate can recover), and its
-failed chances wait as above.
+expected tokens, ``1 + p + .. + p^k`` at a per-draft acceptance p, outrun its cost ``1 + cost * k``: in the
+one-sequence steps that compute such rows the sequence verifies the k that gains most per step, at least one (a
+probe, so the acceptance estimate can recover), with no filler drafts after them, and its failed chances wait as
+above.
 """
 from __future__ import annotations
 
@@ -63,9 +64,15 @@ class DraftBudget:
         """The most drafts a row may verify in a step of ``running`` sequences."""
         return self.k if running <= self.max_rows else 0
 
-    def for_sequence(self, limit: int, acceptance: float) -> int:
-        """Drafts for one sequence under the step's ``limit``, from its acceptance average."""
-        if self.token_cost > 0.0:
+    def priced(self, running: int) -> bool:
+        """Whether a step of ``running`` sequences prices its drafts: exact rows are one-sequence steps' (larger
+        batches verify on the multi-row kernels, as they decode)."""
+        return self.token_cost > 0.0 and running == 1
+
+    def for_sequence(self, limit: int, acceptance: float, priced: bool = False) -> int:
+        """Drafts for one sequence under the step's ``limit``, from its acceptance average (``priced``: the k that
+        pays most)."""
+        if priced:
             return self.paying_drafts(limit, acceptance)
         return min(limit, 1) if acceptance < self.low_acceptance else limit
 

@@ -184,12 +184,13 @@ class DecodeStage(DeviceStage):
         drafter writes KV at the drafts' positions, so their slots are allocated first (a sequence whose blocks do
         not fit does not draft)."""
         drafter, cache, budget = self.drafter, self.cache, self.draft_budget
-        limit = budget.for_step(len(self.running))
+        limit, priced = budget.for_step(len(self.running)), budget.priced(len(self.running))
         wanted: list[tuple[Sequence, int]] = []
         for seq in self.running:
             if seq.draft_wait or seq.num_pending != 1:
                 continue
-            k = min(budget.for_sequence(limit, seq.draft_acceptance), seq.request.max_total_tokens - len(seq.token_ids) - 1)
+            k = min(budget.for_sequence(limit, seq.draft_acceptance, priced),
+                    seq.request.max_total_tokens - len(seq.token_ids) - 1)
             if seq.state_slot is not None:
                 k = min(k, cache.keepable(seq))
             if k > 0 and (not drafter.on_device or cache.allocate_slots(seq, seq.num_pending + k)):
@@ -212,6 +213,8 @@ class DecodeStage(DeviceStage):
         if not self._drafts and all(seq.num_pending == 1 for seq in self.running):
             return
         k = self.draft_budget.for_step(len(self.running))
+        if self.draft_budget.priced(len(self.running)):  # a filler costs as much as a draft: rows of one length only
+            k = max(seq.num_pending + len(self._drafts.get(seq.seq_id, [])) for seq in self.running) - 1
         for seq in self.running if k else ():
             drafts = self._drafts.get(seq.seq_id, [])
             fill = min(k + 1 - seq.num_pending - len(drafts),

@@ -1,11 +1,16 @@
 """How many drafts a row verifies (pipeline/spec/budget.py)."""
 from __future__ import annotations
 
-import pytest
-
 from types import SimpleNamespace
 
+import pytest
+
+from pipeline.engine import Engine
 from pipeline.spec.budget import EXACT_TOKEN_COST, MAX_WAIT, DraftBudget, draft_token_cost, expected_tokens
+from pipeline.spec.replay import ReplayDrafter
+from tests.conftest import run_async
+from tests.engine_utils import assert_no_leaks, collect, config_for, settle
+from tests.pipeline.spec.test_engine_speculation import SPEC, greedy, prompts, run
 
 
 def test_large_batches_draft_nothing_and_failing_sequences_one():
@@ -48,12 +53,14 @@ def test_expected_tokens():
 
 def test_costly_rows_verify_the_drafts_that_pay_and_probe_otherwise():
     exact = DraftBudget(k=4, token_cost=EXACT_TOKEN_COST)
-    assert exact.for_sequence(4, 1.0) == 4  # every draft taken: the longest row gains most
-    assert exact.for_sequence(4, 0.9) == 1  # 1.9 tokens for 1.85 steps beats 2.71 for 2.7
-    assert exact.for_sequence(4, 0.5) == 1 and exact.for_sequence(4, 0.0) == 1  # none pays: a one-draft probe
-    assert exact.for_sequence(0, 1.0) == 0
+    assert exact.priced(1) and not exact.priced(2) and not DraftBudget(k=4).priced(1)
+    assert exact.for_sequence(4, 1.0, True) == 4  # every draft taken: the longest row gains most
+    assert exact.for_sequence(4, 0.9, True) == 1  # 1.9 tokens for 1.85 steps beats 2.71 for 2.7
+    assert exact.for_sequence(4, 0.5, True) == 1 and exact.for_sequence(4, 0.0, True) == 1  # none pays: a probe
+    assert exact.for_sequence(0, 1.0, True) == 0
+    assert exact.for_sequence(4, 0.5) == 4  # unpriced (a batch): the rule without a price
     cheap = DraftBudget(k=4, token_cost=0.05)
-    assert cheap.for_sequence(4, 0.5) == 3  # 1.875 tokens for 1.15 steps: the best rate, not the longest row
+    assert cheap.for_sequence(4, 0.5, True) == 3  # 1.875 tokens for 1.15 steps: the best rate, not the longest row
     assert draft_token_cost(True, True) == EXACT_TOKEN_COST
     assert draft_token_cost(True, False) == draft_token_cost(False, True) == 0.0
 
@@ -68,10 +75,40 @@ def test_a_drafter_never_right_costs_little_where_rows_are_costly():
         added = 0.0
         for _ in range(256):
             if DraftBudget.tick([seq]):
-                k = budget.for_sequence(budget.for_step(1), seq.draft_acceptance)
+                k = budget.for_sequence(budget.for_step(1), seq.draft_acceptance, budget.priced(1))
                 added += EXACT_TOKEN_COST * k
                 DraftBudget.settle(seq, k, 0)
         return added
 
     priced, unpriced = added_steps(EXACT_TOKEN_COST), added_steps(0.0)
     assert priced < 0.05 * 256 and priced < 0.5 * unpriced
+
+
+@pytest.mark.usefixtures("single_torch_thread")
+@pytest.mark.parametrize("error", [0.0, 0.3])
+def test_priced_rows_verify_the_drafts_that_pay(tiny_model_dir, error):
+    """Exact rows on a GPU cost about a decode step a token (``DraftBudget.token_cost``): one sequence whose drafts
+    are right keeps K a row; one whose drafts fail three times in ten verifies one draft a row, with no fillers after
+    it. The tokens equal plain decoding's either way."""
+    batch, params = prompts(1), [greedy(160)]
+    plain, _ = run_async(run(tiny_model_dir, batch, params))
+    expected = {tuple(p): out[0] for p, out in zip(batch, plain)}
+
+    async def main() -> tuple[list, dict]:
+        engine = await Engine.create(config_for(tiny_model_dir, **SPEC))
+        engine.decode.drafter = ReplayDrafter(expected, error)
+        engine.decode.draft_budget.token_cost = EXACT_TOKEN_COST
+        try:
+            results = [await collect(engine, prompt_token_ids=batch[0], params=params[0])]
+            await settle(engine)
+            assert_no_leaks(engine)
+            return [[s.token_ids for s in r] for r in results], engine.stats()["speculation"]
+        finally:
+            await engine.shutdown()
+
+    spec, counted = run_async(main())
+    assert spec == plain and counted["filler_tokens"] == 0 and counted["verify_rows"] > 5
+    if error:
+        assert counted["drafted_tokens"] < 1.5 * counted["verify_rows"]
+    else:
+        assert counted["drafted_tokens"] > 3.5 * counted["verify_rows"]
