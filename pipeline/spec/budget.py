@@ -18,8 +18,8 @@ Exact speculation on a GPU (``--exact-speculation``) computes each verified toke
 ``EXACT_TOKEN_COST`` decode steps a token (bench/README.md), so there a row is worth its drafts only where its
 expected tokens, ``1 + p + .. + p^k`` at a per-draft acceptance p, outrun its cost ``1 + cost * k``: in the
 one-sequence steps that compute such rows the sequence verifies the k that gains most per step, at least one (a
-probe, so the acceptance estimate can recover), with no filler drafts after them, and its failed chances wait as
-above.
+probe, so the acceptance estimate can recover), with no filler drafts after them; its failed chances wait as
+above, and so do its accepted ones while drafting does not pay at its average.
 """
 from __future__ import annotations
 
@@ -75,6 +75,18 @@ class DraftBudget:
         if priced:
             return self.paying_drafts(limit, acceptance)
         return min(limit, 1) if acceptance < self.low_acceptance else limit
+
+    def pays(self, acceptance: float) -> bool:
+        """Whether some row of up to K drafts yields more than one token per decode step at this acceptance."""
+        return any(expected_tokens(k, acceptance) > 1.0 + self.token_cost * k for k in range(1, self.k + 1))
+
+    def after_row(self, seq: Sequence, drafted: int, accepted: int, priced: bool) -> None:
+        """``settle`` after a verify row; where the row was priced and drafting does not pay at the sequence's new
+        average, its chances keep backing off even when a probe was accepted (the average still moves)."""
+        backoff = seq.draft_backoff
+        DraftBudget.settle(seq, drafted, accepted)
+        if priced and drafted and not self.pays(seq.draft_acceptance):
+            seq.draft_backoff = seq.draft_wait = min(max(1, 2 * backoff), MAX_WAIT)
 
     def paying_drafts(self, limit: int, acceptance: float) -> int:
         """The k <= ``limit`` whose row yields the most tokens per decode step it costs; 1 where none pays (a

@@ -331,7 +331,8 @@ class DecodeStage(DeviceStage):
             proposed = len(drafts) - fillers  # the drafter's; the fillers follow them
             spec.count_row(proposed, fillers, accepted)
             if proposed:
-                DraftBudget.settle(seq, proposed, min(accepted, proposed))
+                self.draft_budget.after_row(seq, proposed, min(accepted, proposed),
+                                            self.draft_budget.priced(len(in_flight.batch)))
             before = seq.num_computed
             if seq.state_slot is not None and accepted < len(drafts):
                 # hybrid: the state went past the rejected drafts; the one kept after the last accepted token

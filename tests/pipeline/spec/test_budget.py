@@ -61,6 +61,7 @@ def test_costly_rows_verify_the_drafts_that_pay_and_probe_otherwise():
     assert exact.for_sequence(4, 0.5) == 4  # unpriced (a batch): the rule without a price
     cheap = DraftBudget(k=4, token_cost=0.05)
     assert cheap.for_sequence(4, 0.5, True) == 3  # 1.875 tokens for 1.15 steps: the best rate, not the longest row
+    assert exact.pays(0.9) and not exact.pays(0.8)
     assert draft_token_cost(True, True) == EXACT_TOKEN_COST
     assert draft_token_cost(True, False) == draft_token_cost(False, True) == 0.0
 
@@ -112,3 +113,22 @@ def test_priced_rows_verify_the_drafts_that_pay(tiny_model_dir, error):
         assert counted["drafted_tokens"] < 1.5 * counted["verify_rows"]
     else:
         assert counted["drafted_tokens"] > 3.5 * counted["verify_rows"]
+
+
+def test_accepted_probes_back_off_while_drafting_does_not_pay():
+    """Priced rows at an acceptance average where no row pays: an accepted one-draft probe moves the average up but
+    the next chance still waits longer; once the average pays, an accepted row ends the wait."""
+    budget = DraftBudget(k=4, token_cost=EXACT_TOKEN_COST)
+    seq = SimpleNamespace(draft_acceptance=0.5, draft_wait=0, draft_backoff=0)
+    waits = []
+    for _ in range(5):  # each probe comes once the wait before it has run out
+        seq.draft_wait = 0
+        budget.after_row(seq, 1, 1, priced=True)
+        waits.append(seq.draft_wait)
+    assert waits == [1, 2, 4, 8, 16] and seq.draft_acceptance == pytest.approx(1 - 0.5 * 0.8 ** 5)  # 0.836
+    seq.draft_wait = 0
+    budget.after_row(seq, 1, 1, priced=True)  # 0.869: one draft pays
+    assert budget.pays(seq.draft_acceptance) and seq.draft_wait == 0 and seq.draft_backoff == 0
+    unpriced = SimpleNamespace(draft_acceptance=0.5, draft_wait=0, draft_backoff=0)
+    budget.after_row(unpriced, 1, 1, priced=False)
+    assert unpriced.draft_wait == 0
