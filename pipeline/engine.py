@@ -62,10 +62,10 @@ class Engine:
         self.tokenizer = loaded.tokenizer
         states = StateSlotPool(loaded.runner.num_state_slots - 1) if loaded.runner.num_state_slots else None
         snapshots = loaded.runner.snapshots[0].shape[0] if loaded.runner.snapshots else 0
-        pin = str(loaded.runner.device).startswith("cuda")  # the host tiers' pages
+        on_gpu = str(loaded.runner.device).startswith("cuda")  # pinned host tiers; priced exact verify rows
         self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states, config.prefix_caching,
                                   kv_offload(config, loaded),
-                                  snapshot_pool(config, snapshots, loaded.runner.bytes_per_snapshot, pin)
+                                  snapshot_pool(config, snapshots, loaded.runner.bytes_per_snapshot, on_gpu)
                                   if snapshots else None)
         self.seats = SeatPool(config.max_num_seqs)
         self.waiting = WaitingGauge(config.max_waiting_requests, config.max_waiting_tokens)
@@ -80,7 +80,7 @@ class Engine:
         self.verify = VerifyStage(config.stage_queue_size, drafter=loaded.drafter, executor=self.executor)
         self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead, verify=self.verify,
                                   num_speculative_tokens=config.num_speculative_tokens,
-                                  draft_token_cost=draft_token_cost(config.exact_speculation, pin), **shared)
+                                  draft_token_cost=draft_token_cost(config.exact_speculation, on_gpu), **shared)
         self.prefill = PrefillStage(seat_bound, waiting_gauge=self.waiting, planner=self.planner,
                                     decode=self.decode, **shared)
         self.planner.bind(decode=self.decode, prefill=self.prefill)

@@ -78,7 +78,7 @@ class DraftBudget:
 
     def pays(self, acceptance: float) -> bool:
         """Whether some row of up to K drafts yields more than one token per decode step at this acceptance."""
-        return any(expected_tokens(k, acceptance) > 1.0 + self.token_cost * k for k in range(1, self.k + 1))
+        return self._best(self.k, acceptance)[1] > 1.0
 
     def after_row(self, seq: Sequence, drafted: int, accepted: int, priced: bool) -> None:
         """``settle`` after a verify row; where the row was priced and drafting does not pay at the sequence's new
@@ -91,12 +91,16 @@ class DraftBudget:
     def paying_drafts(self, limit: int, acceptance: float) -> int:
         """The k <= ``limit`` whose row yields the most tokens per decode step it costs; 1 where none pays (a
         probe: the acceptance average moves only on verified rows), 0 under a zero limit."""
-        best_k, best = min(limit, 1), 0.0
+        return self._best(limit, acceptance)[0]
+
+    def _best(self, limit: int, acceptance: float) -> tuple[int, float]:
+        """(k, tokens per decode step) of the best row of 1..``limit`` drafts; (0, 0.0) under a zero limit."""
+        best_k, best = 0, 0.0
         for k in range(1, limit + 1):
             rate = expected_tokens(k, acceptance) / (1.0 + self.token_cost * k)
             if rate > best:
                 best_k, best = k, rate
-        return best_k
+        return best_k, best
 
     @staticmethod
     def observe(acceptance: float, drafted: int, accepted: int) -> float:
