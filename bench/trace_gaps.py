@@ -1,0 +1,96 @@
+"""Where a profiled run's device sat idle: a Chrome trace from torch.profiler (``bench/spec.py --profile``) read for
+its kernels' busy time, the gaps between them, and the host ops that ran during the longest gaps. JSON out.
+
+    python3 bench/trace_gaps.py $OUT/spec-trace.json --out $OUT/spec-gaps.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter, defaultdict
+
+
+def load(path: str) -> tuple[list[tuple[float, float, str]], list[tuple[float, float, str, int]]]:
+    """(start, end, name) of every kernel or device copy, sorted; (start, end, name, thread) of every host op."""
+    with open(path) as handle:
+        events = json.load(handle)["traceEvents"]
+    kernels, host = [], []
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]), e.get("name", ""))
+        if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset"):
+            kernels.append(span)
+        elif e.get("cat") in ("cpu_op", "user_annotation", "cuda_runtime", "python_function"):
+            host.append(span + (e.get("tid", 0),))
+    kernels.sort()
+    return kernels, host
+
+
+def gaps(kernels: list[tuple[float, float, str]], floor_us: float) -> tuple[float, float, list[tuple[float, float]]]:
+    """Busy time (the kernels' union), the window, and the idle gaps of at least ``floor_us``."""
+    busy, found = 0.0, []
+    start, end = kernels[0][0], kernels[0][1]
+    window = (kernels[0][0], max(k[1] for k in kernels))
+    for s, e, _ in kernels[1:]:
+        if s > end:
+            busy += end - start
+            if s - end >= floor_us:
+                found.append((end, s))
+            start, end = s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return busy, window[1] - window[0], found
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("trace")
+    ap.add_argument("--floor-us", type=float, default=20.0, help="shorter idle spans are not counted as gaps")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args()
+    kernels, host = load(a.trace)
+    busy, window, found = gaps(kernels, a.floor_us)
+    idle = sum(e - s for s, e in found)
+    # the host ops that overlap the gaps, by name: what the device waited on
+    during: dict[str, float] = defaultdict(float)
+    for s, e in found:
+        for hs, he, name, _ in host:
+            overlap = min(e, he) - max(s, hs)
+            if overlap > 0:
+                during[name] += overlap
+    sizes = Counter(min(int((e - s) // 100) * 100, 5000) for s, e in found)
+    report = dict(window_ms=window / 1e3, busy_ms=busy / 1e3, idle_in_gaps_ms=idle / 1e3, gaps=len(found),
+                  floor_us=a.floor_us, gap_histogram_us={f"{k}-{k + 100}": v for k, v in sorted(sizes.items())},
+                  host_ops_during_gaps_ms={k: round(v / 1e3, 3) for k, v in
+                                           sorted(during.items(), key=lambda kv: -kv[1])[:40]},
+                  kernels_ms={k: round(v / 1e3, 3) for k, v in sorted(
+                      _by_name(kernels).items(), key=lambda kv: -kv[1])[:30]},
+                  middle_gaps=_middle(kernels, found))
+    text = json.dumps(report, indent=1)
+    print(text)
+    if a.out:
+        with open(a.out, "w") as handle:
+            handle.write(text)
+
+
+def _middle(kernels: list[tuple[float, float, str]], found: list[tuple[float, float]], count: int = 12) -> list:
+    """The gaps after the window's midpoint, each with the kernel before and after it: one cycle's pattern."""
+    middle = (kernels[0][0] + kernels[-1][1]) / 2
+    ends = {e: name for _, e, name in kernels}
+    starts = {s: name for s, _, name in kernels}
+    chosen = [g for g in found if g[0] >= middle][:count]
+    return [dict(at_us=round(s - chosen[0][0], 1), idle_us=round(e - s, 1), after=ends.get(s, "")[:60],
+                 before=starts.get(e, "")[:60]) for s, e in chosen]
+
+
+def _by_name(kernels: list[tuple[float, float, str]]) -> dict[str, float]:
+    total: dict[str, float] = defaultdict(float)
+    for s, e, name in kernels:
+        total[name[:80]] += e - s
+    return total
+
+
+if __name__ == "__main__":
+    main()
