@@ -195,6 +195,8 @@ class ModelRunner:
         this one, for tokens named by row (`feed_sources`); `previous_host()` gives the same ids on
         the host (waiting for them), for grammar rows one step ahead.
         """
+        if plan.fed_tokens is not None:  # the feeds index drafts left on the device, not a previous step's tokens
+            previous_tokens, previous_host = plan.fed_tokens, None
         comm = self.comm
         if comm is not None:
             comm.send_step(plan, previous_tokens)

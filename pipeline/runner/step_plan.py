@@ -8,7 +8,8 @@ tokens), so no plan shares anything with state the loop changes after it was bui
 A chunk may carry several tokens and ask for logits at several of its positions (a prompt chunk:
 its last; a decode row: its one token; a speculative verify row: all K+1). Its first token may be
 one the previous step sampled and left on the device (`previous_row`), which the runner copies in on
-the device (one step ahead).
+the device (one step ahead); a verify row's drafts may be a drafter's picks still on the device
+(`fed_drafts`), copied in the same way.
 
 The plan splits along the process boundary: the `ForwardBatch` is tensor-only and versioned (what
 every rank runs; it serialises to bytes), the sampling rows stay on rank 0 (live grammar and penalty
@@ -17,6 +18,7 @@ state: what the sampler reads at each logits position).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -47,6 +49,9 @@ class ScheduledChunk:
     state_slot: StateSlot | None = None  # hybrid models: the sequence's recurrent state slot, checked at build
     # hybrid verify rows: per token, the state slot that keeps the recurrent state as it stands after it (-1: none)
     keep_slots: list[int] | None = None
+    # a verify row whose drafts are still on the device (pipeline/spec/device_drafts.py): (their ids, flat on the
+    # device; the offset of the first in token_ids; its index in those ids; how many), token_ids holding placeholders
+    fed_drafts: tuple[Any, int, int, int] | None = None
 
 
 _ARRAYS = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_tables",
@@ -136,6 +141,8 @@ class StepPlan:
     # allocated and released since the previous plan, for the workers' ledgers
     state_epochs: np.ndarray | None = None
     slot_changes: SlotChanges | None = None
+    # the device ids the forward's fed tokens index when they are drafts left on the device, not the previous step's
+    fed_tokens: Any = None
 
     @property
     def num_rows(self) -> int:
@@ -157,6 +164,7 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: 
     rows: list[SamplingRow] = []
     targets: list[int] = []
     sources: list[int] = []
+    fed_tokens = None
     for i, chunk in enumerate(chunks):
         if chunk.rows:
             start = int(qsl[i])
@@ -172,6 +180,17 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: 
         if chunk.previous_row >= 0:
             targets.append(int(qsl[i]))
             sources.append(chunk.previous_row)
+        if chunk.fed_drafts is not None:
+            tokens, offset, first, count = chunk.fed_drafts
+            if fed_tokens is not None and tokens is not fed_tokens:
+                raise ValueError(f"chunk {i}: drafts fed from another device tensor than the step's other rows")
+            if not 0 <= offset <= len(chunk.token_ids) - count:
+                raise ValueError(f"chunk {i}: {count} fed drafts at offset {offset} of {len(chunk.token_ids)} tokens")
+            fed_tokens = tokens
+            targets.extend(range(int(qsl[i]) + offset, int(qsl[i]) + offset + count))
+            sources.extend(range(first, first + count))
+    if fed_tokens is not None and any(c.previous_row >= 0 for c in chunks):
+        raise ValueError("a step feeds tokens from the previous step or drafts from the device, not both")
     if state_slots is not None and len(state_slots) != len(chunks):
         raise ValueError(f"{len(state_slots)} state slots for {len(chunks)} chunks")
     states = (np.full(len(chunks), NULL_SLOT, dtype=np.int32) if state_slots is None
@@ -188,4 +207,4 @@ def build_step_plan(chunks: list[ScheduledChunk], block_size: int, state_slots: 
                 keeps[int(qsl[i]):int(qsl[i]) + len(chunk.token_ids)] = chunk.keep_slots
     forward = ForwardBatch(input_ids, positions, slots, qsl, seq_lens, tables, np.asarray(logits, dtype=np.int64),
                            np.asarray(targets, dtype=np.int64), np.asarray(sources, dtype=np.int64), states, keeps)
-    return StepPlan(forward, tuple(rows), transfers, state_slot_epochs, slot_changes)
+    return StepPlan(forward, tuple(rows), transfers, state_slot_epochs, slot_changes, fed_tokens)

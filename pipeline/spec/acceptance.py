@@ -32,6 +32,7 @@ class SpecStats:
     accepted_per_row: list[int] = field(default_factory=list)  # [a]: rows that accepted a drafts (0..K)
     filler_tokens: int = 0  # drafts that only give a step's rows one length (filler drafts), and how many held
     filler_accepted: int = 0
+    device_drafts: int = 0  # drafts the verify rows took from the device, read after the step (device_drafts.py)
 
     def count_row(self, proposed: int, fillers: int, accepted: int) -> None:
         """A verify row of ``proposed`` drafter drafts then ``fillers`` filler drafts, ``accepted`` of them taken."""

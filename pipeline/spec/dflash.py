@@ -22,6 +22,7 @@ from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.runner.model_runner import forward_metadata
 from pipeline.runner.step_plan import ForwardBatch
 from pipeline.sequence import Sequence
+from pipeline.spec.device_drafts import DeviceDrafts
 
 
 @dataclass(slots=True)
@@ -83,7 +84,7 @@ class DFlashDrafter:
                                    device=runner.device)
 
     @torch.inference_mode()
-    def draft(self, plan: DFlashPlan) -> list[list[int]]:
+    def draft(self, plan: DFlashPlan, keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
         batch = plan.batch
         graphs = self.graphs
         if graphs is not None and graphs.fits(batch.num_seqs, 1, batch.block_tables.shape[1]):
@@ -95,7 +96,11 @@ class DFlashDrafter:
             hidden = self.block(torch.from_numpy(batch.input_ids).to(device),
                                 torch.from_numpy(batch.positions).to(device), ctx)
             logits = self.block.compute_logits(hidden)
-        picks = logits.argmax(dim=-1).tolist()
+        picks = logits.argmax(dim=-1)
+        widths = {len(rows) for rows in plan.draft_rows}
+        if keep_on_device and len(widths) == 1:  # row i's block: its last token, then its k drafts
+            return DeviceDrafts.of(picks.view(len(plan.draft_rows), -1)[:, 1:])
+        picks = picks.tolist()
         return [[picks[i] for i in rows] for rows in plan.draft_rows]
 
 

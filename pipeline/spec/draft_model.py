@@ -15,6 +15,7 @@ from torch import nn
 
 from pipeline.sequence import Sequence
 from pipeline.runner.cuda_graphs import DecodeGraphs
+from pipeline.spec.device_drafts import DeviceDrafts
 from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record
 
 
@@ -23,9 +24,13 @@ class DraftModelState:
     preemptions: int  # the sequence's count when this record began (its blocks are new after a preemption)
     base: int = 0  # the sequence's length when it last drafted: every position below holds its tokens
     fed: list[int] = field(default_factory=list)  # the drafts then fed at base, base + 1, ...
+    fed_on_device: tuple[DeviceDrafts, int] | None = None  # or: they are these drafts' row, but the last
 
     def computed(self, tokens: list[int]) -> int:
         """Positions from 0 whose K/V in the drafter's cache are of ``tokens`` (at least one token is left to feed)."""
+        if self.fed_on_device is not None:  # (read by now: the verify step that checked them was read)
+            drafts, row = self.fed_on_device
+            self.fed, self.fed_on_device = drafts.values()[row][:-1], None
         n = self.base
         for draft in self.fed:
             if n >= len(tokens) or tokens[n] != draft:
@@ -52,7 +57,7 @@ class DraftModelDrafter:
             state = drafter_record(seq, DraftModelState)
             tokens = seq.token_ids
             start = state.computed(tokens)
-            state.base, state.fed = len(tokens), []
+            state.base, state.fed, state.fed_on_device = len(tokens), [], None
             rows.append(DraftRow(list(tokens), start, list(seq.block_ids), k, state))
         return rows
 
@@ -65,11 +70,15 @@ class DraftModelDrafter:
         self.graphs = DraftGraphs(graphs, graphs)
 
     @torch.inference_mode()
-    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
+    def draft(self, rows: list[DraftRow], keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
         model = self.model
         drafts = draft_tokens(rows, lambda ids, positions, ctx, _: model(ids, positions, ctx), model.compute_logits,
                               self.runner.caches[self.caches], self.block_size, self.runner.device,
-                              graphs=self.graphs)
+                              graphs=self.graphs, keep_on_device=keep_on_device)
+        if isinstance(drafts, DeviceDrafts):
+            for i, row in enumerate(rows):
+                row.state.fed_on_device = (drafts, i)
+            return drafts
         for row, out in zip(rows, drafts):
             row.state.fed = out[:-1]  # the last draft was picked, never fed
         return drafts

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
     from pipeline.config import EngineConfig
     from pipeline.runner.model_runner import ModelRunner
     from pipeline.sequence import Sequence
+    from pipeline.spec.device_drafts import DeviceDrafts
 
 
 class Drafter(Protocol):
@@ -42,8 +43,9 @@ class ModelDrafter(Protocol):
     def plan(self, wanted: list[tuple[Sequence, int]]) -> Any:
         """Host side: the forward inputs that draft ``k`` tokens for each ``(sequence, k)``."""
 
-    def draft(self, plan: Any) -> list[list[int]]:
-        """Device thread: run the plan; each sequence's drafts."""
+    def draft(self, plan: Any, keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
+        """Device thread: run the plan; each sequence's drafts (``keep_on_device``: left on the device where every
+        sequence drafts as many, pipeline/spec/device_drafts.py)."""
 
 
 def make_drafter(config: EngineConfig, runner: ModelRunner | None = None,

@@ -26,6 +26,7 @@ from pipeline.models.forward_context import ForwardContext
 from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.runner.step_plan import ForwardBatch
 from pipeline.runner.token_feed import TokenFeed
+from pipeline.spec.device_drafts import DeviceDrafts
 
 
 @dataclass(slots=True)
@@ -67,10 +68,12 @@ class DraftGraphs:
 def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[torch.Tensor], torch.Tensor],
                  caches: list[torch.Tensor], block_size: int, device: torch.device,
                  carry: Callable[[ForwardContext, torch.Tensor], torch.Tensor] | None = None,
-                 graphs: DraftGraphs | None = None) -> list[list[int]]:
+                 graphs: DraftGraphs | None = None, keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
     """Run the drafter forwards for ``rows``; each row's drafts. ``carry(ctx, positions)``: what the first eager
     forward takes besides the tokens (the MTP head: the target's hidden states at the fed positions); later
-    forwards take the drafter's own last hidden state instead."""
+    forwards take the drafter's own last hidden state instead. ``keep_on_device``: where every row drafts as many,
+    the drafts stay on the device (``DeviceDrafts``, read after the verify step); nothing here waits for the device
+    then."""
     picked: list[tuple[list[int], torch.Tensor]] = []  # (rows, their picks) per forward
     live = list(range(len(rows)))
     starts = [row.start for row in rows]
@@ -116,14 +119,16 @@ def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[
         picked.append((live, picks))
         step += 1
         following = [j for j, i in enumerate(live) if rows[i].k > step]
-        keep = torch.tensor(following, dtype=torch.int64, device=device)
-        if carry is not None:
-            carried = hidden.index_select(0, last.index_select(0, keep))
-        if len(following) < len(live):
-            picks = picks.index_select(0, keep)
+        if following and len(following) < len(live):  # (a host list made a device tensor: the host waits)
+            keep = torch.tensor(following, dtype=torch.int64, device=device)
+            last, picks = last.index_select(0, keep), picks.index_select(0, keep)
+        if following and carry is not None:
+            carried = hidden.index_select(0, last)
         for i in live:
             starts[i], ends[i] = ends[i], ends[i] + 1
         live = [live[j] for j in following]
+    if keep_on_device and picked and all(len(step_rows) == len(rows) for step_rows, _ in picked):
+        return DeviceDrafts.of(torch.stack([p for _, p in picked], dim=1))
     drafts: list[list[int]] = [[] for _ in rows]
     values = torch.cat([p for _, p in picked]).tolist() if picked else []
     at = 0

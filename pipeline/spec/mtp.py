@@ -18,6 +18,7 @@ from pipeline.models.forward_context import ForwardContext
 from pipeline.models.mtp import read_hidden
 from pipeline.sequence import Sequence
 from pipeline.runner.cuda_graphs import DecodeGraphs
+from pipeline.spec.device_drafts import DeviceDrafts
 from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record
 
 
@@ -67,7 +68,7 @@ class MtpDrafter:
         self.graphs = DraftGraphs(first, step, carried, hidden_out)
 
     @torch.inference_mode()
-    def draft(self, rows: list[DraftRow]) -> list[list[int]]:
+    def draft(self, rows: list[DraftRow], keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
         model, caches = self.model, self.runner.caches
         hidden_cache = caches[self.hidden_index]
 
@@ -76,7 +77,7 @@ class MtpDrafter:
 
         return draft_tokens(rows, lambda ids, positions, ctx, hidden: model.mtp_forward(ids, positions, hidden, ctx),
                             model.compute_logits, [caches[self.hidden_index - 1]], self.block_size,
-                            self.runner.device, carry=target_hidden, graphs=self.graphs)
+                            self.runner.device, carry=target_hidden, graphs=self.graphs, keep_on_device=keep_on_device)
 
 
 class _HeadInput:

@@ -27,6 +27,7 @@ from pipeline.runner.step_plan import ScheduledChunk
 from pipeline.scheduler import RunningRow
 from pipeline.spec.acceptance import SpecStats, accepted_drafts
 from pipeline.spec.budget import DraftBudget
+from pipeline.spec.device_drafts import DeviceDrafts
 from pipeline.spec.drafter import Drafter
 from pipeline.sequence import Sequence
 from pipeline.stages.device_stage import OWN_GRAMMAR, DeviceStage
@@ -45,6 +46,16 @@ class InFlightStep:
     drafts: list[list[int]] | None = None  # per sequence of the batch: the drafts its rows verify
     # per sequence with drafts: (tokens it feeds before its last one; filler drafts at the end)
     layout: list[tuple[int, int]] | None = None
+    # drafts the rows took from the device (their placeholders in ``drafts`` are filled once the step is read), and
+    # each such sequence's row in them
+    device_drafts: DeviceDrafts | None = None
+    fed_rows: dict[int, int] | None = None
+
+
+def _needs_draft_values(seq: Sequence) -> bool:
+    """Its verify rows' sampling depends on the drafts' values (penalty counts, a grammar's masks, a thinking
+    budget's forced token after them): its drafts are read before its step is planned."""
+    return seq.token_counts is not None or seq.grammar is not None or seq.thinking is not None
 
 
 def _last_token_in_flight(seq: Sequence) -> bool:
@@ -67,6 +78,8 @@ class DecodeStage(DeviceStage):
         self.spec = SpecStats(accepted_per_row=[0] * (self.draft_budget.k + 1))
         self._drafts: dict[int, list[int]] = {}  # seq_id -> drafts offered for the step being composed
         self._fillers: dict[int, int] = {}  # seq_id -> how many of its drafts are fillers (``_fill_rows``)
+        self._device_drafts: DeviceDrafts | None = None  # the drafts offered, when left on the device
+        self._fed_rows: dict[int, int] = {}  # seq_id -> its row in them
         self.running: list[Sequence] = []
         self.run_ahead = run_ahead
         self.preemptions = 0
@@ -106,6 +119,8 @@ class DecodeStage(DeviceStage):
             launched: InFlightStep | None = None
             self._drafts.clear()
             self._fillers.clear()
+            self._device_drafts = None
+            self._fed_rows.clear()
             if self.drafter is not None and self.running and in_flight is None:
                 if drafting:
                     await self._draft()
@@ -126,7 +141,8 @@ class DecodeStage(DeviceStage):
                                   if d or seq.seq_id in self._fillers else (0, 0)
                                   for seq, d in zip(composed.batch, drafts)]
                     launched = InFlightStep(composed.batch, composed.step, time.monotonic(),
-                                            {seq.seq_id: i for i, seq in enumerate(composed.batch)}, drafts, layout)
+                                            {seq.seq_id: i for i, seq in enumerate(composed.batch)}, drafts, layout,
+                                            self._device_drafts, dict(self._fed_rows) if self._fed_rows else None)
             if in_flight is not None:
                 output = await self._complete(in_flight, events)
             self.in_flight = launched
@@ -197,7 +213,14 @@ class DecodeStage(DeviceStage):
                 wanted.append((seq, k))
         if not wanted:
             return
-        proposals = await self.verify.drafts(wanted)
+        # a model drafter's drafts stay on the device unless a row's sampling needs their values
+        proposals = await self.verify.drafts(wanted, not any(_needs_draft_values(seq) for seq, _ in wanted))
+        if isinstance(proposals, DeviceDrafts):  # (as many for every sequence; placeholders until read)
+            self._device_drafts = proposals
+            for row, (seq, _) in enumerate(wanted):
+                self._drafts[seq.seq_id] = [seq.token_ids[-1]] * proposals.width
+                self._fed_rows[seq.seq_id] = row
+            return
         for (seq, k), drafts in zip(wanted, proposals):
             if drafts:
                 self._drafts[seq.seq_id] = list(drafts[:k])
@@ -263,10 +286,14 @@ class DecodeStage(DeviceStage):
             num_tokens = len(seq.token_ids)
             if drafts or seq.seq_id in self._fillers:  # pending tokens and drafts, a pick after each (a verify row)
                 known = seq.num_pending - 1  # tokens before its last one: their picks are not read
+                fed = self._fed_rows.get(seq.seq_id) if drafts else None
+                if fed is not None:  # its drafts (then any fillers) are fed from the device
+                    width = self._device_drafts.width
+                    fed = (self._device_drafts.flat, num_tokens - seq.num_computed, fed * width, width)
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:] + drafts, seq.num_computed, seq.block_ids,
                                        [self.sampling_row(seq, None, 0, None) for _ in range(known)]
                                        + self._verify_rows(seq, drafts), -1, list(range(known + len(drafts) + 1)),
-                                       seq.state_slot, keeps)
+                                       seq.state_slot, keeps, fed)
             elif row >= 0:  # its token is still on the device: feed it from there
                 # positional arguments: this runs per sequence per step, and keywords cost more
                 chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row,
@@ -298,6 +325,8 @@ class DecodeStage(DeviceStage):
         """Read a step's tokens and record them; rows of sequences that ended meanwhile are dropped."""
         output = await self.executor.fetch(in_flight.step)
         tokens = output.token_ids.tolist()
+        if in_flight.device_drafts is not None:
+            self._read_device_drafts(in_flight)
         if in_flight.drafts is not None:
             self._complete_verify(in_flight, tokens, events)
         block_size = self.cache.block_size
@@ -313,6 +342,17 @@ class DecodeStage(DeviceStage):
         batch_size = len(in_flight.batch)
         self.record(in_flight.launched_at, batch_size, batch_size)
         return output
+
+    def _read_device_drafts(self, in_flight: InFlightStep) -> None:
+        """The drafts the step took from the device, in place of their placeholders (their copy to the host was
+        queued before the step, so it is done)."""
+        device_drafts, fed_rows = in_flight.device_drafts, in_flight.fed_rows
+        values, width = device_drafts.values(), device_drafts.width
+        for seq, drafts in zip(in_flight.batch, in_flight.drafts):
+            row = fed_rows.get(seq.seq_id)
+            if row is not None and drafts:
+                drafts[:width] = values[row]
+                self.spec.device_drafts += width
 
     def _complete_verify(self, in_flight: InFlightStep, tokens: list[int], events: StepTokensBuilder) -> None:
         """A step of verify rows: each sequence takes its accepted drafts and the pick after them

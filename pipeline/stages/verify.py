@@ -16,6 +16,7 @@ from functools import partial
 
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.sequence import Sequence
+from pipeline.spec.device_drafts import DeviceDrafts
 from pipeline.spec.drafter import Drafter
 from pipeline.stage import Stage
 
@@ -23,7 +24,8 @@ from pipeline.stage import Stage
 @dataclass(slots=True)
 class DraftRequest:
     wanted: list[tuple[Sequence, int]]  # each sequence that drafts, and up to how many drafts
-    reply: asyncio.Future[list[list[int]]]
+    reply: asyncio.Future[list[list[int]] | DeviceDrafts]
+    keep_on_device: bool  # a model drafter's drafts may stay on the device (pipeline/spec/device_drafts.py)
 
 
 class VerifyStage(Stage[DraftRequest]):
@@ -34,10 +36,12 @@ class VerifyStage(Stage[DraftRequest]):
         self.drafter = drafter
         self.executor = executor
 
-    async def drafts(self, wanted: list[tuple[Sequence, int]]) -> list[list[int]]:
-        """Each sequence's drafts (decode awaits them before composing its step)."""
-        reply: asyncio.Future[list[list[int]]] = asyncio.get_running_loop().create_future()
-        await self.put(DraftRequest(wanted, reply))
+    async def drafts(self, wanted: list[tuple[Sequence, int]],
+                     keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
+        """Each sequence's drafts (decode awaits them before composing its step); with ``keep_on_device``, a model
+        drafter's may come as ``DeviceDrafts``, their forwards queued on the device and not waited for."""
+        reply: asyncio.Future[list[list[int]] | DeviceDrafts] = asyncio.get_running_loop().create_future()
+        await self.put(DraftRequest(wanted, reply, keep_on_device))
         return await reply
 
     async def run(self) -> None:
@@ -47,7 +51,8 @@ class VerifyStage(Stage[DraftRequest]):
             try:
                 drafter = self.drafter
                 if drafter.on_device:
-                    proposals = await self.executor.call(partial(drafter.draft, drafter.plan(request.wanted)))
+                    proposals = await self.executor.call(partial(drafter.draft, drafter.plan(request.wanted),
+                                                                 request.keep_on_device))
                 else:
                     proposals = [drafter.propose(seq, k) for seq, k in request.wanted]
             except Exception as exc:  # delivered to decode, which fails its step as for a device error

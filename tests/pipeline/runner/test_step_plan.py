@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from pipeline.runner.step_plan import (
     FORWARD_BATCH_VERSION,
@@ -53,6 +54,37 @@ def test_logits_offsets_must_match_the_rows() -> None:
         build_step_plan([ScheduledChunk([1, 2], 0, [1], ["a"], logits_offsets=[2])], block_size=4)
     with pytest.raises(ValueError, match="cannot hold"):
         build_step_plan([ScheduledChunk([1, 2], 3, [1], ["a"])], block_size=4)
+
+
+def test_drafts_left_on_the_device_feed_their_verify_rows() -> None:
+    """Two verify rows take their drafts from the drafter's ids on the device (row i's at i * k), one of them with
+    filler drafts after them; the plan names that tensor as what its feeds index."""
+    drafts = torch.tensor([[41, 42, 43], [51, 52, 53]]).view(-1)
+    chunks = [ScheduledChunk([7, 0, 0, 0], 6, [4, 9, 10], ["a0", "a1", "a2", "a3"], logits_offsets=[0, 1, 2, 3],
+                             fed_drafts=(drafts, 1, 3, 3)),
+              ScheduledChunk([5, 6, 0, 0, 0, 6], 2, [1, 2], [f"b{i}" for i in range(5)],
+                             logits_offsets=[1, 2, 3, 4, 5], fed_drafts=(drafts, 2, 0, 3)),
+              ScheduledChunk([1, 2], 0, [11], ["p"])]
+    plan = build_step_plan(chunks, block_size=4)
+    f = plan.forward
+    assert plan.fed_tokens is drafts
+    assert f.feed_targets.tolist() == [1, 2, 3, 6, 7, 8] and f.feed_sources.tolist() == [3, 4, 5, 0, 1, 2]
+    fed = f.input_ids.copy()
+    fed[f.feed_targets] = drafts.numpy()[f.feed_sources]
+    assert fed.tolist() == [7, 51, 52, 53, 5, 6, 41, 42, 43, 6, 1, 2]
+    assert build_step_plan(chunks[2:], block_size=4).fed_tokens is None
+
+
+def test_fed_drafts_are_checked() -> None:
+    drafts = torch.tensor([1, 2, 3, 4])
+    with pytest.raises(ValueError, match="fed drafts at offset"):
+        build_step_plan([ScheduledChunk([7, 0, 0], 0, [1], ["a"], fed_drafts=(drafts, 1, 0, 3))], block_size=4)
+    with pytest.raises(ValueError, match="another device tensor"):
+        build_step_plan([ScheduledChunk([7, 0], 0, [1], ["a"], fed_drafts=(drafts, 1, 0, 1)),
+                         ScheduledChunk([8, 0], 0, [2], ["b"], fed_drafts=(drafts.clone(), 1, 1, 1))], block_size=4)
+    with pytest.raises(ValueError, match="not both"):
+        build_step_plan([ScheduledChunk([7, 0], 0, [1], ["a"], fed_drafts=(drafts, 1, 0, 1)),
+                         ScheduledChunk([0], 3, [2], ["b"], previous_row=0)], block_size=4)
 
 
 def test_a_forward_batch_serialises_to_the_same_arrays() -> None:

@@ -149,6 +149,7 @@ def test_dflash_speculation_equals_plain_decoding(targets, kind, batch_size):
                                 speculative_model=str(drafter_dir), num_speculative_tokens=4))
     counted = stats["speculation"]
     assert spec == plain and counted["method"] == "dflash" and counted["drafted_tokens"] > 0
+    assert counted["device_drafts"] > 0  # verify rows fed the drafts on the device
 
 
 def test_dflash_configs_are_checked(targets, tmp_path):

@@ -87,14 +87,16 @@ def test_json_schema_and_tool_grammars(setups, drafter):
     grammars = [GrammarSpec.json_schema(SCHEMA), tool_call_grammar("hermes", tools, "required"),
                 tool_call_grammar("qwen3_coder", tools, "required")]
     params = [SamplingParams(max_tokens=60, temperature=0.0, grammar=g) for g in grammars]
-    compare(setups, drafter, random_prompts(3, 1), params)
+    _, stats = compare(setups, drafter, random_prompts(3, 1), params)
+    assert stats["speculation"]["device_drafts"] == 0  # a grammar's masks follow the drafts: read before the step
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)
 def test_repetition_and_presence_penalties(setups, drafter):
     params = [SamplingParams(max_tokens=80, temperature=0.0, ignore_eos=True, repetition_penalty=1.3 if i else 0.7,
                              presence_penalty=-2.0 if i else 1.0, frequency_penalty=-1.0) for i in range(3)]
-    compare(setups, drafter, random_prompts(3, 2), params)
+    _, stats = compare(setups, drafter, random_prompts(3, 2), params)
+    assert stats["speculation"]["device_drafts"] == 0  # the penalties count the drafts: read before the step
 
 
 @pytest.mark.parametrize("drafter", DRAFTERS)

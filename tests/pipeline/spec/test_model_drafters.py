@@ -235,6 +235,7 @@ def test_mtp_speculation_equals_plain_decoding(mtp_dir, batch_size):
     assert spec == plain
     counted = stats["speculation"]
     assert counted["method"] == "mtp" and counted["drafted_tokens"] > 0
+    assert counted["device_drafts"] > 0  # verify rows fed the drafts on the device
 
 
 @pytest.fixture(scope="module")
@@ -263,6 +264,8 @@ def test_the_target_as_its_own_draft_model_has_every_draft_accepted(tiny_model_d
     counted = stats["speculation"]
     assert spec == plain and counted["accepted_tokens"] == counted["drafted_tokens"] > 0
     assert counted["accepted_per_row"][5] > 0.8 * counted["verify_rows"]
+    # the drafts were fed on the device and read after their verify step: accepted, so read right
+    assert counted["device_drafts"] > 0.8 * counted["drafted_tokens"]
 
 
 def test_draft_model_options_are_checked(tiny_model_dir, mtp_dir):
