@@ -112,6 +112,33 @@ async def profile_run(engine: Engine, batch: list[list[int]], new_tokens: int, d
     prof.export_chrome_trace(out.replace(".json", "-trace.json"))
 
 
+async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int, drafter, k: int) -> dict:
+    """One run with the speculative cycle's host functions timed (bench/host_times.py): per name, calls and time."""
+    from host_times import host_times
+
+    from pipeline.runner.cuda_graphs import DecodeGraphs
+    from pipeline.runner.model_runner import ModelRunner
+    from pipeline.runner.sampling_batch import SamplingBatch
+    from pipeline.stages.decode import DecodeStage
+    from pipeline.stages.verify import VerifyStage
+    import pipeline.step_planner as step_planner
+
+    decode = engine.decode
+    decode.drafter, decode.draft_budget.k = drafter, k
+    targets = [(DecodeStage, "_complete"), (DecodeStage, "_draft"), (DecodeStage, "build_rows"),
+               (DecodeStage, "_fill_rows"), (DecodeStage, "emit"), (VerifyStage, "drafts"),
+               (step_planner.StepPlanner, "compose"), (step_planner, "build_step_plan"),
+               (type(engine.executor), "_launch_step"), (DecodeStage, "_complete_verify"),
+               (ModelRunner, "prepare"), (SamplingBatch, "from_rows"), (DecodeGraphs, "run"),
+               (type(engine.executor), "fetch"), (type(drafter), "plan"), (type(drafter), "draft")]
+    rows = decode.spec.verify_rows
+    started = time.perf_counter()
+    with host_times(targets) as report:
+        await batch_run(engine, batch, new_tokens)
+    return dict(wall_ms=round((time.perf_counter() - started) * 1e3, 3), verify_rows=decode.spec.verify_rows - rows,
+                functions=report)
+
+
 async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[dict]:
     decode, out = engine.decode, []
     served = decode.drafter
@@ -126,6 +153,11 @@ async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[
         if a.profile and batch_size == sizes["batches"][0]:
             await profile_run(engine, batch, sizes["new"], next(drafters(served, a.method, a.modes, a.errors,
                                                                           continuations))[1], a.ks[0], a.out)
+        if a.host_times and batch_size == sizes["batches"][0]:
+            timed = await host_times_run(engine, batch, sizes["new"], next(drafters(
+                served, a.method, a.modes, a.errors, continuations))[1], a.ks[0])
+            out.append({"batch": batch_size, "k": a.ks[0], "host_times": timed})
+            print(json.dumps(out[-1]), flush=True)
         for k in a.ks:
             for label, drafter in drafters(served, a.method, a.modes, a.errors, continuations):
                 decode.drafter = drafter
@@ -158,6 +190,8 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 256)")
     ap.add_argument("--profile", action="store_true", help="profile the first batch's first drafter run")
+    ap.add_argument("--host-times", action="store_true",
+                    help="time the speculative cycle's host functions in the first batch's first drafter run")
     ap.add_argument("--exact-speculation", action="store_true",
                     help="verify rows computed as one-token decode rows (EngineConfig.exact_speculation)")
     a = ap.parse_args()
