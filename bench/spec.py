@@ -121,7 +121,11 @@ async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int
     from pipeline.runner.sampling_batch import SamplingBatch
     from pipeline.stages.decode import DecodeStage
     from pipeline.stages.verify import VerifyStage
+    import pipeline.runner.sampler as sampler
     import pipeline.step_planner as step_planner
+    import torch
+    from pipeline.runner.token_feed import TokenFeed
+    from pipeline.spec.device_drafts import DeviceDrafts
 
     decode = engine.decode
     decode.drafter, decode.draft_budget.k = drafter, k
@@ -130,7 +134,9 @@ async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int
                (step_planner.StepPlanner, "compose"), (step_planner, "build_step_plan"),
                (type(engine.executor), "_launch_step"), (DecodeStage, "_complete_verify"),
                (ModelRunner, "prepare"), (SamplingBatch, "from_rows"), (DecodeGraphs, "run"),
-               (type(engine.executor), "fetch"), (type(drafter), "plan"), (type(drafter), "draft")]
+               (type(engine.executor), "fetch"), (type(drafter), "plan"), (type(drafter), "draft"),
+               (ModelRunner, "forward"), (ModelRunner, "sample"), (sampler, "apply_logits_pipeline"),
+               (sampler, "pick_tokens"), (TokenFeed, "apply"), (DeviceDrafts, "of"), (torch.cuda.CUDAGraph, "replay")]
     rows = decode.spec.verify_rows
     started = time.perf_counter()
     with host_times(targets) as report:
