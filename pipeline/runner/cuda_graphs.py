@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kernels.triton_decode_attention import decode_num_splits
@@ -64,32 +65,41 @@ class DecodeGraphs:
         self.max_blocks = max_blocks_per_seq
         self.max_query_len = max_query_len
         n, w, t = max_batch, max_blocks_per_seq, max_batch * max_query_len
-        self.input_ids = torch.zeros(t, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(t, dtype=torch.int64, device=device)
-        self.slots = torch.full((t,), -1, dtype=torch.int64, device=device)
-        self.seq_lens = torch.ones(n, dtype=torch.int32, device=device)
+        # The per-token and per-row inputs are views of one int64 and one int32 buffer: a step copies each whole
+        # (tens of KB) in one call, where a copy per input cost more host time than the bytes (B1 speculation).
+        self.packed64 = torch.zeros(3 * t, dtype=torch.int64, device=device)
+        self.input_ids, self.positions, self.slots = self.packed64.view(3, t)
+        self.slots.fill_(-1)
+        self.packed32 = torch.zeros(2 * n + t, dtype=torch.int32, device=device)
+        self.seq_lens, self.state_slots, self.keep_slots = self.packed32.split([n, n, t])
+        self.seq_lens.fill_(1)  # (state_slots: padding rows take the null slot 0)
+        self.keep_slots.fill_(-1)
+        if not keeps_states:
+            self.keep_slots = None
         self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
-        self.state_slots = torch.zeros(n, dtype=torch.int32, device=device)  # padding rows: the null slot 0
-        self.keep_slots = torch.full((t,), -1, dtype=torch.int32, device=device) if keeps_states else None
         # row b's tokens start at b * q: one query_start_loc per q
         self.query_start_locs = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                                  for q in range(1, max_query_len + 1)}
         # Two sets of pinned staging buffers, used in turn: while step N's copies may still be queued
         # behind step N-1 on the stream, step N+1 is being written into the other set.
         self.staging = [{name: torch.zeros(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-                         for name, tensor in self._buffers().items()} for _ in range(2)]
+                         for name, tensor in (("packed64", self.packed64), ("packed32", self.packed32),
+                                              ("block_tables", self.block_tables))} for _ in range(2)]
+        # numpy views of each set's inputs, written without a torch call each
+        self.staging_arrays = [self._host_views(host, n, t) for host in self.staging]
         self.staged: list[torch.cuda.Event | None] = [None, None]  # set once a set's copies are queued
         self.turn = 0
         self.sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self._capture(max_model_len, num_kv_heads, device)
 
-    def _buffers(self) -> dict[str, torch.Tensor]:
-        buffers = {"input_ids": self.input_ids, "positions": self.positions, "slots": self.slots,
-                   "seq_lens": self.seq_lens, "block_tables": self.block_tables, "state_slots": self.state_slots}
-        if self.keep_slots is not None:
-            buffers["keep_slots"] = self.keep_slots
-        return buffers
+    @staticmethod
+    def _host_views(host: dict[str, torch.Tensor], n: int, t: int) -> dict[str, np.ndarray]:
+        ids, positions, slots = host["packed64"].numpy().reshape(3, t)
+        packed32 = host["packed32"].numpy()
+        return {"input_ids": ids, "positions": positions, "slots": slots, "seq_lens": packed32[:n],
+                "state_slots": packed32[n:2 * n], "keep_slots": packed32[2 * n:],
+                "block_tables": host["block_tables"].numpy()}
 
     def _meta(self, size: int, q: int, plan: TritonAttentionPlan, max_model_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -130,34 +140,30 @@ class DecodeGraphs:
         tokens = rows * q
         size = next(s for s in self.sizes if s >= rows)
         host = self.staging[self.turn]
+        arrays = self.staging_arrays[self.turn]
         previous_copies = self.staged[self.turn]
         if previous_copies is not None:
             previous_copies.synchronize()  # normally long done: that set fed the step before last
-        host["input_ids"][:tokens] = torch.from_numpy(batch.input_ids)
-        host["positions"][:tokens] = torch.from_numpy(batch.positions)
-        host["slots"][:tokens] = torch.from_numpy(batch.slot_mapping)
-        host["seq_lens"][:rows] = torch.from_numpy(batch.seq_lens)
-        host["state_slots"][:rows] = torch.from_numpy(batch.state_slots)
-        if self.keep_slots is not None:
-            host["keep_slots"][:tokens] = torch.from_numpy(batch.keep_slots)
+        arrays["input_ids"][:tokens] = batch.input_ids
+        arrays["positions"][:tokens] = batch.positions
+        arrays["slots"][:tokens] = batch.slot_mapping
+        arrays["seq_lens"][:rows] = batch.seq_lens
+        arrays["state_slots"][:rows] = batch.state_slots
+        arrays["keep_slots"][:tokens] = batch.keep_slots  # (-1 where the graphs keep no states: not read)
         # Only the first `width` table columns are copied: a row never reads a column past its length.
-        host["block_tables"][:rows, :width] = torch.from_numpy(batch.block_tables)
+        arrays["block_tables"][:rows, :width] = batch.block_tables
         if size > rows:  # padded rows: nothing written, q harmless keys of the null block read
-            host["input_ids"][tokens:size * q] = 0
-            host["positions"][tokens:size * q] = 0
-            host["slots"][tokens:size * q] = -1
-            host["seq_lens"][rows:size] = q
-            host["state_slots"][rows:size] = 0
-            if self.keep_slots is not None:
-                host["keep_slots"][tokens:size * q] = -1
-            host["block_tables"][rows:size, :width] = 0
-        for name, device_buffer in self._buffers().items():
-            if name == "block_tables":
-                device_buffer[:size, :width].copy_(host[name][:size, :width], non_blocking=True)
-            elif name in ("seq_lens", "state_slots"):
-                device_buffer[:size].copy_(host[name][:size], non_blocking=True)
-            else:
-                device_buffer[:size * q].copy_(host[name][:size * q], non_blocking=True)
+            arrays["input_ids"][tokens:size * q] = 0
+            arrays["positions"][tokens:size * q] = 0
+            arrays["slots"][tokens:size * q] = -1
+            arrays["seq_lens"][rows:size] = q
+            arrays["state_slots"][rows:size] = 0
+            arrays["keep_slots"][tokens:size * q] = -1
+            arrays["block_tables"][rows:size, :width] = 0
+        # (past a graph's size * q tokens and size rows the buffers hold stale values no replay of it reads)
+        self.packed64.copy_(host["packed64"], non_blocking=True)
+        self.packed32.copy_(host["packed32"], non_blocking=True)
+        self.block_tables[:size, :width].copy_(host["block_tables"][:size, :width], non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
         self.staged[self.turn] = copied
