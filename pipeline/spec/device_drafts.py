@@ -11,7 +11,7 @@ after them; those steps read the drafts first.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -24,8 +24,8 @@ class DeviceDrafts:
     host: torch.Tensor  # int64 [n, k]: pinned, filled by a copy queued after the drafts (the same tensor on CPU)
     copied: torch.cuda.Event | None  # recorded after that copy (None on CPU)
     # the ids in row order, one view for every row a step feeds (row i's j-th draft at i * width + j)
-    flat: torch.Tensor = None  # type: ignore[assignment]
-    _values: list[list[int]] | None = None
+    flat: torch.Tensor = field(init=False)
+    _values: list[list[int]] | None = field(default=None, init=False)
 
     def __post_init__(self) -> None:
         self.flat = self.tokens.view(-1)
@@ -46,7 +46,6 @@ class DeviceDrafts:
     def width(self) -> int:
         """Drafts per sequence."""
         return int(self.tokens.shape[1])
-
 
     def values(self) -> list[list[int]]:
         """Each sequence's drafts on the host (waits for the copy, long done once the verify step is read)."""

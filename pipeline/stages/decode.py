@@ -53,8 +53,9 @@ class InFlightStep:
 
 
 def _needs_draft_values(seq: Sequence) -> bool:
-    """Its verify rows' sampling depends on the drafts' values (penalty counts, a grammar's masks, a thinking
-    budget's forced token after them): its drafts are read before its step is planned."""
+    """Its verify rows' sampling depends on the drafts' values (what ``DecodeStage._verify_rows`` sets after them:
+    penalty counts, a grammar's masks, a thinking budget's forced token): its drafts are read before its step is
+    planned."""
     return seq.token_counts is not None or seq.grammar is not None or seq.thinking is not None
 
 
