@@ -14,9 +14,11 @@ from typing import Any, Iterator
 
 
 @contextmanager
-def host_times(targets: list[tuple[Any, str]]) -> Iterator[dict[str, dict[str, float]]]:
+def host_times(targets: list[tuple[Any, str]],
+               timeline: list[tuple[str, str, float, float]] | None = None) -> Iterator[dict[str, dict[str, float]]]:
     """Time every call of ``getattr(owner, name)`` for each (owner, name) while the block runs; yields a dict filled
-    when it ends: name -> {calls, total_ms, mean_us}."""
+    when it ends: name -> {calls, total_ms, mean_us}. ``timeline``: a list every call is appended to, as (name,
+    thread, start, end) in ``time.perf_counter`` seconds, to see what ran when on which thread."""
     totals: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     lock = threading.Lock()
     saved = []
@@ -24,7 +26,7 @@ def host_times(targets: list[tuple[Any, str]]) -> Iterator[dict[str, dict[str, f
         raw = inspect.getattr_static(owner, name)
         label = f"{getattr(owner, '__name__', type(owner).__name__)}.{name}"
         function = raw.__func__ if isinstance(raw, (classmethod, staticmethod)) else raw
-        wrapped = _timed(function, label, totals, lock)
+        wrapped = _timed(function, label, totals, lock, timeline)
         if isinstance(raw, classmethod):
             wrapped = classmethod(wrapped)
         elif isinstance(raw, staticmethod):
@@ -42,13 +44,15 @@ def host_times(targets: list[tuple[Any, str]]) -> Iterator[dict[str, dict[str, f
                                  mean_us=round(total / calls * 1e6, 1) if calls else 0.0)
 
 
-def _timed(function, label: str, totals: dict, lock: threading.Lock):
+def _timed(function, label: str, totals: dict, lock: threading.Lock, timeline: list | None):
     def add(started: float) -> None:
-        elapsed = time.perf_counter() - started
+        ended = time.perf_counter()
         with lock:
             entry = totals[label]
             entry[0] += 1
-            entry[1] += elapsed
+            entry[1] += ended - started
+            if timeline is not None:
+                timeline.append((label, threading.current_thread().name, started, ended))
 
     if inspect.iscoroutinefunction(function):
         @functools.wraps(function)
@@ -68,3 +72,14 @@ def _timed(function, label: str, totals: dict, lock: threading.Lock):
         finally:
             add(started)
     return timed
+
+
+def cycle_timeline(timeline: list[tuple[str, str, float, float]], last: int = 120) -> list[str]:
+    """The last ``last`` calls in start order, one line each: start and end in us after the first of them, the
+    thread, the name (nested calls appear inside their callers' spans)."""
+    calls = sorted(timeline, key=lambda call: call[2])[-last:]
+    if not calls:
+        return []
+    origin = calls[0][2]
+    return [f"{(start - origin) * 1e6:9.0f} {(end - origin) * 1e6:9.0f} {thread[:18]:18s} {name}"
+            for name, thread, start, end in calls]

@@ -114,7 +114,7 @@ async def profile_run(engine: Engine, batch: list[list[int]], new_tokens: int, d
 
 async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int, drafter, k: int) -> dict:
     """One run with the speculative cycle's host functions timed (bench/host_times.py): per name, calls and time."""
-    from host_times import host_times
+    from host_times import cycle_timeline, host_times
 
     from pipeline.runner.cuda_graphs import DecodeGraphs
     from pipeline.runner.model_runner import ModelRunner
@@ -122,8 +122,10 @@ async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int
     from pipeline.stages.decode import DecodeStage
     from pipeline.stages.verify import VerifyStage
     import pipeline.runner.sampler as sampler
+    import pipeline.stages.verify as verify
     import pipeline.step_planner as step_planner
     import torch
+    from pipeline.runner.host_staging import HostStaging
     from pipeline.runner.token_feed import TokenFeed
     from pipeline.spec.device_drafts import DeviceDrafts
 
@@ -136,13 +138,15 @@ async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int
                (ModelRunner, "prepare"), (SamplingBatch, "from_rows"), (DecodeGraphs, "run"),
                (type(engine.executor), "fetch"), (type(drafter), "plan"), (type(drafter), "draft"),
                (ModelRunner, "forward"), (ModelRunner, "sample"), (sampler, "apply_logits_pipeline"),
-               (sampler, "pick_tokens"), (TokenFeed, "apply"), (DeviceDrafts, "of"), (torch.cuda.CUDAGraph, "replay")]
+               (sampler, "pick_tokens"), (TokenFeed, "apply"), (DeviceDrafts, "fill"), (torch.cuda.CUDAGraph, "replay"),
+               (verify, "_draft_into"), (HostStaging, "upload"), (type(engine.executor), "launch")]
     rows = decode.spec.verify_rows
     started = time.perf_counter()
-    with host_times(targets) as report:
+    timeline: list = []
+    with host_times(targets, timeline) as report:
         await batch_run(engine, batch, new_tokens)
     return dict(wall_ms=round((time.perf_counter() - started) * 1e3, 3), verify_rows=decode.spec.verify_rows - rows,
-                functions=report)
+                functions=report, timeline_us=cycle_timeline(timeline, 160))
 
 
 async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[dict]:
@@ -198,6 +202,8 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="profile the first batch's first drafter run")
     ap.add_argument("--host-times", action="store_true",
                     help="time the speculative cycle's host functions in the first batch's first drafter run")
+    ap.add_argument("--gil-switch-interval", type=float, default=None, metavar="SECONDS",
+                    help="EngineConfig.gil_switch_interval_s (default: the engine's)")
     ap.add_argument("--exact-speculation", action="store_true",
                     help="verify rows computed as one-token decode rows (EngineConfig.exact_speculation)")
     a = ap.parse_args()
@@ -209,6 +215,8 @@ def main() -> None:
     draft_dir = None
     options: dict = dict(speculative_method="ngram" if a.method == "replay" else a.method,
                          exact_speculation=a.exact_speculation)
+    if a.gil_switch_interval is not None:
+        options["gil_switch_interval_s"] = a.gil_switch_interval
     if a.method == "draft":
         draft_dir = write_model_dir(dict(QWEN3_0_6B, **(QUICK_DRAFT if a.quick else {}),
                                          vocab_size=shape["vocab_size"]), a.tokenizer)
@@ -218,7 +226,7 @@ def main() -> None:
         options["speculative_model"] = draft_dir
         report_drafter = dflash_shape(shape)
     report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "method": a.method,
-                    "exact_speculation": a.exact_speculation,
+                    "exact_speculation": a.exact_speculation, "gil_switch_interval_s": a.gil_switch_interval,
                     "date": time.strftime("%Y-%m-%d %H:%M"), "sizes": sizes}
     if a.method == "dflash":
         report["drafter_shape"] = report_drafter

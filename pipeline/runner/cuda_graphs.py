@@ -164,8 +164,8 @@ class DecodeGraphs:
         self.packed64.copy_(host["packed64"], non_blocking=True)
         self.packed32.copy_(host["packed32"], non_blocking=True)
         self.block_tables[:size, :width].copy_(host["block_tables"][:size, :width], non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
+        copied = previous_copies if previous_copies is not None else torch.cuda.Event()
+        copied.record()  # (an event recorded again marks the newer copies)
         self.staged[self.turn] = copied
         self.turn ^= 1
         if feed is not None:

@@ -12,6 +12,7 @@ tokens: a second thread waits for step N's device->host copy while this one laun
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -27,6 +28,7 @@ from pipeline.runner.sampler import SamplerOutput
 from pipeline.runner.step_plan import StepPlan
 
 T = TypeVar("T")
+log = logging.getLogger("conveyor.executor")
 
 
 class LaunchedSample(Protocol):
@@ -59,6 +61,11 @@ class _Call:
     function: Callable[[], Any]
     future: asyncio.Future[Any]
     loop: asyncio.AbstractEventLoop
+
+
+@dataclass(slots=True)
+class _Post:
+    function: Callable[[], None]
 
 
 _STOP = object()
@@ -94,6 +101,12 @@ class DeviceExecutor:
         future: asyncio.Future[T] = loop.create_future()
         self._jobs.put(_Call(function, future, loop))
         return await future
+
+    def post(self, function: Callable[[], None]) -> None:
+        """Queue ``function`` on the device thread and return at once; nothing waits for it. Jobs run in the order
+        they are queued, so a step launched afterwards runs after it. ``function`` keeps its own errors (promised
+        drafts record theirs, pipeline/spec/device_drafts.py): one that escapes is logged."""
+        self._jobs.put(_Post(function))
 
     def launch(self, plan: StepPlan, lane: str) -> LaunchedStep:
         """Queue a step; returns at once."""
@@ -133,6 +146,11 @@ class DeviceExecutor:
             self._launching_since = time.monotonic()
             if isinstance(job, _Call):
                 _settle(job.loop, job.future, job.function)
+            elif isinstance(job, _Post):
+                try:
+                    job.function()
+                except Exception:
+                    log.exception("a job posted to the device thread failed")
             else:
                 self._launch_step(job)  # type: ignore[arg-type]
             self._launching_since = None

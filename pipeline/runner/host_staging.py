@@ -7,6 +7,13 @@ host arrays are written with numpy into buffers made once, and each tensor view 
 once per (offset, length, shape) and looked up afterwards: in steady state, staging a step's
 sampling inputs and its grammar bitmask costs no torch call.
 
+On a GPU the same arrays go up through ``upload``: written into one of two pinned host buffers, used in
+turn, and copied whole into a device buffer in one call, whose views are cached the same way. A fresh
+pinned tensor, its copy and its views cost ~0.3 ms of host time a step, on the critical path of a
+speculative cycle (bench/README.md). The device buffer is rewritten by the next step's copy, which the
+stream orders after this step's kernels; a pinned buffer is rewritten only once the copy that read it
+two uploads ago has run.
+
 A view is valid until the owner's next step writes the buffer again. Only the thread that runs the
 steps uses a staging (the runner's device thread), and on CPU a step has sampled before it returns.
 """
@@ -18,18 +25,30 @@ import numpy as np
 import torch
 from torch import Tensor
 
+_TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
+
 # Views are cached per (offset, length, shape) and per stage() layout; batches of many different
 # sizes would grow either cache without bound, so past this many entries it starts again.
 MAX_CACHED_VIEWS = 4096
 
 
 @dataclass(slots=True)
+class _Pinned:
+    tensor: Tensor  # 1-D pinned host memory
+    array: np.ndarray  # the same memory
+    copied: torch.cuda.Event | None = None  # recorded after the last copy that read it
+    prefixes: dict[int, Tensor] = field(default_factory=dict)  # its first n elements, by n
+
+
+@dataclass(slots=True)
 class _Buffer:
-    tensor: Tensor  # 1-D, the whole buffer
-    array: np.ndarray  # the same memory, for writing without torch calls
+    tensor: Tensor  # 1-D, the whole buffer (an upload's: on the device)
+    array: np.ndarray | None  # the same memory, for writing without torch calls (None on the device)
     views: dict[tuple[int, int, tuple[int, ...]], Tensor] = field(default_factory=dict)
     # a stage() call's (keys, lengths) -> its views by key
     layouts: dict[tuple[tuple[str, ...], tuple[int, ...]], dict[str, Tensor]] = field(default_factory=dict)
+    pinned: list[_Pinned] = field(default_factory=list)  # an upload's two host buffers, used in turn
+    turn: int = 0
 
 
 class HostStaging:
@@ -45,6 +64,33 @@ class HostStaging:
         buffer = self._buffer(name, dtype, total)
         if total:
             np.concatenate(list(arrays.values()), out=buffer.array[:total])
+        return self._views(buffer, arrays, lengths)
+
+    def upload(self, name: str, arrays: dict[str, np.ndarray], dtype: type, device: torch.device) -> dict[str, Tensor]:
+        """``stage`` onto a GPU: the arrays through a pinned buffer, one copy into the device buffer ``name``;
+        returns a device view of each, by key (cached as ``stage``'s are). Nothing waits for the device."""
+        lengths = tuple(len(values) for values in arrays.values())
+        total = sum(lengths)
+        buffer = self._device_buffer(name, dtype, total, device)
+        if total:
+            pinned = buffer.pinned[buffer.turn]
+            if pinned.copied is not None:
+                pinned.copied.synchronize()  # the upload before last: long done, its step launched since
+            np.concatenate(list(arrays.values()), out=pinned.array[:total])
+            source = pinned.prefixes.get(total)
+            if source is None:
+                if len(pinned.prefixes) >= MAX_CACHED_VIEWS:
+                    pinned.prefixes.clear()
+                source = pinned.prefixes[total] = pinned.tensor[:total]
+            self._view(buffer, 0, total, (total,)).copy_(source, non_blocking=True)
+            if pinned.copied is None:
+                pinned.copied = torch.cuda.Event()
+            pinned.copied.record()
+            buffer.turn ^= 1
+        return self._views(buffer, arrays, lengths)
+
+    def _views(self, buffer: _Buffer, arrays: dict[str, np.ndarray],
+               lengths: tuple[int, ...]) -> dict[str, Tensor]:
         layout = (tuple(arrays), lengths)
         views = buffer.layouts.get(layout)
         if views is None:
@@ -68,6 +114,19 @@ class HostStaging:
         buffer = self._buffer(name, dtype, rows * columns)
         view = self._view(buffer, 0, rows * columns, (rows, columns))
         return buffer.array[:rows * columns].reshape(rows, columns), view
+
+    def _device_buffer(self, name: str, dtype: type, size: int, device: torch.device) -> _Buffer:
+        key = (name, np.dtype(dtype))
+        buffer = self._buffers.get(key)
+        if buffer is None or len(buffer.tensor) < size:
+            capacity = max(size, 2 * len(buffer.tensor) if buffer is not None else 256)
+            pinned = []
+            for _ in range(2):
+                host = torch.empty(capacity, dtype=_TORCH_DTYPES[np.dtype(dtype)], pin_memory=True)
+                pinned.append(_Pinned(host, host.numpy()))
+            buffer = self._buffers[key] = _Buffer(torch.empty(capacity, dtype=host.dtype, device=device), None,
+                                                  pinned=pinned)
+        return buffer
 
     def _buffer(self, name: str, dtype: type, size: int) -> _Buffer:
         key = (name, np.dtype(dtype))

@@ -28,6 +28,7 @@ from pipeline.runner.sampler import DeviceSample, Sampler, SamplerOutput
 from pipeline.runner.sampling_batch import SamplingBatch
 from pipeline.runner.step_plan import ForwardBatch, StepPlan
 from pipeline.runner.token_feed import TokenFeed
+from pipeline.spec.device_drafts import DeviceDrafts
 
 if TYPE_CHECKING:
     from pipeline.dist.comm import CommStage
@@ -195,8 +196,9 @@ class ModelRunner:
         this one, for tokens named by row (`feed_sources`); `previous_host()` gives the same ids on
         the host (waiting for them), for grammar rows one step ahead.
         """
-        if plan.fed_tokens is not None:  # the feeds index drafts left on the device, not a previous step's tokens
-            previous_tokens, previous_host = plan.fed_tokens, None
+        fed = plan.fed_tokens
+        if fed is not None:  # the feeds index drafts left on the device, not a previous step's tokens
+            previous_tokens, previous_host = (fed.ids() if isinstance(fed, DeviceDrafts) else fed), None
         comm = self.comm
         if comm is not None:
             comm.send_step(plan, previous_tokens)

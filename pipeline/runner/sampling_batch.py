@@ -211,14 +211,15 @@ class _Upload:
     each (from pinned memory on CUDA), then named views of the device buffers.
 
     A pageable `torch.tensor(..., device="cuda")` would block the host until the stream drains,
-    which defeats launching a step while the previous one still runs. On CPU with a runner's
-    staging the buffers are the staging's, reused step after step, with views it made before: no
-    torch call (each would hand the GIL to the event loop; see host_staging.py).
+    which defeats launching a step while the previous one still runs. With a runner's staging the
+    buffers are the staging's, reused step after step, with views it made before: on CPU no torch
+    call (each would hand the GIL to the event loop), on CUDA one copy and one event record a dtype
+    (host_staging.py).
     """
 
     def __init__(self, device: torch.device | str, staging: HostStaging | None = None) -> None:
         self.device = torch.device(device)
-        self.staging = staging if self.device.type == "cpu" else None
+        self.staging = staging if self.device.type in ("cpu", "cuda") else None
         self._parts: dict[type, dict[str, np.ndarray]] = {np.float32: {}, np.int64: {}}
 
     def f32(self, **arrays: Sequence[float] | np.ndarray) -> None:
@@ -231,7 +232,8 @@ class _Upload:
         views: dict[str, Tensor] = {}
         for dtype, arrays in self._parts.items():
             if self.staging is not None:
-                views.update(self.staging.stage("sampling", arrays, dtype))
+                views.update(self.staging.stage("sampling", arrays, dtype) if self.device.type == "cpu"
+                             else self.staging.upload("sampling", arrays, dtype, self.device))
                 continue
             buffer = torch.from_numpy(np.concatenate(list(arrays.values())))
             if self.device.type != "cpu":

@@ -50,7 +50,8 @@ class ScheduledChunk:
     # hybrid verify rows: per token, the state slot that keeps the recurrent state as it stands after it (-1: none)
     keep_slots: list[int] | None = None
     # a verify row whose drafts are still on the device (pipeline/spec/device_drafts.py): (their ids, flat on the
-    # device; the offset of the first in token_ids; its index in those ids; how many), token_ids holding placeholders
+    # device, or the DeviceDrafts that will hold them; the offset of the first in token_ids; its index in those ids;
+    # how many), token_ids holding placeholders
     fed_drafts: tuple[Any, int, int, int] | None = None
 
 
@@ -142,6 +143,7 @@ class StepPlan:
     state_epochs: np.ndarray | None = None
     slot_changes: SlotChanges | None = None
     # the device ids the forward's fed tokens index when they are drafts left on the device, not the previous step's
+    # (a tensor, or DeviceDrafts: the runner takes their ids at launch)
     fed_tokens: Any = None
 
     @property

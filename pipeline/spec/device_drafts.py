@@ -1,5 +1,5 @@
 """Drafts a model drafter leaves on the device, so the verify step that checks them can be launched before the host
-has read them.
+has read them, and planned before they are even drafted.
 
 A model drafter's picks are device tensors. Reading them costs a wait for the drafter's forwards, and the verify
 step could not be planned and launched until then: the device sat idle through the host's read, its planning and
@@ -8,6 +8,11 @@ step ahead feeds a step's tokens to the next), and the host reads them after the
 right behind the drafter's forwards. Only rows whose sampling does not depend on the drafts' values can be fed so:
 penalties count the drafts before each position, a grammar's mask follows them, a thinking budget may force a token
 after them; those steps read the drafts first.
+
+Drafts may also be promised (``pending``): the verify stage queues the drafter's forwards on the device thread and
+hands decode the promise at once, so decode plans its verify step while the drafter runs. The device thread runs
+its jobs in order, so the step that feeds the drafts is launched after the forwards that fill them; the runner takes
+the device ids from ``ids()``, which raises the drafter's error if it failed.
 """
 from __future__ import annotations
 
@@ -18,39 +23,60 @@ import torch
 
 @dataclass(slots=True)
 class DeviceDrafts:
-    """[n, k] draft ids on the device, row i the i-th drafting sequence's k drafts, and their host copy."""
+    """[n, width] draft ids on the device, row i the i-th drafting sequence's drafts, and their host copy."""
 
-    tokens: torch.Tensor  # int64 [n, k] on the device (contiguous)
-    host: torch.Tensor  # int64 [n, k]: pinned, filled by a copy queued after the drafts (the same tensor on CPU)
-    copied: torch.cuda.Event | None  # recorded after that copy (None on CPU)
+    width: int  # drafts per sequence
+    tokens: torch.Tensor | None = None  # int64 [n, width] on the device (contiguous); None until filled
+    host: torch.Tensor | None = None  # int64 [n, width]: pinned, filled by a copy queued after the drafts
+    copied: torch.cuda.Event | None = None  # recorded after that copy (None on CPU)
     # the ids in row order, one view for every row a step feeds (row i's j-th draft at i * width + j)
-    flat: torch.Tensor = field(init=False)
+    flat: torch.Tensor | None = field(default=None, init=False)
+    error: BaseException | None = field(default=None, init=False)  # the drafter's, when filling failed
     _values: list[list[int]] | None = field(default=None, init=False)
 
-    def __post_init__(self) -> None:
-        self.flat = self.tokens.view(-1)
+    @classmethod
+    def pending(cls, width: int) -> DeviceDrafts:
+        """Drafts still to be made (``fill`` or ``fail``, on the device thread)."""
+        return cls(width)
 
     @classmethod
     def of(cls, tokens: torch.Tensor) -> DeviceDrafts:
-        """Queue the host copy of ``tokens`` (int64 [n, k]) and return at once."""
-        tokens = tokens.contiguous()
-        if not tokens.is_cuda:
-            return cls(tokens, tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
-        copied = torch.cuda.Event()
-        copied.record()
-        return cls(tokens, host, copied)
+        """Drafts made: queue the host copy of ``tokens`` (int64 [n, k]) and return at once."""
+        drafts = cls(int(tokens.shape[1]))
+        drafts.fill(tokens)
+        return drafts
 
-    @property
-    def width(self) -> int:
-        """Drafts per sequence."""
-        return int(self.tokens.shape[1])
+    def fill(self, tokens: torch.Tensor) -> None:
+        """Take the drafter's picks (int64 [n, width]) and queue their host copy behind them; no wait."""
+        if tokens.dim() != 2 or tokens.shape[1] != self.width:
+            raise ValueError(f"drafts of shape {tuple(tokens.shape)} for a width of {self.width}")
+        tokens = tokens.contiguous()
+        if tokens.is_cuda:
+            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            self.host.copy_(tokens, non_blocking=True)
+            self.copied = torch.cuda.Event()
+            self.copied.record()
+        else:
+            self.host = tokens
+        self.tokens, self.flat = tokens, tokens.view(-1)
+
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+
+    def ids(self) -> torch.Tensor:
+        """The flat device ids the verify rows are fed from; raises what kept them from being drafted."""
+        if self.error is not None:
+            raise RuntimeError("the drafter failed on the drafts this step verifies") from self.error
+        if self.flat is None:
+            raise RuntimeError("a step feeds drafts that were never drafted (their forwards run before it)")
+        return self.flat
 
     def values(self) -> list[list[int]]:
         """Each sequence's drafts on the host (waits for the copy, long done once the verify step is read)."""
         if self._values is None:
+            self.ids()
             if self.copied is not None:
                 self.copied.synchronize()
+            assert self.host is not None
             self._values = self.host.tolist()
         return self._values

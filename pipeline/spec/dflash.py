@@ -84,7 +84,11 @@ class DFlashDrafter:
                                    device=runner.device)
 
     @torch.inference_mode()
-    def draft(self, plan: DFlashPlan, keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
+    def uniform_width(self, plan: DFlashPlan) -> int | None:
+        widths = {len(rows) for rows in plan.draft_rows}
+        return widths.pop() if len(widths) == 1 else None
+
+    def draft(self, plan: DFlashPlan, into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
         batch = plan.batch
         graphs = self.graphs
         if graphs is not None and graphs.fits(batch.num_seqs, 1, batch.block_tables.shape[1]):
@@ -97,9 +101,9 @@ class DFlashDrafter:
                                 torch.from_numpy(batch.positions).to(device), ctx)
             logits = self.block.compute_logits(hidden)
         picks = logits.argmax(dim=-1)
-        widths = {len(rows) for rows in plan.draft_rows}
-        if keep_on_device and len(widths) == 1:  # row i's block: its last token, then its k drafts
-            return DeviceDrafts.of(picks.view(len(plan.draft_rows), -1)[:, 1:])
+        if into is not None:  # (as many for every sequence) row i's block: its last token, then its k drafts
+            into.fill(picks.view(len(plan.draft_rows), -1)[:, 1:])
+            return into
         picks = picks.tolist()
         return [[picks[i] for i in rows] for rows in plan.draft_rows]
 

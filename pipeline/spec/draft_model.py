@@ -16,7 +16,7 @@ from torch import nn
 from pipeline.sequence import Sequence
 from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.spec.device_drafts import DeviceDrafts
-from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record
+from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record, uniform_width
 
 
 @dataclass(slots=True)
@@ -70,11 +70,14 @@ class DraftModelDrafter:
         self.graphs = DraftGraphs(graphs, graphs)
 
     @torch.inference_mode()
-    def draft(self, rows: list[DraftRow], keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
+    def uniform_width(self, rows: list[DraftRow]) -> int | None:
+        return uniform_width(rows)
+
+    def draft(self, rows: list[DraftRow], into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
         model = self.model
         drafts = draft_tokens(rows, lambda ids, positions, ctx, _: model(ids, positions, ctx), model.compute_logits,
                               self.runner.caches[self.caches], self.block_size, self.runner.device,
-                              graphs=self.graphs, keep_on_device=keep_on_device)
+                              graphs=self.graphs, into=into)
         if isinstance(drafts, DeviceDrafts):
             for i, row in enumerate(rows):
                 row.state.fed_on_device = (drafts, i)

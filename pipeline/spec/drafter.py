@@ -43,9 +43,12 @@ class ModelDrafter(Protocol):
     def plan(self, wanted: list[tuple[Sequence, int]]) -> Any:
         """Host side: the forward inputs that draft ``k`` tokens for each ``(sequence, k)``."""
 
-    def draft(self, plan: Any, keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
-        """Device thread: run the plan; each sequence's drafts (``keep_on_device``: left on the device where every
-        sequence drafts as many, pipeline/spec/device_drafts.py)."""
+    def uniform_width(self, plan: Any) -> int | None:
+        """The drafts every sequence of the plan gets, when every one gets as many (else None)."""
+
+    def draft(self, plan: Any, into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
+        """Device thread: run the plan; each sequence's drafts (``into``: promised drafts, as many for every
+        sequence, filled on the device and returned; pipeline/spec/device_drafts.py)."""
 
 
 def make_drafter(config: EngineConfig, runner: ModelRunner | None = None,

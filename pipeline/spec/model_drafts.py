@@ -15,7 +15,7 @@ each, which a drafter's small forwards would spend many times over.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,12 @@ class DraftRow:
     block_ids: list[int]  # the sequence's blocks (a copy: the host's list may grow meanwhile)
     k: int  # drafts wanted
     state: Any  # the drafter's record of this sequence (on Sequence.draft_history)
+
+
+def uniform_width(rows: list[DraftRow]) -> int | None:
+    """The drafts every row wants, when every row wants as many (they may then be promised: ``DeviceDrafts``)."""
+    widths = {row.k for row in rows}
+    return widths.pop() if len(widths) == 1 else None
 
 
 MAX_REPLAYS = 8  # a drafter's first forward replays its graphs at most this many times (longer: one eager forward)
@@ -63,17 +69,24 @@ class DraftGraphs:
     step: DecodeGraphs
     carried: torch.Tensor | None = None
     hidden_out: torch.Tensor | None = None
+    _last: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def last_rows(self, rows: int, span: int, device: torch.device) -> torch.Tensor:
+        """The index of each row's last position in a forward of ``rows`` rows of ``span`` positions (made once)."""
+        index = self._last.get((rows, span))
+        if index is None:
+            index = self._last[(rows, span)] = torch.arange(span - 1, rows * span, span, device=device)
+        return index
 
 
 def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[torch.Tensor], torch.Tensor],
                  caches: list[torch.Tensor], block_size: int, device: torch.device,
                  carry: Callable[[ForwardContext, torch.Tensor], torch.Tensor] | None = None,
-                 graphs: DraftGraphs | None = None, keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
+                 graphs: DraftGraphs | None = None, into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
     """Run the drafter forwards for ``rows``; each row's drafts. ``carry(ctx, positions)``: what the first eager
     forward takes besides the tokens (the MTP head: the target's hidden states at the fed positions); later
-    forwards take the drafter's own last hidden state instead. ``keep_on_device``: where every row drafts as many,
-    the drafts stay on the device (``DeviceDrafts``, read after the verify step); nothing here waits for the device
-    then."""
+    forwards take the drafter's own last hidden state instead. ``into``: promised drafts (every row drafts as many),
+    filled on the device and returned (read after the verify step); nothing here waits for the device then."""
     picked: list[tuple[list[int], torch.Tensor]] = []  # (rows, their picks) per forward
     live = list(range(len(rows)))
     starts = [row.start for row in rows]
@@ -91,7 +104,7 @@ def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[
         if (graph is not None and chunks <= MAX_REPLAYS and all(ends[i] >= q for i in live)
                 and graph.fits(len(live), min(q, graph.max_query_len), width)):
             span = min(q, graph.max_query_len)
-            last = torch.arange(span - 1, len(live) * span, span, device=device)
+            last = graphs.last_rows(len(live), span, device)
             if carried is not None and graphs.carried is not None:
                 graphs.carried[:len(live)].copy_(carried)
             feed = None if picks is None else TokenFeed(np.arange(len(live)), np.arange(len(live)), picks)
@@ -99,8 +112,8 @@ def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[
                 batch = _uniform_batch([rows[i] for i in live], [ends[i] - before for i in live], span, width,
                                        block_size, first=step == 0)
                 out = graph.run(batch, feed)
-            step_logits = out.index_select(0, last)
-            hidden = graphs.hidden_out
+            step_logits = out if span == 1 else out.index_select(0, last)  # (one row a sequence: each its last)
+            hidden = graphs.hidden_out if span > 1 or graphs.hidden_out is None else graphs.hidden_out[:len(live)]
         else:
             query_lens = [ends[i] - starts[i] for i in live]
             meta = build_attention_metadata(query_lens, [ends[i] for i in live], [rows[i].block_ids for i in live],
@@ -123,12 +136,16 @@ def draft_tokens(rows: list[DraftRow], forward: DraftForward, logits: Callable[[
             keep = torch.tensor(following, dtype=torch.int64, device=device)
             last, picks = last.index_select(0, keep), picks.index_select(0, keep)
         if following and carry is not None:
-            carried = hidden.index_select(0, last)
+            # as many hidden rows as rows going on: one position each and none dropped, each its own last
+            carried = hidden if hidden.shape[0] == len(following) else hidden.index_select(0, last)
         for i in live:
             starts[i], ends[i] = ends[i], ends[i] + 1
         live = [live[j] for j in following]
-    if keep_on_device and picked and all(len(step_rows) == len(rows) for step_rows, _ in picked):
-        return DeviceDrafts.of(torch.stack([p for _, p in picked], dim=1))
+    if into is not None:
+        if not picked or any(len(step_rows) != len(rows) for step_rows, _ in picked):
+            raise ValueError("promised drafts need as many drafts from every row")
+        into.fill(torch.stack([p for _, p in picked], dim=1))
+        return into
     drafts: list[list[int]] = [[] for _ in rows]
     values = torch.cat([p for _, p in picked]).tolist() if picked else []
     at = 0

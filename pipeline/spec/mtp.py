@@ -19,7 +19,7 @@ from pipeline.models.mtp import read_hidden
 from pipeline.sequence import Sequence
 from pipeline.runner.cuda_graphs import DecodeGraphs
 from pipeline.spec.device_drafts import DeviceDrafts
-from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record
+from pipeline.spec.model_drafts import DraftGraphs, DraftRow, draft_tokens, drafter_record, uniform_width
 
 
 @dataclass(slots=True)
@@ -68,7 +68,10 @@ class MtpDrafter:
         self.graphs = DraftGraphs(first, step, carried, hidden_out)
 
     @torch.inference_mode()
-    def draft(self, rows: list[DraftRow], keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
+    def uniform_width(self, rows: list[DraftRow]) -> int | None:
+        return uniform_width(rows)
+
+    def draft(self, rows: list[DraftRow], into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
         model, caches = self.model, self.runner.caches
         hidden_cache = caches[self.hidden_index]
 
@@ -77,7 +80,7 @@ class MtpDrafter:
 
         return draft_tokens(rows, lambda ids, positions, ctx, hidden: model.mtp_forward(ids, positions, hidden, ctx),
                             model.compute_logits, [caches[self.hidden_index - 1]], self.block_size,
-                            self.runner.device, carry=target_hidden, graphs=self.graphs, keep_on_device=keep_on_device)
+                            self.runner.device, carry=target_hidden, graphs=self.graphs, into=into)
 
 
 class _HeadInput:

@@ -290,7 +290,7 @@ class DecodeStage(DeviceStage):
                 fed = self._fed_rows.get(seq.seq_id) if drafts else None
                 if fed is not None:  # its drafts (then any fillers) are fed from the device
                     width = self._device_drafts.width
-                    fed = (self._device_drafts.flat, num_tokens - seq.num_computed, fed * width, width)
+                    fed = (self._device_drafts, num_tokens - seq.num_computed, fed * width, width)
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:] + drafts, seq.num_computed, seq.block_ids,
                                        [self.sampling_row(seq, None, 0, None) for _ in range(known)]
                                        + self._verify_rows(seq, drafts), -1, list(range(known + len(drafts) + 1)),

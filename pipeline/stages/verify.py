@@ -4,8 +4,9 @@ Decode hands it the sequences whose turn it is to draft, with how many drafts ea
 (pipeline/spec/budget.py); it asks the drafter and hands the drafts back, and decode's next step scores them in
 its verify rows, in the same forward as the other rows and prompt chunks (a verify row is a decode row with its
 drafts after its last token). A host drafter guesses here on the event loop; a model drafter plans here and drafts
-on the device thread. The stage keeps the statistics every stage keeps: requests in and out, their wait, how long
-drafting took and for how many sequences.
+on the device thread, and where its drafts may stay there, the stage replies before they are made (promised
+drafts, pipeline/spec/device_drafts.py). The stage keeps the statistics every stage keeps: requests in and out,
+their wait, how long drafting took (for promised drafts, queueing them) and for how many sequences.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class VerifyStage(Stage[DraftRequest]):
     async def drafts(self, wanted: list[tuple[Sequence, int]],
                      keep_on_device: bool = False) -> list[list[int]] | DeviceDrafts:
         """Each sequence's drafts (decode awaits them before composing its step); with ``keep_on_device``, a model
-        drafter's may come as ``DeviceDrafts``, their forwards queued on the device and not waited for."""
+        drafter's come as promised ``DeviceDrafts`` where every sequence drafts as many: their forwards are queued on
+        the device thread and the reply comes at once, so decode plans its step while they run."""
         reply: asyncio.Future[list[list[int]] | DeviceDrafts] = asyncio.get_running_loop().create_future()
         await self.put(DraftRequest(wanted, reply, keep_on_device))
         return await reply
@@ -51,8 +53,13 @@ class VerifyStage(Stage[DraftRequest]):
             try:
                 drafter = self.drafter
                 if drafter.on_device:
-                    proposals = await self.executor.call(partial(drafter.draft, drafter.plan(request.wanted),
-                                                                 request.keep_on_device))
+                    plan = drafter.plan(request.wanted)
+                    width = drafter.uniform_width(plan) if request.keep_on_device else None
+                    if width:
+                        proposals = DeviceDrafts.pending(width)
+                        self.executor.post(partial(_draft_into, drafter, plan, proposals))
+                    else:
+                        proposals = await self.executor.call(partial(drafter.draft, plan))
                 else:
                     proposals = [drafter.propose(seq, k) for seq, k in request.wanted]
             except Exception as exc:  # delivered to decode, which fails its step as for a device error
@@ -62,3 +69,11 @@ class VerifyStage(Stage[DraftRequest]):
             if not request.reply.done():
                 request.reply.set_result(proposals)
             self.record(started, len(request.wanted), 1)  # (batch: the sequences drafting)
+
+
+def _draft_into(drafter, plan, drafts: DeviceDrafts) -> None:
+    """Device thread: fill promised drafts; a failure stays with them (the step that feeds them raises it)."""
+    try:
+        drafter.draft(plan, drafts)
+    except Exception as exc:
+        drafts.fail(exc)

@@ -123,3 +123,36 @@ def test_token_feed_writes_the_previous_tokens_into_the_inputs(targets, sources)
     for t, s in zip(targets, sources):
         expected[t] = 40 + s
     assert ids.tolist() == expected
+
+
+def test_posted_jobs_run_before_later_launches_and_their_errors_stay_there(caplog):
+    """A posted job (promised drafts) runs on the device thread before any step launched after it, nothing waits
+    for it, and an error escaping one is logged without stopping the thread."""
+    gate = threading.Event()
+    order: list[str] = []
+
+    def launch(plan: StepPlan, previous, previous_host=None):
+        order.append(f"step {tags(plan)[0]}")
+        return FakeSample(list(plan.rows))
+
+    def first() -> None:
+        gate.wait()
+        order.append("posted")
+
+    def broken() -> None:
+        raise ValueError("broken job")
+
+    async def main():
+        executor = DeviceExecutor(launch)
+        try:
+            executor.post(first)
+            executor.post(broken)
+            step = executor.launch(plan_with(7, 1), lane="a")
+            gate.set()
+            return (await executor.fetch(step)).token_ids.tolist()
+        finally:
+            await asyncio.to_thread(executor.shutdown)
+
+    assert run_async(main()) == [7]
+    assert order == ["posted", "step 7"]
+    assert "broken job" in caplog.text

@@ -73,3 +73,38 @@ def test_batches_built_through_a_staging_equal_fresh_ones(subset):
     assert torch.equal(staged.grammar_bitmask, fresh.grammar_bitmask) if fresh.grammar_bitmask is not None \
         else staged.grammar_bitmask is None
     assert Sampler()(logits.clone(), staged).token_ids.tolist() == Sampler()(logits.clone(), fresh).token_ids.tolist()
+
+
+@pytest.mark.gpu
+def test_gpu_uploads_hold_each_steps_values_while_the_stream_is_busy():
+    """Uploads through the two pinned buffers while earlier work still runs: each step's kernels read that step's
+    values (a later upload never lands before them), and the views are the cached ones."""
+    device = torch.device("cuda")
+    staging = HostStaging()
+    big = torch.randn(2048, 2048, device=device)
+    seen, views = [], []
+    for step in range(6):
+        for _ in range(10):
+            big = big @ big / 64  # keep the stream busy: the copies queue behind it
+        up = staging.upload("s", {"a": np.arange(3) + 10 * step, "b": np.full(2, step)}, np.int64, device)
+        views.append(up["a"])
+        seen.append(torch.cat([up["a"], up["b"]]).clone())  # read on the stream, in order
+    assert [t.tolist() for t in seen] == [[10 * s, 10 * s + 1, 10 * s + 2, s, s] for s in range(6)]
+    assert all(v is views[0] for v in views)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("subset", [None, [0, 3, 9, 14]])
+def test_gpu_batches_built_through_uploads_equal_fresh_ones(subset):
+    device = torch.device("cuda")
+    rows = make_rows()
+    rows = rows if subset is None else [rows[i] for i in subset]
+    staging = HostStaging()
+    SamplingBatch.from_rows(make_rows(), V, device, staging)
+    staged = SamplingBatch.from_rows(rows, V, device, staging)
+    fresh = SamplingBatch.from_rows(rows, V, device)
+    for name, value in _fields(fresh).items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(value, getattr(staged, name)), name
+    logits = make_logits(rows).to(device)
+    assert Sampler()(logits.clone(), staged).token_ids.tolist() == Sampler()(logits.clone(), fresh).token_ids.tolist()

@@ -30,3 +30,26 @@ def test_gpu_the_host_copy_is_queued_behind_the_drafts() -> None:
     picks = big[:2, :3].argmax(dim=1, keepdim=True).expand(2, 3).to(torch.int64)
     drafts = DeviceDrafts.of(picks)
     assert drafts.host.is_pinned() and drafts.values() == picks.cpu().tolist()
+
+
+def test_promised_drafts_give_ids_only_once_filled() -> None:
+    drafts = DeviceDrafts.pending(2)
+    with pytest.raises(RuntimeError, match="never drafted"):
+        drafts.ids()
+    drafts.fill(torch.tensor([[3, 4], [5, 6]]))
+    assert drafts.ids() is drafts.flat and drafts.ids().tolist() == [3, 4, 5, 6]
+    assert drafts.values() == [[3, 4], [5, 6]]
+
+
+def test_a_promise_of_another_width_is_refused() -> None:
+    with pytest.raises(ValueError, match="width of 3"):
+        DeviceDrafts.pending(3).fill(torch.tensor([[3, 4]]))
+
+
+def test_a_failed_drafter_fails_whatever_reads_its_drafts() -> None:
+    drafts = DeviceDrafts.pending(2)
+    drafts.fail(ValueError("out of graphs"))
+    for read in (drafts.ids, drafts.values):
+        with pytest.raises(RuntimeError, match="drafter failed") as info:
+            read()
+        assert isinstance(info.value.__cause__, ValueError)

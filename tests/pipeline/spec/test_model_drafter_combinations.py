@@ -150,3 +150,35 @@ def test_preemption_in_the_middle_of_verifying(setups, drafter):
         _, stats = compare(setups, drafter, prompts, params, unconstrained=True, num_kv_blocks=25,
                         max_num_batched_tokens=16, **extra)
         assert stats["preemptions"] > 0
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "dflash"])
+def test_a_drafter_failing_on_promised_drafts_fails_the_requests(setups, drafter):
+    """Promised drafts (the verify step planned while the drafter runs): a drafter error reaches the requests as an
+    engine failure, at the step that feeds its drafts; nothing hangs and nothing runs on unwritten drafts."""
+    model_dir, spec = setups[drafter]
+
+    async def main() -> None:
+        engine = await Engine.create(config_for(model_dir, **spec))
+        served = engine.decode.drafter
+        calls = []
+
+        def draft(plan, into=None):
+            calls.append(into)
+            if len(calls) == 3:
+                raise ValueError("drafter broke")
+            return type(served).draft(served, plan, into)
+
+        served.draft = draft
+        try:
+            with pytest.raises(Exception) as failure:
+                await asyncio.wait_for(collect(engine, prompt_token_ids=random_prompts(1, 3)[0],
+                                               params=SamplingParams(max_tokens=40, temperature=0.0,
+                                                                     ignore_eos=True)), 60)
+            assert not isinstance(failure.value, asyncio.TimeoutError)
+            assert "drafter broke" in repr(failure.value) or "drafter failed" in repr(failure.value)
+            assert len(calls) == 3 and all(into is not None for into in calls)  # promised every time
+        finally:
+            await engine.shutdown()
+
+    run_async(main())
