@@ -43,9 +43,6 @@ def decode_plan(rows: int, max_batch: int, num_kv_heads: int, max_model_len: int
     return TritonAttentionPlan(num_splits=decode_num_splits(size, num_kv_heads, max_model_len, num_sms))
 
 
-WHOLE_TABLE_ROWS_BYTES = 64 << 10  # block-table rows copied whole, with the other inputs, up to this many bytes
-
-
 @dataclass(slots=True)
 class _Graph:
     graph: torch.cuda.CUDAGraph
@@ -68,66 +65,41 @@ class DecodeGraphs:
         self.max_blocks = max_blocks_per_seq
         self.max_query_len = max_query_len
         n, w, t = max_batch, max_blocks_per_seq, max_batch * max_query_len
-        # Every input is a view of one byte buffer: the int64 per-token inputs, the int32 per-row and per-token
-        # ones, then the block table, so a step copies one prefix of it (up to its last table row) in one call; a
-        # copy per input cost more host time than its bytes (B1 speculation, bench/README.md).
-        self.sections = (24 * t, 24 * t + 4 * (2 * n + t))  # where the int32 inputs and the block table start
-        self.inputs = torch.zeros(self.sections[1] + 4 * n * w, dtype=torch.uint8, device=device)
-        self.packed64, self.packed32, tables = self._typed(self.inputs, n, t)
+        # The per-token and per-row inputs are views of one int64 and one int32 buffer: a step copies each whole
+        # (tens of KB) in one call, where a copy per input cost more host time than the bytes (B1 speculation).
+        self.packed64 = torch.zeros(3 * t, dtype=torch.int64, device=device)
         self.input_ids, self.positions, self.slots = self.packed64.view(3, t)
         self.slots.fill_(-1)
+        self.packed32 = torch.zeros(2 * n + t, dtype=torch.int32, device=device)
         self.seq_lens, self.state_slots, self.keep_slots = self.packed32.split([n, n, t])
         self.seq_lens.fill_(1)  # (state_slots: padding rows take the null slot 0)
         self.keep_slots.fill_(-1)
         if not keeps_states:
             self.keep_slots = None
-        self.block_tables = tables.view(n, w)
+        self.block_tables = torch.zeros(n, w, dtype=torch.int32, device=device)
         # row b's tokens start at b * q: one query_start_loc per q
         self.query_start_locs = {q: torch.arange(0, (n + 1) * q, q, dtype=torch.int32, device=device)
                                  for q in range(1, max_query_len + 1)}
-        # Two pinned staging buffers, used in turn: while step N's copy may still be queued behind step N-1 on
-        # the stream, step N+1 is being written into the other one.
-        self.staging = [torch.zeros(self.inputs.shape, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
-        self.staging_arrays = [self._host_views(host, n, w, t) for host in self.staging]  # numpy views of each
-        self.staged: list[torch.cuda.Event | None] = [None, None]  # set once a buffer's copy is queued
-        self.prefixes: dict[tuple[int, int], list[tuple[torch.Tensor, ...]]] = {}  # _copy_inputs' views
+        # Two sets of pinned staging buffers, used in turn: while step N's copies may still be queued
+        # behind step N-1 on the stream, step N+1 is being written into the other set.
+        self.staging = [{name: torch.zeros(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                         for name, tensor in (("packed64", self.packed64), ("packed32", self.packed32),
+                                              ("block_tables", self.block_tables))} for _ in range(2)]
+        # numpy views of each set's inputs, written without a torch call each
+        self.staging_arrays = [self._host_views(host, n, t) for host in self.staging]
+        self.staged: list[torch.cuda.Event | None] = [None, None]  # set once a set's copies are queued
         self.turn = 0
         self.sizes = graph_batch_sizes(max_batch)
         self.graphs: dict[tuple[int, int], _Graph] = {}
         self._capture(max_model_len, num_kv_heads, device)
 
-    def _typed(self, buffer: torch.Tensor, n: int, t: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The int64 [3t], int32 [2n + t] and int32 block-table [n * w] views of an inputs-shaped byte buffer."""
-        i32, tables = self.sections
-        return buffer[:i32].view(torch.int64), buffer[i32:tables].view(torch.int32), buffer[tables:].view(torch.int32)
-
-    def _host_views(self, host: torch.Tensor, n: int, w: int, t: int) -> dict[str, np.ndarray]:
-        packed64, packed32, tables = (view.numpy() for view in self._typed(host, n, t))
-        ids, positions, slots = packed64.reshape(3, t)
+    @staticmethod
+    def _host_views(host: dict[str, torch.Tensor], n: int, t: int) -> dict[str, np.ndarray]:
+        ids, positions, slots = host["packed64"].numpy().reshape(3, t)
+        packed32 = host["packed32"].numpy()
         return {"input_ids": ids, "positions": positions, "slots": slots, "seq_lens": packed32[:n],
                 "state_slots": packed32[n:2 * n], "keep_slots": packed32[2 * n:],
-                "block_tables": tables.reshape(n, w)}
-
-    def _copy_inputs(self, rows: int, width: int) -> None:
-        """Queue the copy of the staged inputs: one copy up to block-table row ``rows`` where those rows are small
-        (whole rows: columns past a row's width hold stale values no row reads), else the packed inputs and the
-        tables' first ``width`` columns apart (a large batch's whole rows would be megabytes). Views made once."""
-        whole = 4 * rows * self.max_blocks <= WHOLE_TABLE_ROWS_BYTES
-        key = (rows, 0 if whole else width)
-        views = self.prefixes.get(key)
-        if views is None:
-            if len(self.prefixes) >= 1024:
-                self.prefixes.clear()
-            end = self.sections[1] + (4 * rows * self.max_blocks if whole else 0)
-            views = [(self.inputs[:end], self.staging[0][:end], self.staging[1][:end])]
-            if not whole:
-                n, t = self.max_batch, self.max_batch * self.max_query_len
-                host_tables = [self._typed(host, n, t)[2].view(n, self.max_blocks)[:rows, :width]
-                               for host in self.staging]
-                views.append((self.block_tables[:rows, :width], *host_tables))
-            self.prefixes[key] = views
-        for device, *hosts in views:
-            device.copy_(hosts[self.turn], non_blocking=True)
+                "block_tables": host["block_tables"].numpy()}
 
     def _meta(self, size: int, q: int, plan: TritonAttentionPlan, max_model_len: int) -> AttentionMetadata:
         return AttentionMetadata(
@@ -167,6 +139,7 @@ class DecodeGraphs:
         q = batch.num_tokens // rows
         tokens = rows * q
         size = next(s for s in self.sizes if s >= rows)
+        host = self.staging[self.turn]
         arrays = self.staging_arrays[self.turn]
         previous_copies = self.staged[self.turn]
         if previous_copies is not None:
@@ -177,6 +150,7 @@ class DecodeGraphs:
         arrays["seq_lens"][:rows] = batch.seq_lens
         arrays["state_slots"][:rows] = batch.state_slots
         arrays["keep_slots"][:tokens] = batch.keep_slots  # (-1 where the graphs keep no states: not read)
+        # Only the first `width` table columns are copied: a row never reads a column past its length.
         arrays["block_tables"][:rows, :width] = batch.block_tables
         if size > rows:  # padded rows: nothing written, q harmless keys of the null block read
             arrays["input_ids"][tokens:size * q] = 0
@@ -187,7 +161,9 @@ class DecodeGraphs:
             arrays["keep_slots"][tokens:size * q] = -1
             arrays["block_tables"][rows:size, :width] = 0
         # (past a graph's size * q tokens and size rows the buffers hold stale values no replay of it reads)
-        self._copy_inputs(size, width)
+        self.packed64.copy_(host["packed64"], non_blocking=True)
+        self.packed32.copy_(host["packed32"], non_blocking=True)
+        self.block_tables[:size, :width].copy_(host["block_tables"][:size, :width], non_blocking=True)
         copied = previous_copies if previous_copies is not None else torch.cuda.Event()
         copied.record()  # (an event recorded again marks the newer copies)
         self.staged[self.turn] = copied
