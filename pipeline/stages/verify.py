@@ -14,11 +14,12 @@ import asyncio
 import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Any
 
 from pipeline.runner.executor import DeviceExecutor
 from pipeline.sequence import Sequence
 from pipeline.spec.device_drafts import DeviceDrafts
-from pipeline.spec.drafter import Drafter
+from pipeline.spec.drafter import Drafter, ModelDrafter
 from pipeline.stage import Stage
 
 
@@ -71,7 +72,7 @@ class VerifyStage(Stage[DraftRequest]):
             self.record(started, len(request.wanted), 1)  # (batch: the sequences drafting)
 
 
-def _draft_into(drafter, plan, drafts: DeviceDrafts) -> None:
+def _draft_into(drafter: ModelDrafter, plan: Any, drafts: DeviceDrafts) -> None:
     """Device thread: fill promised drafts; a failure stays with them (the step that feeds them raises it)."""
     try:
         drafter.draft(plan, drafts)
