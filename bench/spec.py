@@ -120,6 +120,7 @@ async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int
     from pipeline.runner.model_runner import ModelRunner
     from pipeline.runner.sampling_batch import SamplingBatch
     from pipeline.stages.decode import DecodeStage
+    from pipeline.stages.detokenize import DetokenizeStage
     from pipeline.stages.verify import VerifyStage
     import pipeline.runner.sampler as sampler
     import pipeline.stages.verify as verify
@@ -139,7 +140,8 @@ async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int
                (type(engine.executor), "fetch"), (type(drafter), "plan"), (type(drafter), "draft"),
                (ModelRunner, "forward"), (ModelRunner, "sample"), (sampler, "apply_logits_pipeline"),
                (sampler, "pick_tokens"), (TokenFeed, "apply"), (DeviceDrafts, "fill"), (torch.cuda.CUDAGraph, "replay"),
-               (verify, "_draft_into"), (HostStaging, "upload"), (type(engine.executor), "launch")]
+               (verify, "_draft_into"), (HostStaging, "upload"), (type(engine.executor), "launch"),
+               (type(engine.executor), "post"), (DetokenizeStage, "_process")]
     rows = decode.spec.verify_rows
     started = time.perf_counter()
     timeline: list = []
