@@ -25,8 +25,6 @@ import numpy as np
 import torch
 from torch import Tensor
 
-_TORCH_DTYPES = {np.dtype(np.float32): torch.float32, np.dtype(np.int64): torch.int64, np.dtype(np.int32): torch.int32}
-
 # Views are cached per (offset, length, shape) and per stage() layout; batches of many different
 # sizes would grow either cache without bound, so past this many entries it starts again.
 MAX_CACHED_VIEWS = 4096
@@ -122,7 +120,7 @@ class HostStaging:
             capacity = max(size, 2 * len(buffer.tensor) if buffer is not None else 256)
             pinned = []
             for _ in range(2):
-                host = torch.empty(capacity, dtype=_TORCH_DTYPES[np.dtype(dtype)], pin_memory=True)
+                host = torch.empty(capacity, dtype=torch.from_numpy(np.empty(0, dtype=dtype)).dtype, pin_memory=True)
                 pinned.append(_Pinned(host, host.numpy()))
             buffer = self._buffers[key] = _Buffer(torch.empty(capacity, dtype=host.dtype, device=device), None,
                                                   pinned=pinned)
@@ -146,3 +144,15 @@ class HostStaging:
                 buffer.views.clear()
             view = buffer.views[key] = buffer.tensor[offset:offset + length].view(shape)
         return view
+
+
+def queue_host_copy(tensor: Tensor) -> tuple[Tensor, torch.cuda.Event | None]:
+    """A host copy of ``tensor`` queued behind the kernels that write it, and the event recorded after it (None on
+    CPU, where the tensor is its own copy): nothing waits now, ``event.synchronize()`` waits for this copy alone."""
+    if not tensor.is_cuda:
+        return tensor, None
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    host.copy_(tensor, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+    return host, copied

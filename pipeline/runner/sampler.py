@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from pipeline.request import TokenLogprob
+from pipeline.runner.host_staging import queue_host_copy
 from pipeline.runner.logits_pipeline import apply_logits_pipeline
 from pipeline.runner.sampling_batch import SamplingBatch
 
@@ -88,14 +89,7 @@ class DeviceSample:
                  has_logprobs: bool) -> None:
         self.token_ids = token_ids  # int64 [S], on the device
         # packed: float64 [S, 1 (+1 +2K)]: token, chosen logprob, top ids, top logprobs (exact in f64)
-        self._ready: torch.cuda.Event | None = None
-        if packed.is_cuda:
-            self._host = torch.empty(packed.shape, dtype=packed.dtype, pin_memory=True)
-            self._host.copy_(packed, non_blocking=True)
-            self._ready = torch.cuda.Event()
-            self._ready.record()
-        else:
-            self._host = packed
+        self._host, self._ready = queue_host_copy(packed)
         self.num_top = num_top  # K
         self.num_logprobs = num_logprobs
         self.has_logprobs = has_logprobs

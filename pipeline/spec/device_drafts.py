@@ -20,6 +20,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pipeline.runner.host_staging import queue_host_copy
+
 
 @dataclass(slots=True)
 class DeviceDrafts:
@@ -51,13 +53,7 @@ class DeviceDrafts:
         if tokens.dim() != 2 or tokens.shape[1] != self.width:
             raise ValueError(f"drafts of shape {tuple(tokens.shape)} for a width of {self.width}")
         tokens = tokens.contiguous()
-        if tokens.is_cuda:
-            self.host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            self.host.copy_(tokens, non_blocking=True)
-            self.copied = torch.cuda.Event()
-            self.copied.record()
-        else:
-            self.host = tokens
+        self.host, self.copied = queue_host_copy(tokens)
         self.tokens, self.flat = tokens, tokens.view(-1)
 
     def fail(self, error: BaseException) -> None:

@@ -83,11 +83,11 @@ class DFlashDrafter:
                                    max_model_len=max_model_len, num_kv_heads=self.block.draft.arch.num_kv_heads,
                                    device=runner.device)
 
-    @torch.inference_mode()
     def uniform_width(self, plan: DFlashPlan) -> int | None:
         widths = {len(rows) for rows in plan.draft_rows}
         return widths.pop() if len(widths) == 1 else None
 
+    @torch.inference_mode()
     def draft(self, plan: DFlashPlan, into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
         batch = plan.batch
         graphs = self.graphs

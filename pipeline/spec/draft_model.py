@@ -69,10 +69,10 @@ class DraftModelDrafter:
                               max_query_len=max_query_len)
         self.graphs = DraftGraphs(graphs, graphs)
 
-    @torch.inference_mode()
     def uniform_width(self, rows: list[DraftRow]) -> int | None:
         return uniform_width(rows)
 
+    @torch.inference_mode()
     def draft(self, rows: list[DraftRow], into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
         model = self.model
         drafts = draft_tokens(rows, lambda ids, positions, ctx, _: model(ids, positions, ctx), model.compute_logits,

@@ -67,10 +67,10 @@ class MtpDrafter:
         step = DecodeGraphs(_HeadInput(model, None, carried, hidden_out), kv, **shape)
         self.graphs = DraftGraphs(first, step, carried, hidden_out)
 
-    @torch.inference_mode()
     def uniform_width(self, rows: list[DraftRow]) -> int | None:
         return uniform_width(rows)
 
+    @torch.inference_mode()
     def draft(self, rows: list[DraftRow], into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
         model, caches = self.model, self.runner.caches
         hidden_cache = caches[self.hidden_index]
