@@ -13,7 +13,11 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``prologue``: no q/k norm + rope + KV write kernel;
 * ``route``: no routing kernel (the first step's expert choice, kept);
 * ``experts``: no expert kernels (the routed and folded shared experts);
-* ``conv`` / ``delta_rule``: no Gated DeltaNet conv / recurrence kernel (hybrid shapes).
+* ``conv`` / ``delta_rule``: no Gated DeltaNet conv / recurrence kernel (hybrid shapes);
+* ``reduce_from_len=0|1``: the decode attention's reduce with the used splits from the row's length (its two loads
+  together) or from the log-sum-exps (``REDUCE_USED_FROM_LEN``); the outputs are right;
+* ``skip_empty=0|1``: the decode attention's splits past a row's keys skip their loads and stores, or not
+  (``SKIP_EMPTY_SPLITS``, with ``REDUCE_USED_FROM_LEN``); the outputs are right.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import dispatch  # noqa: E402
+from kernels import dispatch, triton_decode_attention  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -65,6 +69,11 @@ def kept_first(fn):
 
 
 def variant(name: str) -> contextlib.AbstractContextManager:
+    if "+" in name:  # several at once
+        stack = contextlib.ExitStack()
+        for part in name.split("+"):
+            stack.enter_context(variant(part))
+        return stack
     if name == "step":
         return contextlib.nullcontext()
     if name == "attention":
@@ -83,6 +92,11 @@ def variant(name: str) -> contextlib.AbstractContextManager:
     if name == "delta_rule":
         return patched(gdn, "gated_delta_rule", lambda q, k, v, *args, **kwargs: torch.empty(
             v.shape, dtype=v.dtype, device=v.device))
+    knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
+             "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS")}
+    if name.split("=")[0] in knobs:
+        owner, attribute = knobs[name.split("=")[0]]
+        return patched(owner, attribute, name.split("=")[1] == "1")
     raise ValueError(f"unknown variant {name}")
 
 
@@ -90,11 +104,12 @@ def variant(name: str) -> contextlib.AbstractContextManager:
 def ablate(runner, variants: list[str], context: int, max_model_len: int, iters: int) -> dict:
     forward = decode_plan(1, context, runner.block_size, fed=False).forward
     rows: dict = {}
-    for name in variants:
+    for name in variants:  # a name given twice is measured twice (run-to-run noise): the second as name#2
         with variant(name):
             runner.capture_decode_graphs(1, max_model_len)
             graphs = runner.graphs
-            rows[name] = min(_device_ms(lambda: graphs.run(forward), iters) for _ in range(3))
+            key = name if name not in rows else f"{name}#{sum(k.split('#')[0] == name for k in rows) + 1}"
+            rows[key] = min(_device_ms(lambda: graphs.run(forward), iters) for _ in range(3))
     base = rows.get("step")
     return {name: {"replay_ms": ms, "saves_ms": None if base is None else base - ms} for name, ms in rows.items()}
 

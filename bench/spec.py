@@ -162,7 +162,9 @@ async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[
         out.append({"batch": batch_size, "k": 0, "tok_s": plain_rate})
         print(json.dumps(out[-1]), flush=True)
         continuations = {tuple(p): ids for p, ids in zip(batch, plain)}
-        if a.profile and batch_size == sizes["batches"][0]:
+        if a.profile_plain and batch_size == sizes["batches"][0]:
+            await profile_run(engine, batch, sizes["new"], None, 0, a.out)
+        elif a.profile and batch_size == sizes["batches"][0]:
             await profile_run(engine, batch, sizes["new"], next(drafters(served, a.method, a.modes, a.errors,
                                                                           continuations))[1], a.ks[0], a.out)
         if a.host_times and batch_size == sizes["batches"][0]:
@@ -202,6 +204,7 @@ def main() -> None:
     ap.add_argument("--batches", type=int, nargs="+", default=None)
     ap.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 256)")
     ap.add_argument("--profile", action="store_true", help="profile the first batch's first drafter run")
+    ap.add_argument("--profile-plain", action="store_true", help="profile the first batch's plain run instead")
     ap.add_argument("--host-times", action="store_true",
                     help="time the speculative cycle's host functions in the first batch's first drafter run")
     ap.add_argument("--gil-switch-interval", type=float, default=None, metavar="SECONDS",

@@ -49,6 +49,8 @@ def main() -> None:
     ap.add_argument("trace")
     ap.add_argument("--floor-us", type=float, default=20.0, help="shorter idle spans are not counted as gaps")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--sequence-us", type=float, default=8000.0,
+                    help="how long a stretch after the window's midpoint ``middle_sequence`` lists")
     a = ap.parse_args()
     kernels, host = load(a.trace)
     busy, window, found = gaps(kernels, a.floor_us)
@@ -67,7 +69,7 @@ def main() -> None:
                                            sorted(during.items(), key=lambda kv: -kv[1])[:40]},
                   kernels_ms={k: round(v / 1e3, 3) for k, v in sorted(
                       _by_name(kernels).items(), key=lambda kv: -kv[1])[:30]},
-                  middle_gaps=_middle(kernels, found))
+                  middle_gaps=_middle(kernels, found), middle_sequence=_sequence(kernels, a.sequence_us))
     text = json.dumps(report, indent=1)
     print(text)
     if a.out:
@@ -83,6 +85,37 @@ def _middle(kernels: list[tuple[float, float, str]], found: list[tuple[float, fl
     chosen = [g for g in found if g[0] >= middle][:count]
     return [dict(at_us=round(s - chosen[0][0], 1), idle_us=round(e - s, 1), after=ends.get(s, "")[:60],
                  before=starts.get(e, "")[:60]) for s, e in chosen]
+
+
+def _triton(name: str) -> bool:
+    """A Triton kernel's name: not a torch kernel (``void at::...``), a copy, a memset or a cuBLAS kernel."""
+    return not (name.startswith(("void", "Memcpy", "Memset")) or "nvjet" in name or "::" in name)
+
+
+def _sequence(kernels: list[tuple[float, float, str]], span_us: float) -> list:
+    """The device ops of ``span_us`` after the window's midpoint in order: runs of Triton kernels (``_triton``) as
+    one entry each, every other op (torch kernels, copies) alone, each with the idle time before it.
+    Between two graph replays this shows what a step runs outside its graph and the gaps around it."""
+    middle = (kernels[0][0] + kernels[-1][1]) / 2
+    chosen = [k for k in kernels if middle <= k[0] < middle + span_us]
+    out: list[dict] = []
+    previous_end = chosen[0][0] if chosen else 0.0
+    for s, e, name in chosen:
+        idle = round(max(0.0, s - previous_end), 1)
+        if _triton(name) and out and "triton" in out[-1] and idle < 5:
+            run = out[-1]
+            run["triton"] += 1
+            run["us"] = round(e - run["_start"], 1)
+            run["idle_inside_us"] = round(run["idle_inside_us"] + idle, 1)
+        elif _triton(name):
+            out.append(dict(triton=1, first=name[:40], us=round(e - s, 1), idle_before_us=idle, idle_inside_us=0.0,
+                            _start=s))
+        else:
+            out.append(dict(op=name[:70], us=round(e - s, 1), idle_before_us=idle))
+        previous_end = max(previous_end, e)
+    for entry in out:
+        entry.pop("_start", None)
+    return out
 
 
 def _by_name(kernels: list[tuple[float, float, str]]) -> dict[str, float]:

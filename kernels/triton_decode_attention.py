@@ -30,6 +30,12 @@ from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_t
 MIN_SPLIT_TOKENS = 256  # a decode split below this many keys costs more in partial writes + reduce than it saves
 MAX_SPLITS = 128  # H200, Qwen3.5-35B-A3B B1 after 32k tokens: 333.4 tok/s with 64, 350.9 with 128 (2 KV heads)
 WAVES = 2  # decode aims at this many programs per SM
+# The reduce reads which splits hold keys from the row's length before its wait, and loads the partials' outputs
+# with their log-sum-exps instead of after them (``split_reduce_kernel``'s USED_FROM_LEN): an early read.
+REDUCE_USED_FROM_LEN = EARLY_LOADS
+# With the reduce reading the used splits from the length, a split with no keys loads and stores nothing (at batch 1
+# most of a graph's splits are empty: they are sized for the longest context).
+SKIP_EMPTY_SPLITS = True
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -49,7 +55,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True, ROWS: tl.constexpr = False,
+    EARLY: tl.constexpr = True, ROWS: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
 ):
     """Program (b, kvh, split): one split of row b's keys for the query heads of KV head kvh.
 
@@ -100,7 +106,10 @@ def _decode_split_kernel(
         new = (offs_n == seq_len - 1)[:, None] & dim_ok[None, :]  # the step's own key, if it falls in this tile
     k = tl.where(new, tl.load(k_base + kv_off, mask=new, other=0.0), k)
     v = tl.where(new, tl.load(v_base + kv_off, mask=new, other=0.0), v)
-    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask, other=0.0)
+    # SKIP_EMPTY (the reduce derives the used splits from the length): a split past the row's keys reads no query
+    # and writes no partials
+    live = (start < seq_len) | (not SKIP_EMPTY)
+    q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask & live, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
         k = k.to(tl.float32)
@@ -133,9 +142,9 @@ def _decode_split_kernel(
         tl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=q_mask)
     else:
         part = (b * GROUP * tl.num_programs(1) + heads) * num_splits + split  # [rows, H, splits] row-major
-        tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], out, mask=q_mask)
+        tl.store(part_acc_ptr + part[:, None] * D_PAD + dims[None, :], out, mask=q_mask & live)
         lse = tl.where(l_i > 0, m_i + tl.log2(l_safe), float("-inf"))
-        tl.store(part_lse_ptr + part, lse, mask=row_ok)
+        tl.store(part_lse_ptr + part, lse, mask=row_ok & live)
 
 
 @dataclass(slots=True)
@@ -187,12 +196,14 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
         out.stride(0), out.stride(1), *g_strides, row_seq, new_from,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2, EARLY=EARLY_LOADS, ROWS=rows is not None, **pdl_launch(query),
+        num_stages=2, EARLY=EARLY_LOADS, ROWS=rows is not None,
+        SKIP_EMPTY=not direct and REDUCE_USED_FROM_LEN and SKIP_EMPTY_SPLITS, **pdl_launch(query),
     )
     if not direct:
         split_reduce_kernel[(R, H)](
-            part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides,
+            part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides, seq_lens, block_n,
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=block_pow2(splits, 2), GATED=gate is not None,
+            USED_FROM_LEN=REDUCE_USED_FROM_LEN,
             num_warps=8 if block_pow2(splits, 2) * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
             **pdl_launch(query),
         )

@@ -163,8 +163,15 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         # Same float32 products as transformers' position_ids.float() * inv_freq, so the same cos/sin.
         freqs = torch.outer(torch.arange(max_position_embeddings, dtype=torch.float32, device=device), self.inv_freq)
-        cache = torch.cat((freqs.cos() * self.attention_scaling, freqs.sin() * self.attention_scaling), dim=-1)
-        self.register_buffer("cos_sin_cache", cache.to(dtype or torch.get_default_dtype()), persistent=False)
+        cos = (freqs.cos() * self.attention_scaling).to(dtype or torch.get_default_dtype())
+        sin = (freqs.sin() * self.attention_scaling).to(dtype or torch.get_default_dtype())
+        # Each position's full-width cos and signed sin side by side ([P, 2 * rotary_dim]), laid out as the rotation
+        # reads them: a step takes its rows with one gather, where building them per step cost four kernels.
+        if is_neox_style:
+            full = torch.cat((cos, cos, -sin, sin), dim=-1)
+        else:
+            full = torch.cat((cos.repeat_interleave(2, dim=-1), torch.stack((-sin, sin), dim=-1).flatten(-2)), dim=-1)
+        self.register_buffer("cos_sin_cache", full, persistent=False)
 
     @classmethod
     def from_arch(cls, arch, dtype: torch.dtype | None = None, device=None) -> "RotaryEmbedding":
@@ -181,17 +188,9 @@ class RotaryEmbedding(nn.Module):
         )
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions [T] -> (cos, signed sin), each [T, 1, rotary_dim]; computed once per step."""
-        cs = self.cos_sin_cache.index_select(0, positions)
-        half = self.rotary_dim // 2
-        cos, sin = cs[:, :half], cs[:, half:]
-        if self.is_neox_style:
-            cos = torch.cat((cos, cos), dim=-1)
-            sin = torch.cat((-sin, sin), dim=-1)
-        else:
-            cos = cos.repeat_interleave(2, dim=-1)
-            sin = torch.stack((-sin, sin), dim=-1).flatten(-2)
-        return cos.unsqueeze(1), sin.unsqueeze(1)
+        """positions [T] -> (cos, signed sin), each [T, 1, rotary_dim] (views of one gather); once per step."""
+        cs = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
+        return cs[..., : self.rotary_dim], cs[..., self.rotary_dim :]
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T], q [T, H, D], k [T, KVH, D] -> rotated (q, k) as new tensors."""

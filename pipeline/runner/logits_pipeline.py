@@ -172,10 +172,22 @@ LOGITS_STEPS: list[tuple[str, Step]] = [
 ]
 
 
+def changes_logits(batch: SamplingBatch) -> bool:
+    """Whether any step of ``LOGITS_STEPS`` acts on this batch: each step's own guard, all in one place."""
+    return (batch.seen_mask is not None or batch.output_counts is not None or batch.bias_index is not None
+            or batch.suppress_index is not None or batch.grammar_bitmask is not None
+            or batch.forced_index is not None or batch.any_temperature
+            or batch.any_top_k or batch.any_top_p or batch.any_min_p)
+
+
 def apply_logits_pipeline(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Run every step in order on a private float32 copy; the caller's logits stay raw."""
+    """Run every step in order on a private float32 copy; the caller's logits stay raw. A batch no step acts on
+    (greedy rows with nothing else asked) gets the float32 logits themselves: nothing writes them, and the copy
+    was a device op between two decode steps."""
     if tuple(logits.shape) != (batch.num_rows, batch.vocab_size):
         raise ValueError(f"logits {tuple(logits.shape)} do not match the batch ({batch.num_rows}, {batch.vocab_size})")
+    if not changes_logits(batch):
+        return logits.to(torch.float32)
     processed = logits.to(torch.float32, copy=True)
     for _name, step in LOGITS_STEPS:
         processed = step(processed, batch)

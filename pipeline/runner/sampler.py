@@ -21,6 +21,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kernels import dispatch
+from kernels.triton_greedy import GreedyPicker
 from pipeline.request import TokenLogprob
 from pipeline.runner.host_staging import queue_host_copy
 from pipeline.runner.logits_pipeline import apply_logits_pipeline
@@ -134,6 +136,9 @@ def pick_tokens(processed: Tensor, batch: SamplingBatch) -> Tensor:
 class Sampler:
     """Picks one token per row through the logits pipeline; the only way tokens are chosen."""
 
+    def __init__(self) -> None:
+        self._greedy = GreedyPicker()  # argmax on the GPU in two kernels (kernels/triton_greedy.py)
+
     def __call__(self, logits: Tensor, batch: SamplingBatch) -> SamplerOutput:
         return self.sample(logits, batch).to_host()
 
@@ -141,6 +146,10 @@ class Sampler:
         """Everything on the device, no host sync; `to_host()` on the result copies once."""
         raw = logits.float()
         processed = apply_logits_pipeline(raw, batch)
+        if batch.all_greedy and batch.max_num_logprobs is None and dispatch.use_triton(processed.device):
+            token_ids, packed = self._greedy(processed)  # the tokens and their float64 column, no other op
+            return DeviceSample(token_ids=token_ids, packed=packed, num_top=0, num_logprobs=batch.num_logprobs,
+                                has_logprobs=False)
         token_ids = pick_tokens(processed, batch)
         columns = [token_ids[:, None].double()]
         num_top = 0
@@ -153,7 +162,7 @@ class Sampler:
                 columns += [top_ids.double(), top_logprobs.double()]
         return DeviceSample(
             token_ids=token_ids,
-            packed=torch.cat(columns, dim=1),
+            packed=torch.cat(columns, dim=1) if len(columns) > 1 else columns[0],  # (one column: no copy)
             num_top=num_top,
             num_logprobs=batch.num_logprobs,
             has_logprobs=batch.max_num_logprobs is not None,

@@ -316,3 +316,28 @@ def test_truncation_kernel_keeps_what_the_torch_steps_keep(monkeypatch, device):
     differ = [i for i in range(len(rows)) if not torch.equal(torch.isfinite(kernel[i]), torch.isfinite(steps[i]))]
     # only top-p may differ, and only by float32 rounding at its mass boundary
     assert all(rows[i].params.top_p is not None for i in differ) and len(differ) <= len(rows) // 8
+
+
+SINGLE_OPTIONS = [P(), P(temperature=0.0), P(temperature=1.0), P(temperature=0.7), P(top_k=20), P(top_p=0.8),
+                  P(min_p=0.05), P(repetition_penalty=1.5), P(presence_penalty=0.7), P(frequency_penalty=0.4),
+                  P(logit_bias={5: 3.0}), P(min_tokens=5, stop_token_ids=[7]), "grammar", "forced"]
+
+
+@pytest.mark.parametrize("option", range(len(SINGLE_OPTIONS)))
+def test_changes_logits_is_whether_a_step_acts(option):
+    """``changes_logits`` says, for a row with one option (or none), whether some step changes the logits; when
+    it says no, the pipeline hands back the logits without a copy."""
+    params = SINGLE_OPTIONS[option]
+    row = SamplingRow(params if isinstance(params, P) else P(), [1, 2, 3, 3], [4, 4, 5], frozenset({0, 1}), 0, 3)
+    if params == "grammar":
+        row.grammar = FakeGrammar({2, 31, 500})
+    elif params == "forced":
+        row.forced_token = 77
+    batch = SamplingBatch.from_rows([row], V, CPU)
+    batch.fill_grammar_bitmask()
+    logits = make_logits([row])
+    acted = False
+    for _, step in lp.LOGITS_STEPS:
+        acted |= not torch.equal(step(logits.clone(), batch), logits)
+    assert lp.changes_logits(batch) == acted
+    assert (lp.apply_logits_pipeline(logits, batch) is logits) == (not acted)

@@ -194,3 +194,26 @@ def test_half_precision_logits_and_empty_batch():
     assert out.token_ids.tolist() == logits.float().argmax(-1).tolist()
     empty = sample([], torch.zeros(0, V))
     assert empty.token_ids.shape == (0,) and empty.logprobs is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_gpu_greedy_rows_take_the_greedy_kernels(monkeypatch):
+    """On the GPU, a greedy batch without logprobs is picked by kernels/triton_greedy.py: the tokens equal torch's
+    argmax of the processed logits (logit_bias included), over several calls; asking for logprobs takes the torch
+    path (the kernels are not called)."""
+    calls: list[int] = []
+    logits = (torch.randn(5, 151936, generator=torch.Generator().manual_seed(3)) * 2).cuda()
+    rows = [row(P(temperature=0.0)), row(P(temperature=0.0, logit_bias={5: 100.0}))] + [row(P(temperature=0.0))] * 3
+    sampler = Sampler()
+    original = sampler._greedy.__class__.__call__
+    monkeypatch.setattr(sampler._greedy.__class__, "__call__", lambda self, x: calls.append(1) or original(self, x))
+    for step in range(3):
+        batch = SamplingBatch.from_rows(rows, logits.shape[1], torch.device("cuda"))
+        out = sampler(logits + step, batch)
+        expected = apply_logits_pipeline(logits + step, batch).argmax(-1).tolist()
+        assert out.token_ids.tolist() == expected and out.token_ids[1] == 5
+    assert len(calls) == 3
+    logprob_rows = [row(P(temperature=0.0, logprobs=2))] * 2
+    out = sampler(logits[:2], SamplingBatch.from_rows(logprob_rows, logits.shape[1], torch.device("cuda")))
+    assert out.token_ids.tolist() == logits[:2].argmax(-1).tolist() and len(calls) == 3
