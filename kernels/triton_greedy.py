@@ -20,7 +20,7 @@ from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
 BLOCK = 4096  # logits a program reads (16 KB of float32)
-KEY_FLOOR = -(1 << 63)  # a reset key: below every logit's
+KEY_FLOOR = -(1 << 63)  # a reset key: below every logit's (int32 min << 32 in the kernel)
 
 
 def greedy_pick_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -34,11 +34,11 @@ def _row_best_kernel(logits_ptr, keys_ptr, V, stride, BLOCK: tl.constexpr):
     """Program (row, chunk): the chunk's best key, folded into the row's key."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    # columns past V read as -inf, and their column bits rank them below every real column's -inf
     x = tl.load(logits_ptr + row * stride + cols, mask=cols < V, other=float("-inf")).to(tl.float32)
     bits = tl.where(x == 0.0, 0.0, x).to(tl.int32, bitcast=True)
     ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
     key = (ordered.to(tl.int64) << 32) | (0x7FFFFFFF - cols).to(tl.int64)
-    key = tl.where(cols < V, key, KEY_FLOOR)
     tl.atomic_max(keys_ptr + row, tl.max(key, axis=0))
 
 
@@ -51,7 +51,7 @@ def _keys_to_tokens_kernel(keys_ptr, ids_ptr, packed_ptr, S, BLOCK: tl.constexpr
     column = 0x7FFFFFFF - (key & 0xFFFFFFFF)
     tl.store(ids_ptr + rows, column, mask=live)
     tl.store(packed_ptr + rows, column.to(tl.float64), mask=live)
-    tl.store(keys_ptr + rows, tl.full((BLOCK,), KEY_FLOOR, tl.int64), mask=live)
+    tl.store(keys_ptr + rows, tl.full((BLOCK,), -2147483648, tl.int64) << 32, mask=live)
 
 
 class GreedyPicker:
