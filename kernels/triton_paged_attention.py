@@ -200,6 +200,13 @@ def _prefill_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
+@_jit
+def decode_split_len(seq_len, num_splits, tile):
+    """Keys a decode split of a row of ``seq_len`` keys holds: equal parts rounded up to whole ``tile``s. The split
+    kernel partitions by it, and the reduce derives from it which splits hold keys: one rule for both."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), tile) * tile
+
+
 @_jit(do_not_specialize=['num_splits'])
 def split_reduce_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
@@ -220,7 +227,7 @@ def split_reduce_kernel(
     base = (b * tl.num_programs(1) + h) * num_splits
     if USED_FROM_LEN:
         seq_len = tl.load(seq_lens_ptr + b)
-        split_len = tl.cdiv(tl.cdiv(seq_len, num_splits), split_tile) * split_tile
+        split_len = decode_split_len(seq_len, num_splits, split_tile)
         used = (splits < num_splits) & (splits * split_len < seq_len)
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
         lse = tl.load(part_lse_ptr + base + splits, mask=used, other=float("-inf"))

@@ -163,8 +163,9 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq.to(device), persistent=False)
         # Same float32 products as transformers' position_ids.float() * inv_freq, so the same cos/sin.
         freqs = torch.outer(torch.arange(max_position_embeddings, dtype=torch.float32, device=device), self.inv_freq)
-        cos = (freqs.cos() * self.attention_scaling).to(dtype or torch.get_default_dtype())
-        sin = (freqs.sin() * self.attention_scaling).to(dtype or torch.get_default_dtype())
+        table_dtype = dtype or torch.get_default_dtype()
+        cos = (freqs.cos() * self.attention_scaling).to(table_dtype)
+        sin = (freqs.sin() * self.attention_scaling).to(table_dtype)
         # Each position's full-width cos and signed sin side by side ([P, 2 * rotary_dim]), laid out as the rotation
         # reads them: a step takes its rows with one gather, where building them per step cost four kernels.
         if is_neox_style:
