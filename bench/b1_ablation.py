@@ -17,7 +17,9 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``reduce_from_len=0|1``: the decode attention's reduce with the used splits from the row's length (its two loads
   together) or from the log-sum-exps (``REDUCE_USED_FROM_LEN``); the outputs are right;
 * ``skip_empty=0|1``: the decode attention's splits past a row's keys skip their loads and stores, or not
-  (``SKIP_EMPTY_SPLITS``, with ``REDUCE_USED_FROM_LEN``); the outputs are right.
+  (``SKIP_EMPTY_SPLITS``, with ``REDUCE_USED_FROM_LEN``); the outputs are right;
+* ``short=N``: the decode reduce takes its short tile for rows of at most N splits (``REDUCE_SHORT_SPLITS``); the
+  outputs are right.
 """
 from __future__ import annotations
 
@@ -92,6 +94,8 @@ def variant(name: str) -> contextlib.AbstractContextManager:
     if name == "delta_rule":
         return patched(gdn, "gated_delta_rule", lambda q, k, v, *args, **kwargs: torch.empty(
             v.shape, dtype=v.dtype, device=v.device))
+    if name.startswith("short="):
+        return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
              "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS")}
     if name.split("=")[0] in knobs:

@@ -86,8 +86,9 @@ def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    return gemv_triton(x, weight, bias, row_loop=decode_rows_on())
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    return gemv_triton(x, weight, bias, row_loop=decode_rows_on(), out_dtype=out_dtype)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
@@ -98,11 +99,15 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 
 def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                  k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool,
-                 kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
-    """q/k norm, rope and the KV write in one launch; see ``kernels/triton_qkv_prologue.py``."""
+                 kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """q/k norm, rope and the KV write in one launch; see ``kernels/triton_qkv_prologue.py``. ``rows``: each
+    token's row of cos/sin, tables then (None: cos/sin hold a row a token)."""
     if use_triton(q.device):
-        qkv_prologue_triton(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping)
+        qkv_prologue_triton(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping,
+                            rows)
     else:
+        if rows is not None:
+            cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
         qkv_prologue_ref(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping)
 
 

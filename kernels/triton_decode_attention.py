@@ -25,8 +25,7 @@ from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
-                                            decode_split_len, dtype_choices, num_sms_of, output_gate,
-                                            split_reduce_kernel)
+                                            dtype_choices, num_sms_of, output_gate, split_reduce_kernel)
 
 MIN_SPLIT_TOKENS = 256  # a decode split below this many keys costs more in partial writes + reduce than it saves
 MAX_SPLITS = 128  # H200, Qwen3.5-35B-A3B B1 after 32k tokens: 333.4 tok/s with 64, 350.9 with 128 (2 KV heads)
@@ -37,6 +36,23 @@ REDUCE_USED_FROM_LEN = EARLY_LOADS
 # With the reduce reading the used splits from the length, a split with no keys loads and stores nothing (at batch 1
 # most of a graph's splits are empty: they are sized for the longest context).
 SKIP_EMPTY_SPLITS = True
+# A row using at most this many splits is combined from a [16, head_dim] tile (``_decode_reduce_kernel``), where a
+# graph sized for the longest context loads one of all its splits. H200, Qwen3-30B-A3B batch-1 step at 256 keys
+# (66 splits): 2.353 ms with a 16-split tile, 2.389 with 64.
+REDUCE_SHORT_SPLITS = 16
+
+
+def decode_tile_keys(head_dim: int, plan: TritonAttentionPlan | None = None) -> int:
+    """Keys a decode tile holds (the split kernel's BLOCK_N)."""
+    d_pad = block_pow2(head_dim)
+    return block_pow2((plan is not None and plan.decode_block_n) or (64 if d_pad <= 128 else 32))
+
+
+@_jit
+def decode_split_len(seq_len, num_splits, tile):
+    """Keys a decode split of a row of ``seq_len`` keys holds: equal parts rounded up to whole ``tile``s. The split
+    kernel partitions by it, and the reduce derives from it which splits hold keys: one rule for both."""
+    return tl.cdiv(tl.cdiv(seq_len, num_splits), tile) * tile
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sms: int = 132) -> int:
@@ -148,6 +164,48 @@ def _decode_split_kernel(
         tl.store(part_lse_ptr + part, lse, mask=row_ok & live)
 
 
+@_jit
+def _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
+    """The first ``used`` splits' partials from one [S, D_PAD] tile: sum_j 2^(lse_j - max) acc_j / sum_j 2^(...)."""
+    lanes = tl.arange(0, S)
+    ok = lanes < used
+    lse = tl.load(part_lse_ptr + base + lanes, mask=ok, other=float("-inf"))
+    part = tl.load(part_acc_ptr + (base + lanes)[:, None] * D_PAD + dims[None, :], mask=ok[:, None], other=0.0)
+    w = tl.exp2(lse - tl.max(lse, 0))
+    return tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
+
+
+@_jit(do_not_specialize=['num_splits'])
+def _decode_reduce_kernel(
+    part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
+    seq_lens_ptr, split_tile,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SHORT: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """Combine one (row, head)'s used KV splits, as ``split_reduce_kernel`` combines all of them.
+
+    The used splits follow from the row's length ``seq_lens[b]`` alone (the split kernel's partition), a host copy
+    read before the wait, so the log-sum-exps and the outputs are loaded together, and a row that uses at most
+    SHORT splits is combined from a [SHORT, D_PAD] tile instead of the [S_PAD, D_PAD] tile of every split (a graph's
+    split count is sized for the longest context). Which tile a row takes depends on its length and the split
+    count alone, so its bits do too."""
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    dims = tl.arange(0, D_PAD)
+    base = (b * tl.num_programs(1) + h) * num_splits
+    seq_len = tl.load(seq_lens_ptr + b)
+    used = tl.cdiv(seq_len, decode_split_len(seq_len, num_splits, split_tile))  # <= num_splits; split 0 holds key 0
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    if used <= SHORT:
+        out = _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD, SHORT)
+    else:
+        out = _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD, S_PAD)
+    if GATED:
+        out = output_gate(out, gate_ptr + b * stride_gb + h * stride_gh + dims, dims < HEAD_DIM,
+                          out_ptr.dtype.element_ty)
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dims < HEAD_DIM)
+
+
 @dataclass(slots=True)
 class DecodeRows:
     """Per-token rows of a step for ``paged_rows_attention_triton``, int32 device arrays of [T] (T tokens)."""
@@ -182,7 +240,7 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
         raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
     R, H, d = query.shape
     d_pad = block_pow2(d)
-    block_n = block_pow2(plan.decode_block_n or (64 if d_pad <= 128 else 32))  # tl.dot needs >= 16
+    block_n = decode_tile_keys(d, plan)  # tl.dot needs >= 16
     out = torch.empty_like(query)
     direct = splits == 1
     part_acc = query.new_empty(0 if direct else R * H * splits * d_pad, dtype=torch.float32)
@@ -201,13 +259,16 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
         SKIP_EMPTY=not direct and REDUCE_USED_FROM_LEN and SKIP_EMPTY_SPLITS, **pdl_launch(query),
     )
     if not direct:
-        split_reduce_kernel[(R, H)](
-            part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides, seq_lens, block_n,
-            HEAD_DIM=d, D_PAD=d_pad, S_PAD=block_pow2(splits, 2), GATED=gate is not None,
-            USED_FROM_LEN=REDUCE_USED_FROM_LEN,
-            num_warps=8 if block_pow2(splits, 2) * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
-            **pdl_launch(query),
-        )
+        s_pad = block_pow2(splits, 2)
+        reduce_args = (part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides)
+        options = dict(HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad, GATED=gate is not None,
+                       num_warps=8 if s_pad * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
+                       **pdl_launch(query))
+        if REDUCE_USED_FROM_LEN:
+            _decode_reduce_kernel[(R, H)](*reduce_args, seq_lens, block_n, SHORT=min(REDUCE_SHORT_SPLITS, s_pad),
+                                          **options)
+        else:
+            split_reduce_kernel[(R, H)](*reduce_args, **options)
     return out
 
 

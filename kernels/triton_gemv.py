@@ -165,7 +165,7 @@ def _gemv_program(
             out = out * rstd[None, :]
         if HAS_BIAS:
             out += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)[:, None]
-        y = out.to(y_ptr.dtype.element_ty)
+        y = out.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)  # x's precision, y's dtype (logits: fp32)
         tl.store(y_ptr + offs_m[None, :] * N + offs_n[:, None], y, mask=out_mask)
     if NORM and (HAS_RES or WRITE_NORMED):
         offs_c = tl.arange(0, WRITE_BLOCK)
@@ -184,9 +184,10 @@ def _gemv_program(
 
 
 @_jit
-def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, N, MN, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, x_ptr, N, MN, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                           BLOCK: tl.constexpr, PDL: tl.constexpr = False):
-    """y[i] = sum over the SPLIT_K fp32 partials of element i (+ bias), split 0 first: a fixed order."""
+    """y[i] = sum over the SPLIT_K fp32 partials of element i (+ bias), split 0 first: a fixed order; rounded to
+    x's dtype (``x_ptr`` is not read) and stored as y's."""
     pdl_wait(PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
@@ -195,7 +196,7 @@ def _splitk_reduce_kernel(ws_ptr, b_ptr, y_ptr, N, MN, SPLIT_K: tl.constexpr, HA
         acc += tl.load(ws_ptr + s * MN + offs, mask=mask, other=0.0)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    tl.store(y_ptr + offs, acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @functools.cache
@@ -282,16 +283,18 @@ def gemv_triton(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
     block_n: int | None = None, block_k: int | None = None, split_k: int | None = None,
     num_warps: int | None = None, num_stages: int | None = None, use_dot: bool | None = None,
-    prefetch: bool | None = None, row_loop: bool = False,
+    prefetch: bool | None = None, row_loop: bool = False, out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """Same contract as ``gemv_ref`` for x [M<=16, K], W [N, K] contiguous; keywords override the heuristic.
+    ``out_dtype`` (float32 for logits): y is stored in it, its values still rounded to x's dtype, so a wider y
+    holds the same numbers and no cast kernel follows.
     On GPUs with dependent launch, W is read before the kernels before this one have finished: W must be a weight
     (nothing in the step writes it), as every caller's is. ``row_loop``: every row computed exactly as a one-row
     call computes it (``_gemv_kernel``'s ROW_LOOP; the TMA kernel's row loop for the weights it takes)."""
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     if m == 0 or n == 0 or k == 0:
-        return gemv_ref(x, weight, bias)
+        return gemv_ref(x, weight, bias).to(out_dtype or x.dtype)
     x = x if x.stride(1) == 1 else x.contiguous()
     bias = None if bias is None else bias.contiguous()
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
@@ -299,14 +302,14 @@ def gemv_triton(
     overridden = (block_n, block_k, split_k, num_warps, num_stages, use_dot, prefetch) != (None,) * 7
     row_loop = row_loop and m > 1  # one row: the plain launch is the same program
     if not overridden and (tma := _tma_for(x, weight, row_loop)):
-        return tma.gemv_tma(x, weight, bias, pdl=bool(pdl), row_loop=row_loop)
+        return tma.gemv_tma(x, weight, bias, pdl=bool(pdl), row_loop=row_loop, out_dtype=out_dtype)
     cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
         raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two (>= 16 for the dot path)")
     k_split = triton.cdiv(triton.cdiv(k, bk), split_k or cfg["split_k"]) * bk  # a multiple of BLOCK_K
     splits = triton.cdiv(k, k_split)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     ws = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if splits > 1 else y
     b = bias if bias is not None else y
     _gemv_kernel[(triton.cdiv(n, bn), splits)](
@@ -320,7 +323,7 @@ def gemv_triton(
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
-            ws, b, y, n, m * n, SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl)
+            ws, b, y, x, n, m * n, SPLIT_K=splits, HAS_BIAS=bias is not None, BLOCK=1024, num_warps=4, **pdl)
     return y
 
 

@@ -67,9 +67,10 @@ def _accumulate(w, k, K, offs_k, x_ptr, r_ptr, nw_ptr, acc, squares,
 
 
 @_jit
-def _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr,
+def _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr, w_ptr,
                       BLOCK_N: tl.constexpr, NORM: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """Reduce row block ``rb``'s accumulator over K, scale by 1/rms (NORM), add the bias, store; returns 1/rms."""
+    """Reduce row block ``rb``'s accumulator over K, scale by 1/rms (NORM), add the bias, store rounded to the
+    weight's dtype (``w_ptr`` is not read) as y's (logits: fp32); returns 1/rms."""
     offs_n = rb * BLOCK_N + tl.arange(0, BLOCK_N)
     out = tl.sum(acc, axis=1)
     rstd = tl.sum(squares, axis=0)  # unused without NORM
@@ -78,7 +79,7 @@ def _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr,
         out = out * rstd
     if HAS_BIAS:
         out += tl.load(b_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
-    tl.store(y_ptr + offs_n, out.to(y_ptr.dtype.element_ty), mask=offs_n < N)
+    tl.store(y_ptr + offs_n, out.to(w_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty), mask=offs_n < N)
     return rstd
 
 
@@ -127,7 +128,7 @@ def _gemv_tma_kernel(
         acc, squares = _accumulate(w_first, 0, K, offs_k, x_ptr, r_ptr, nw_ptr, acc, squares, NORM, HAS_RES, EVEN_K)
         start = 1
         if k_tiles == 1:
-            rstd = _finish_row_block(acc, squares, pid, N, K, eps, b_ptr, y_ptr, BLOCK_N, NORM, HAS_BIAS)
+            rstd = _finish_row_block(acc, squares, pid, N, K, eps, b_ptr, y_ptr, w_ptr, BLOCK_N, NORM, HAS_BIAS)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for it in tl.range(start, total, num_stages=STAGES):
@@ -138,7 +139,7 @@ def _gemv_tma_kernel(
         w = w_desc.load([rb * BLOCK_N, k])
         acc, squares = _accumulate(w, k, K, offs_k, x_ptr, r_ptr, nw_ptr, acc, squares, NORM, HAS_RES, EVEN_K)
         if kt == k_tiles - 1:
-            rstd = _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr, BLOCK_N, NORM, HAS_BIAS)
+            rstd = _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr, w_ptr, BLOCK_N, NORM, HAS_BIAS)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
     if PDL and LATE_TRIGGER:
@@ -182,7 +183,7 @@ def _gemv_tma_rows_kernel(
         acc, squares = _accumulate(w_first, 0, K, offs_k, x_ptr, r_ptr, nw_ptr, acc, squares, NORM, HAS_RES, EVEN_K)
         start = 1
         if k_tiles == 1:
-            rstd = _finish_row_block(acc, squares, pid, N, K, eps, b_ptr, y_ptr, BLOCK_N, NORM, HAS_BIAS)
+            rstd = _finish_row_block(acc, squares, pid, N, K, eps, b_ptr, y_ptr, w_ptr, BLOCK_N, NORM, HAS_BIAS)
             if NORM:
                 tl.store(rstd_ptr + pid * M, rstd)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -197,7 +198,8 @@ def _gemv_tma_rows_kernel(
         acc, squares = _accumulate(w, k, K, offs_k, x_ptr + m * K, r_ptr + m * K, nw_ptr, acc, squares, NORM,
                                    HAS_RES, EVEN_K)
         if kt == k_tiles - 1:
-            rstd = _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr + m * N, BLOCK_N, NORM, HAS_BIAS)
+            rstd = _finish_row_block(acc, squares, rb, N, K, eps, b_ptr, y_ptr + m * N, w_ptr, BLOCK_N, NORM,
+                                     HAS_BIAS)
             if NORM:
                 tl.store(rstd_ptr + pid * M + m, rstd)
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
@@ -299,14 +301,14 @@ def _check_one_row(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 def gemv_tma(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
              block_n: int | None = None, block_k: int | None = None, stages: int | None = None,
              programs_per_sm: int | None = None, num_warps: int | None = None, late_trigger: bool | None = None,
-             pdl: bool | None = None, row_loop: bool = False) -> torch.Tensor:
+             pdl: bool | None = None, row_loop: bool = False, out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``gemv_ref`` for x [1, K] and W [N, K] (16-bit, contiguous; see ``tma_supported``); keywords override
     ``tma_config``, ``pdl`` (None: the device's default) dependent launch. W must be a weight: under PDL its first
     tile is read before the kernels before this one have finished. ``row_loop``: x may have up to 16 rows, each
-    computed as a one-row call computes it (``_gemv_tma_rows_kernel``)."""
+    computed as a one-row call computes it (``_gemv_tma_rows_kernel``). ``out_dtype``: as ``gemv_triton``'s."""
     _check_one_row(x, weight, bias, row_loop)
     x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape[0], weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
     overrides = {"block_n": block_n, "block_k": block_k, "stages": stages, "programs_per_sm": programs_per_sm,
                  "num_warps": num_warps, "late_trigger": late_trigger}
     _launch(x, weight, None if bias is None else bias.contiguous(), y, None, overrides, pdl)

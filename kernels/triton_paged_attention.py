@@ -200,41 +200,22 @@ def _prefill_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=q_mask)
 
 
-@_jit
-def decode_split_len(seq_len, num_splits, tile):
-    """Keys a decode split of a row of ``seq_len`` keys holds: equal parts rounded up to whole ``tile``s. The split
-    kernel partitions by it, and the reduce derives from it which splits hold keys: one rule for both."""
-    return tl.cdiv(tl.cdiv(seq_len, num_splits), tile) * tile
-
-
 @_jit(do_not_specialize=['num_splits'])
 def split_reduce_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
-    seq_lens_ptr, split_tile,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    USED_FROM_LEN: tl.constexpr = False,
 ):
     """Combine one (row, head)'s KV-split partials (decode: a sequence; prefill: a token): weights 2^(lse_j - max
-    lse); empty splits weigh 0. Split 0 is never empty (it holds key 0, which every row sees).
-
-    ``USED_FROM_LEN`` (decode): which splits hold keys follows from the row's length ``seq_lens[b]`` alone (the
-    split kernel's partition: ``split_tile``-rounded equal parts), a host copy that may be read before the wait;
-    the partials' two loads then go out together instead of the outputs' after the log-sum-exps."""
+    lse); empty splits weigh 0. Split 0 is never empty (it holds key 0, which every row sees). (Decode with early
+    reads combines in ``kernels/triton_decode_attention.py``'s chunked reduce instead.)"""
     b = tl.program_id(0)
     h = tl.program_id(1)
     splits = tl.arange(0, S_PAD)
     dims = tl.arange(0, D_PAD)
     base = (b * tl.num_programs(1) + h) * num_splits
-    if USED_FROM_LEN:
-        seq_len = tl.load(seq_lens_ptr + b)
-        split_len = decode_split_len(seq_len, num_splits, split_tile)
-        used = (splits < num_splits) & (splits * split_len < seq_len)
-        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
-        lse = tl.load(part_lse_ptr + base + splits, mask=used, other=float("-inf"))
-    else:
-        pdl_wait(PDL)
-        lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
-        used = lse > float("-inf")
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    lse = tl.load(part_lse_ptr + base + splits, mask=splits < num_splits, other=float("-inf"))
+    used = lse > float("-inf")
     acc = tl.load(part_acc_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=used[:, None], other=0.0)
     w = tl.exp2(lse - tl.max(lse, 0))
     out = tl.sum(w[:, None] * acc, 0) / tl.sum(w, 0)
@@ -301,7 +282,7 @@ def paged_prefill_attention_triton(
     if splits > 1:
         s_pad = block_pow2(max(splits, PREFILL_MAX_SPLITS), 2)  # one compiled variant whatever the count
         split_reduce_kernel[(T, query.shape[1])](
-            part_acc, part_lse, out, out, splits, out.stride(0), out.stride(1), 0, 0, meta.seq_lens, 1,
+            part_acc, part_lse, out, out, splits, out.stride(0), out.stride(1), 0, 0,
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad, GATED=False, num_warps=8 if s_pad * d_pad > 16384 else 4)
     return out
 

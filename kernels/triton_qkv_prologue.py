@@ -33,16 +33,23 @@ def qkv_prologue_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
 
 @_jit
 def _prologue_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr,
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, rows_ptr,
     n_q_heads, head_dim, half, eps,
     q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, cs_s0, cs_s1, c_slot, c_head,
     HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr = False,
+    ROWS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Grid (T, H + KVH): one head of one token per program; k-head programs also move v."""
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    """Grid (T, H + KVH): one head of one token per program; k-head programs also move v. ROWS: cos/sin are
+    tables, token t's row ``rows[t]``; neither is written in a step, so both are read before the wait."""
     tok = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
+    if ROWS:
+        off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
+            cos_ptr, sin_ptr, tl.load(rows_ptr + tok).to(tl.int64) * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    if not ROWS:
+        off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
+            cos_ptr, sin_ptr, tok * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
     is_q = head < n_q_heads
     if is_q:
         base = q_ptr + tok * q_s0 + head.to(tl.int64) * q_s1
@@ -51,8 +58,6 @@ def _prologue_kernel(
         base = k_ptr + tok * k_s0 + (head - n_q_heads).to(tl.int64) * k_s1
         w_ptr = kw_ptr
     dtype = q_ptr.dtype.element_ty
-    off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
-        cos_ptr, sin_ptr, tok * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
     dims = tl.arange(0, BLOCK_D)
     tail = (dims >= 2 * half) & (dims < head_dim)  # partial rotary: normed, not rotated
     xa = tl.load(base + off_a, mask=mask_i, other=0.0).to(tl.float32)
@@ -87,9 +92,11 @@ def _prologue_kernel(
 
 def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                         k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                        is_neox_style: bool, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                        is_neox_style: bool, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor,
+                        rows: torch.Tensor | None = None) -> None:
     """Same contract as ``qkv_prologue_ref``: q [T, H, D], k and v [T, KVH, D] (strided views of the
-    fused qkv output are fine), cos/sin [T, 1, R], cache [2, NB, BS, KVH, D], slots [T] (< 0: skip)."""
+    fused qkv output are fine), cos/sin [T, 1, R], cache [2, NB, BS, KVH, D], slots [T] (< 0: skip). With
+    ``rows`` [T] (integer), cos/sin are tables [P, 1, R] and token t's rotation is row ``rows[t]`` of them."""
     t, n_q, d = q.shape
     n_k = k.shape[1]
     rot = cos.shape[-1]
@@ -97,7 +104,11 @@ def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
         raise ValueError("q and k are normed together or not at all")
     if k.shape != (t, n_k, d) or v.shape != k.shape or slot_mapping.shape != (t,):
         raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
-    if rot % 2 or rot > d or cos.shape != sin.shape or cos.shape[0] != t:
+    if rows is not None and rows.shape != (t,):
+        raise ValueError(f"rows {tuple(rows.shape)} for {t} tokens")
+    if cos.stride() != sin.stride():
+        raise ValueError("cos and sin must have the same strides (views of one table)")
+    if rot % 2 or rot > d or cos.shape != sin.shape or (rows is None and cos.shape[0] != t):
         raise ValueError(f"bad cos/sin {tuple(cos.shape)} for q {tuple(q.shape)}")
     if min(q.stride(-1), k.stride(-1), v.stride(-1)) != 1 or max(q.stride(-1), k.stride(-1), v.stride(-1)) != 1:
         raise ValueError("q, k and v must be contiguous in their last dim")
@@ -110,9 +121,9 @@ def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
     has_norm = q_norm is not None
     _prologue_kernel[(t, n_q + n_k)](
         q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, flat[0], flat[1],
-        slot_mapping.contiguous(), n_q, d, rot // 2, eps,
+        slot_mapping.contiguous(), slot_mapping if rows is None else rows.contiguous(), n_q, d, rot // 2, eps,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos.stride(0), cos.stride(-1), flat.stride(1), flat.stride(2),
         HAS_NORM=has_norm, IS_NEOX=is_neox_style, BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
-        BLOCK_D=triton.next_power_of_2(d), num_warps=1 if d <= 128 else 2, **pdl_launch(q),
+        BLOCK_D=triton.next_power_of_2(d), ROWS=rows is not None, num_warps=1 if d <= 128 else 2, **pdl_launch(q),
     )

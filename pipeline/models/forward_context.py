@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from pipeline.models.attention import AttentionMetadata
+from pipeline.models.rope import StepRope
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +78,7 @@ class ForwardContext:
 
     attention: AttentionMetadata
     caches: list[torch.Tensor]  # by cache index, as the model's cache_specs() declared them
-    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # (cos, sin) of the step's positions
+    rope: StepRope | None = None  # the step's rope (pipeline/models/rope.py)
     attention_plan: object | None = None  # launch choices or reference gather indices, shared by all layers
     state_slots: torch.Tensor | None = None  # [B] int32: each row's state slot (recurrent layers; 0 = null slot)
     has_initial_state: torch.Tensor | None = None  # [B] bool: the row continues a state (its chunk starts past 0)

@@ -53,6 +53,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
+def logits_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """float32 logits ``x @ W.T``, each rounded to x's dtype as any projection's output is; the skinny kernel
+    stores them as float32 itself, where a cast would be one more kernel a decode step."""
+    if dispatch.skinny_linear_applies(x, weight):
+        return dispatch.skinny_linear(x, weight, None, out_dtype=torch.float32)
+    return linear(x, weight).float()
+
+
 def can_prepack(weight: torch.Tensor) -> bool:
     """oneDNN prepacking applies to float32 and (on CPUs with native bf16) bfloat16 CPU weights."""
     if _ONEDNN_LINEAR is None or weight.device.type != "cpu":
@@ -259,7 +267,7 @@ class PagedAttention(nn.Module):
         """``forward`` from the fused qkv projection on."""
         kv_cache = ctx.kv_cache(self.cache_index)  # [2, NB, BS, KVH, D]
         meta, plan = ctx.attention, ctx.attention_plan
-        cos, sin = ctx.rope
+        rope = ctx.rope
         T = qkv.shape[0]
         H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
         qk_end = self.q_size + self.kv_size
@@ -271,11 +279,13 @@ class PagedAttention(nn.Module):
             v = qkv[:, qk_end:v_end].view(T, KVH, D)
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            dispatch.qkv_prologue(q, k, v, *norms, cos, sin, self.is_neox_style, kv_cache, meta.slot_mapping)
+            dispatch.qkv_prologue(q, k, v, *norms, rope.cos_table, rope.sin_table, self.is_neox_style, kv_cache,
+                                  meta.slot_mapping, rows=rope.positions)
             gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
             out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
             return self.o_proj(out.reshape(T, self.q_size))
         rotate = _rotate_ref
+        cos, sin = rope.gathered()
         if self.q_norm is None:
             # q and k are adjacent: one in-place rotation covers both.
             qk = qkv[:, :qk_end].view(T, H + KVH, D)

@@ -25,7 +25,7 @@ from pipeline.models.layers import (
     PagedAttention,
     RMSNorm,
     can_prepack,
-    linear,
+    logits_linear,
     norm_project,
     packed_linear,
     prepack_weight,
@@ -43,7 +43,7 @@ class LayerTap(Protocol):
 def fill_attention_context(rotary: RotaryEmbedding, positions: torch.Tensor, ctx: ForwardContext) -> None:
     """What every attention layer reads from ``ctx`` and is computed once a forward: the rope of the positions and
     the attention plan (the Triton path's launch choices, or the torch reference's gather indices / masks)."""
-    ctx.rope = rotary.cos_sin(positions)
+    ctx.rope = rotary.step_rope(positions)
     if not use_triton(positions.device):
         ctx.attention_plan = plan_paged_attention(ctx.attention, ctx.kv_cache(0).shape[2])
         return
@@ -178,11 +178,11 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.no_grad()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.lm_head is not None:
+        if self.lm_head is not None and self.lm_head.packed is not None:
             return self.lm_head(hidden).float()
         if self.lm_head_packed is not None:
             return packed_linear(hidden, self.lm_head_packed, None).float()
-        return linear(hidden, self.model.embed_tokens.weight).float()
+        return logits_linear(hidden, self.lm_head_weight)
 
     def prepack(self) -> None:
         """Prepack every projection for oneDNN (CPU). A tied lm_head gets its own packed copy, since

@@ -7,6 +7,7 @@ initial length, llama3, yarn) and produce the same float32 values.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -188,6 +189,12 @@ class RotaryEmbedding(nn.Module):
             device=device,
         )
 
+    def step_rope(self, positions: torch.Tensor) -> "StepRope":
+        """A forward's rope: the table and the positions, gathered only where a torch path asks."""
+        r = self.rotary_dim
+        table = self.cos_sin_cache.unsqueeze(1)
+        return StepRope(table[..., :r], table[..., r:], positions, self)
+
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, signed sin), each [T, 1, rotary_dim] (views of one gather); once per step."""
         cs = self.cos_sin_cache.index_select(0, positions).unsqueeze(1)
@@ -205,3 +212,22 @@ class RotaryEmbedding(nn.Module):
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, max_pos={self.max_position_embeddings}, "
             f"neox={self.is_neox_style}, attention_scaling={self.attention_scaling}"
         )
+
+
+@dataclass(slots=True)
+class StepRope:
+    """One forward's rope: the table's full-width cos and signed sin ([P, 1, rotary_dim] views) and each token's row
+    of it (its position). The fused prologue kernel reads a token's row from the table itself, a gather kernel less
+    a step; the torch paths take ``gathered()``, computed once a forward."""
+
+    cos_table: torch.Tensor
+    sin_table: torch.Tensor
+    positions: torch.Tensor
+    rotary: RotaryEmbedding
+    _gathered: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def gathered(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin), each [T, 1, rotary_dim]: the step's rows."""
+        if self._gathered is None:
+            self._gathered = self.rotary.cos_sin(self.positions)
+        return self._gathered

@@ -11,7 +11,8 @@ from kernels import dispatch
 
 def test_the_switch_is_scoped_and_reaches_the_gemvs(monkeypatch):
     seen = []
-    monkeypatch.setattr(dispatch, "gemv_triton", lambda x, w, b=None, *, row_loop=False: seen.append(row_loop))
+    monkeypatch.setattr(dispatch, "gemv_triton",
+                        lambda x, w, b=None, *, row_loop=False, out_dtype=None: seen.append(row_loop))
     monkeypatch.setattr(dispatch, "gemv_norm_triton", lambda *args, row_loop=False: seen.append(row_loop))
     x, w = torch.zeros(3, 8), torch.zeros(4, 8)
     assert not dispatch.decode_rows_on()

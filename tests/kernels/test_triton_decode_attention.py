@@ -9,8 +9,8 @@ import torch
 
 from kernels.paged_attention import plan_paged_attention
 from kernels.triton_compat import EARLY_LOADS
-from kernels.triton_decode_attention import (decode_num_splits, decode_rows, paged_decode_attention_triton,
-                                             paged_rows_attention_triton)
+from kernels.triton_decode_attention import (REDUCE_SHORT_SPLITS, REDUCE_USED_FROM_LEN, decode_num_splits, decode_rows,
+                                             paged_decode_attention_triton, paged_rows_attention_triton)
 from kernels.triton_paged_attention import TritonAttentionPlan, paged_attention_triton
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
 from tests.kernels.test_triton_attention import DECODE_LENS, DEVICE, make_step, reference
@@ -43,6 +43,48 @@ def test_decode_split_heuristic():
     assert decode_num_splits(1, 8, 32768) == 33  # ~2 waves over 132 SMs
     assert decode_num_splits(1, 1, 1 << 20) == 128  # capped
     assert decode_num_splits(2, 4, 1024) == 4  # >= 256 keys per split
+
+@pytest.mark.skipif(not REDUCE_USED_FROM_LEN, reason="the reduce of the used splits (early loads on)")
+@pytest.mark.parametrize("short", [4, REDUCE_SHORT_SPLITS])
+def test_reduce_of_the_used_splits(monkeypatch, short):
+    """The reduce loads only the splits a row's length says hold keys, from the short tile when there are at most
+    ``short`` of them (the 17-key rows: 2 splits of 16; the 70-key row: 5; the 300-key row: 19): verify rows equal
+    their decode rows and the reference; rows cut into one-tile splits by 19 and by 24 splits (the short tile, or a
+    32-split tile in both) get the same bits."""
+    import kernels.triton_decode_attention as module
+
+    monkeypatch.setattr(module, "REDUCE_SHORT_SPLITS", short)
+    q_lens, seq_lens = [1, 3, 1, 2, 1], [1, 17, 70, 300, 33]
+    query, cache, meta = make_step(q_lens, seq_lens, group=2, block_size=16, seed=48)
+    gate = gate_like(query, 49)
+    rows = decode_rows(meta, query.shape[0])
+    outs = [paged_rows_attention_triton(query, cache, meta, 0.3, TritonAttentionPlan(num_splits=n, decode_block_n=16),
+                                        gate, rows) for n in (19, 24)]
+    assert torch.equal(outs[0], outs[1])
+    plan = TritonAttentionPlan(num_splits=19, decode_block_n=16)
+    decode_meta = plain_decode_meta(meta, rows_of(q_lens, seq_lens), 16)
+    assert torch.equal(outs[0], paged_decode_attention_triton(query, cache, decode_meta, 0.3, plan, gate))
+    ref = reference(query, cache, meta, 0.3) * torch.sigmoid(gate.float())
+    torch.testing.assert_close(outs[0], ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d,group", [(128, 8), (256, 8)])
+def test_gpu_reduce_of_the_used_splits(d, group):
+    """bf16 on CUDA, gated, 40 and 128 splits: rows using at most ``REDUCE_SHORT_SPLITS`` splits take the short tile
+    (the same bits under both counts), longer rows the tile of every split; all close to the reference."""
+    tile = 64 if d <= 128 else 32
+    seq_lens = [1, tile - 1, tile + 1, REDUCE_SHORT_SPLITS * tile, REDUCE_SHORT_SPLITS * tile + 1, 40 * tile]
+    query, cache, meta = make_step([1] * len(seq_lens), seq_lens, kvh=4, group=group, d=d, block_size=16,
+                                   dtype=torch.bfloat16, device="cuda", seed=d)
+    gate = gate_like(query, d)
+    outs = [paged_decode_attention_triton(query, cache, meta, d**-0.5, TritonAttentionPlan(num_splits=n), gate)
+            for n in (40, 128)]
+    assert torch.equal(outs[0][:4], outs[1][:4])
+    ref = reference(query, cache, meta, d**-0.5) * torch.sigmoid(gate.float())
+    for out in outs:
+        torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("d,group", [(128, 4), (64, 1), (96, 8), (256, 2)])
@@ -156,14 +198,18 @@ def test_rows_shape_checks():
 
 
 def _early_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Under the interpreter, replace the kernel's ``pdl_wait`` by a probe that looks at the kernel's frame at the
-    wait: one entry a program, True when a value it holds already is NaN (a key this step writes, read early)."""
+    """Under the interpreter, replace the split kernel's ``pdl_wait`` by a probe that looks at the kernel's frame at
+    the wait: one entry a program, True when a value it holds already is NaN (a key this step writes, read early).
+    (The reduce kernel's wait, in the same module, is let through.)"""
     import kernels.triton_decode_attention as module
 
     found: list[bool] = []
 
     def probe(*_args, **_kwargs) -> None:
-        held = [v.handle.data for v in sys._getframe(1).f_locals.values() if hasattr(v, "handle")
+        frame = sys._getframe(1)
+        if frame.f_code.co_name != "_decode_split_kernel":
+            return
+        held = [v.handle.data for v in frame.f_locals.values() if hasattr(v, "handle")
                 and isinstance(getattr(v.handle, "data", None), np.ndarray)]
         assert any(np.issubdtype(a.dtype, np.floating) for a in held), "no loaded tile in the kernel's frame"
         found.append(any(np.isnan(a).any() for a in held if np.issubdtype(a.dtype, np.floating)))

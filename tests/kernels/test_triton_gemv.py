@@ -60,6 +60,18 @@ def test_gemv_split_k_and_paths(dtype, use_dot, bias, m, n, k, split_k):
     close(out, gemv_ref(x, weight, b))
 
 
+@pytest.mark.parametrize("split_k", [None, 3])
+@pytest.mark.parametrize("m", [1, 3])
+def test_gemv_float32_output_is_the_rounded_output(m, split_k):
+    """``out_dtype=float32`` (logits) stores the values the bf16 output holds: one program's store and the split-K
+    reduce's, bias included."""
+    x, weight, bias = operands(m, 70, 200, torch.bfloat16, bias=True)
+    kw = {} if split_k is None else {"split_k": split_k, "block_n": 16, "block_k": 32}
+    wide = gemv_triton(x, weight, bias, out_dtype=torch.float32, **kw)
+    assert wide.dtype == torch.float32 and torch.equal(wide, gemv_triton(x, weight, bias, **kw).float())
+    assert gemv_triton(x[:0], weight, out_dtype=torch.float32).dtype == torch.float32
+
+
 def test_gemv_strided_x_and_zero_sizes():
     x, weight, bias = operands(4, 64, 256, torch.float32, bias=True)
     wide = randn(4, 512)

@@ -107,6 +107,18 @@ def test_interpreted_kernel_persistent_schedule(monkeypatch, n, k, block_n, bloc
         assert out.residual is x if res is None else out.residual.data_ptr() not in (x.data_ptr(), r.data_ptr())
 
 
+@pytest.mark.skipif(not INTERPRET, reason="the interpreter run of the kernel (the GPU tests cover the compiled one)")
+@pytest.mark.parametrize("rows", [1, 3])
+def test_interpreted_float32_output_is_the_rounded_output(monkeypatch, rows):
+    """``out_dtype=float32`` (logits) stores the values the 16-bit output holds, one row and a row loop."""
+    monkeypatch.setattr(triton_gemv_tma, "_sms", lambda x: 2)
+    x, w, b, _, _ = operands(70, 200)
+    x = torch.cat([x] + [randn(1, 200, seed=9 + i) for i in range(rows - 1)])
+    kw = {"block_n": 8, "block_k": 64, "programs_per_sm": 1, "pdl": False, "row_loop": rows > 1}
+    wide = gemv_tma(x, w, b, out_dtype=torch.float32, **kw)
+    assert wide.dtype == torch.float32 and torch.equal(wide, gemv_tma(x, w, b, **kw).float())
+
+
 def test_dispatch_falls_back_where_tma_is_not_supported(monkeypatch):
     """CONVEYOR_GEMV_TMA on, operands it does not take (CPU, or fp32): the plain kernel runs, with the results of
     the references."""
@@ -123,9 +135,9 @@ def test_dispatch_falls_back_where_tma_is_not_supported(monkeypatch):
 def test_dispatch_routes_only_unoverridden_supported_calls(monkeypatch):
     calls: list[str] = []
 
-    def fake_gemv(x, w, b=None, *, pdl=None, row_loop=False):
+    def fake_gemv(x, w, b=None, *, pdl=None, row_loop=False, out_dtype=None):
         calls.append(f"gemv pdl={pdl}")
-        return gemv_ref(x, w, b)
+        return gemv_ref(x, w, b).to(out_dtype or x.dtype)
 
     def fake_norm(x, res, nw, eps, w, b=None, write_normed=False, *, pdl=None, row_loop=False):
         calls.append(f"norm pdl={pdl}")

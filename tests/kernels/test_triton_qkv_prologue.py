@@ -26,6 +26,16 @@ def case(t: int, h: int, kvh: int, d: int, rot: int, dtype: torch.dtype, norm: b
     return qkv, q, k, v, weights, cos, sin, slots
 
 
+def table_case(t: int, h: int, kvh: int, d: int, rot: int, dtype: torch.dtype, neox: bool, seed: int = 0):
+    """``case``'s rope as the step's table and positions (``StepRope``)."""
+    g = torch.Generator().manual_seed(seed)
+    torch.randn(t, (h + 2 * kvh) * d, generator=g)
+    [torch.randn(d, generator=g) for _ in range(2)]  # case's draws, so the positions are case's
+    positions = torch.randint(0, 4000, (t,), generator=g).to(DEVICE)
+    rope = RotaryEmbedding(d, rot, 4096, 10000.0, is_neox_style=neox, dtype=dtype, device=DEVICE)
+    return rope.step_rope(positions)
+
+
 @pytest.mark.parametrize("t,h,kvh,d,rot,norm", [(3, 4, 2, 16, 16, True), (2, 4, 4, 32, 16, True),
                                                  (4, 2, 1, 16, 16, False), (1, 8, 2, 64, 32, False)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -43,6 +53,25 @@ def test_prologue_equals_the_unfused_references(t, h, kvh, d, rot, norm, dtype, 
     torch.testing.assert_close(cache_tri, cache_ref, atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("t,h,kvh,d,rot", [(3, 4, 2, 16, 16), (2, 4, 1, 32, 16)])
+@pytest.mark.parametrize("neox", [True, False])
+def test_table_rows_equal_gathered_rows(t, h, kvh, d, rot, neox):
+    """cos/sin as the table and each token's row (read before the wait) give the bits of the gathered rows."""
+    results = []
+    for from_table in (False, True):
+        qkv, q, k, v, (qw, kw), cos, sin, slots = case(t, h, kvh, d, rot, torch.bfloat16, True, neox)
+        cache = allocate_kv_cache(1, 8, 4, kvh, d, torch.bfloat16, DEVICE)[0]
+        if from_table:
+            rope = table_case(t, h, kvh, d, rot, torch.bfloat16, neox)
+            assert all(torch.equal(a, b) for a, b in zip(rope.gathered(), (cos, sin)))
+            qkv_prologue_triton(q, k, v, qw, kw, 1e-6, rope.cos_table, rope.sin_table, neox, cache, slots,
+                                rope.positions)
+        else:
+            qkv_prologue_triton(q, k, v, qw, kw, 1e-6, cos, sin, neox, cache, slots)
+        results.append((qkv, cache))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
 def test_bad_shapes_are_refused():
     qkv, q, k, v, (qw, kw), cos, sin, slots = case(3, 4, 2, 16, 16, torch.float32, True)
     cache = allocate_kv_cache(1, 8, 4, 2, 16, torch.float32, DEVICE)[0]
@@ -50,3 +79,7 @@ def test_bad_shapes_are_refused():
         qkv_prologue_triton(q, k, v, qw, None, 1e-6, cos, sin, True, cache, slots)
     with pytest.raises(ValueError, match="slots"):
         qkv_prologue_triton(q, k, v, qw, kw, 1e-6, cos, sin, True, cache, slots[:2])
+    with pytest.raises(ValueError, match="rows"):
+        qkv_prologue_triton(q, k, v, qw, kw, 1e-6, cos, sin, True, cache, slots, slots[:2])
+    with pytest.raises(ValueError, match="strides"):
+        qkv_prologue_triton(q, k, v, qw, kw, 1e-6, cos, sin.contiguous()[:, :, :8], True, cache, slots)

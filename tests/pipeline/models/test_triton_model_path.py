@@ -53,7 +53,8 @@ def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, mo
     hf = make_tiny_hf_model(model_type, **({} if model_type == "qwen3_5_moe_text" else {"num_hidden_layers": 2}))
     model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.bfloat16, prepack=False)
     monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
-    monkeypatch.setattr(dispatch, "skinny_linear", gemv_ref)
+    monkeypatch.setattr(dispatch, "skinny_linear",
+                        lambda x, w, b=None, out_dtype=None: gemv_ref(x, w, b).to(out_dtype or x.dtype))
     fused_calls = []
     fused = dispatch.norm_linear
     monkeypatch.setattr(dispatch, "norm_linear", lambda *a: fused_calls.append(a[-1]) or fused(*a))
