@@ -134,9 +134,10 @@ def apply_rotary_emb_(
 class RotaryEmbedding(nn.Module):
     """cos/sin cache over positions ``0..max_position_embeddings-1``; ``forward(positions, q, k) -> (q, k)``.
 
-    The cache row of position p is ``[cos(p * inv_freq), sin(p * inv_freq)] * attention_scaling`` (each
-    ``rotary_dim // 2`` wide), stored in the module dtype. Per step, ``cos_sin(positions)`` gathers and expands
-    the rows once; every layer then calls ``apply_rotary_emb_``.
+    The cache row of position p holds the full-width cos and signed sin of ``p * inv_freq`` times
+    ``attention_scaling`` (each ``rotary_dim`` wide, in the rotation's layout), stored in the module dtype. A forward
+    takes ``step_rope(positions)``: the fused prologue kernel reads its rows from the table, the torch paths gather
+    them once (``cos_sin``) and every layer calls ``apply_rotary_emb_``.
     """
 
     def __init__(
