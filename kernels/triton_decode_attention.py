@@ -46,12 +46,6 @@ REDUCE_SHORT_SPLITS = 16
 REDUCE_LONG_SPLITS = 0
 
 
-def decode_tile_keys(head_dim: int, plan: TritonAttentionPlan | None = None) -> int:
-    """Keys a decode tile holds (the split kernel's BLOCK_N)."""
-    d_pad = block_pow2(head_dim)
-    return block_pow2((plan is not None and plan.decode_block_n) or (64 if d_pad <= 128 else 32))
-
-
 @_jit
 def decode_split_len(seq_len, num_splits, tile):
     """Keys a decode split of a row of ``seq_len`` keys holds: equal parts rounded up to whole ``tile``s. The split
@@ -170,12 +164,19 @@ def _decode_split_kernel(
 
 
 @_jit
+def _load_partials(part_acc_ptr, part_lse_ptr, base, first, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
+    """Splits first .. first + S - 1's log-sum-exps [S] and outputs [S, D_PAD]; those past ``used`` as empty."""
+    splits = first + tl.arange(0, S)
+    ok = splits < used
+    lse = tl.load(part_lse_ptr + base + splits, mask=ok, other=float("-inf"))
+    part = tl.load(part_acc_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=ok[:, None], other=0.0)
+    return lse, part
+
+
+@_jit
 def _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
     """The first ``used`` splits' partials from one [S, D_PAD] tile: sum_j 2^(lse_j - max) acc_j / sum_j 2^(...)."""
-    lanes = tl.arange(0, S)
-    ok = lanes < used
-    lse = tl.load(part_lse_ptr + base + lanes, mask=ok, other=float("-inf"))
-    part = tl.load(part_acc_ptr + (base + lanes)[:, None] * D_PAD + dims[None, :], mask=ok[:, None], other=0.0)
+    lse, part = _load_partials(part_acc_ptr, part_lse_ptr, base, 0, used, dims, D_PAD, S)
     w = tl.exp2(lse - tl.max(lse, 0))
     return tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
 
@@ -183,19 +184,13 @@ def _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD: tl.cons
 @_jit
 def _combine_in_chunks(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
     """``_combine_splits`` S splits at a time, in split order, the sums so far rescaled to each chunk's new maximum."""
-    lanes = tl.arange(0, S)
-    ok = lanes < used
-    lse = tl.load(part_lse_ptr + base + lanes, mask=ok, other=float("-inf"))
-    part = tl.load(part_acc_ptr + (base + lanes)[:, None] * D_PAD + dims[None, :], mask=ok[:, None], other=0.0)
+    lse, part = _load_partials(part_acc_ptr, part_lse_ptr, base, 0, used, dims, D_PAD, S)
     peak = tl.max(lse, 0)
     w = tl.exp2(lse - peak)
     total = tl.sum(w, 0)
     acc = tl.sum(w[:, None] * part, 0)
     for c in range(S, used, S):
-        ok = c + lanes < used
-        lse = tl.load(part_lse_ptr + base + c + lanes, mask=ok, other=float("-inf"))
-        part = tl.load(part_acc_ptr + (base + c + lanes)[:, None] * D_PAD + dims[None, :], mask=ok[:, None],
-                       other=0.0)
+        lse, part = _load_partials(part_acc_ptr, part_lse_ptr, base, c, used, dims, D_PAD, S)
         new_peak = tl.maximum(peak, tl.max(lse, 0))
         rescale = tl.exp2(peak - new_peak)
         w = tl.exp2(lse - new_peak)
@@ -272,7 +267,7 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
         raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
     R, H, d = query.shape
     d_pad = block_pow2(d)
-    block_n = decode_tile_keys(d, plan)  # tl.dot needs >= 16
+    block_n = block_pow2(plan.decode_block_n or (64 if d_pad <= 128 else 32))  # tl.dot needs >= 16
     out = torch.empty_like(query)
     direct = splits == 1
     part_acc = query.new_empty(0 if direct else R * H * splits * d_pad, dtype=torch.float32)
