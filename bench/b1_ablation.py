@@ -23,7 +23,9 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``long=N``: the decode reduce combines longer rows N splits at a time (``REDUCE_LONG_SPLITS``; 0: one tile of
   every split); the outputs are right;
 * ``late=K1,K2``: the named kernels trigger their dependents after their wait (``LATE_TRIGGER_KERNELS``:
-  decode_split, decode_reduce, prologue, route, moe_down); the outputs are right.
+  decode_split, decode_reduce, prologue, route, moe_down); the outputs are right;
+* ``gate_up=BN,BK,W[,S]`` / ``down=BN,BK,W``: the MoE decode kernels' launch config at batch 1 (``decode_config``:
+  block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right.
 """
 from __future__ import annotations
 
@@ -44,7 +46,7 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import dispatch, triton_compat, triton_decode_attention  # noqa: E402
+from kernels import dispatch, triton_compat, triton_decode_attention, triton_moe_decode  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -102,6 +104,12 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         return patched(triton_decode_attention, "REDUCE_LONG_SPLITS", int(name.split("=")[1]))
     if name.startswith("late="):
         return patched(triton_compat, "LATE_TRIGGER_KERNELS", frozenset(name.split("=")[1].split(",")))
+    if name.startswith(("gate_up=", "down=")):
+        part, config = name.split("=")
+        config = tuple(int(v) for v in config.split(","))
+        default = triton_moe_decode.decode_config
+        return patched(triton_moe_decode, "decode_config", lambda t, k=8: (
+            (config, default(t, k)[1]) if part == "gate_up" else (default(t, k)[0], config)))
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),

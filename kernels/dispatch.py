@@ -16,6 +16,7 @@ import torch
 
 from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
+from kernels.triton_embedding import embedding_ref, embedding_triton
 from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
 from kernels.triton_gemv import SKINNY_MAX_M, NormedProjection, gemv_norm_triton, gemv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
@@ -58,6 +59,13 @@ def use_triton(device: torch.device | str) -> bool:
     if os.environ.get("CONVEYOR_DISABLE_TRITON") == "1":
         return False
     return triton_available()
+
+
+def embedding(ids: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``weight[ids]``; see ``kernels/triton_embedding.py``."""
+    if use_triton(weight.device):
+        return embedding_triton(ids, weight)
+    return embedding_ref(ids, weight)
 
 
 def rms_norm(

@@ -29,14 +29,17 @@ from kernels.triton_compat import EARLY_LOADS, late_launch, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
-# By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps) of gate/up,
-# (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from H200 sweeps (bench/moe_tune.py). The down kernel
+# By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps[, stages]) of
+# gate/up, (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from H200 sweeps (bench/moe_tune.py; at one token,
+# bench/b1_ablation.py inside the decode step). ``stages``: weight tiles in flight a gate/up program along H
+# (``tl.range``'s num_stages copies the later tiles into shared memory ahead of their use, so the registers, and the
+# programs an SM holds, stay as at one stage; 1 when left out). The down kernel
 # holds a [K_PAD, BLOCK_N, BLOCK_K] fp32 tile, so its table depends on the padded slots a token has: up to 8
 # (Qwen3-30B-A3B: 8 of 768-wide experts) or 9-16 (Qwen3.5: 8 routed + the folded shared expert, 512 wide; there
 # the 8-slot table's down tiles spill registers and run 10x slower, results/moe-tune-decode-h200-qwen3.5-35b-a3b.json).
-DECODE_CONFIGS: dict[int, tuple[tuple[int, tuple[int, int, int], tuple[int, int, int]], ...]] = {
+DECODE_CONFIGS: dict[int, tuple[tuple[int, tuple[int, ...], tuple[int, int, int]], ...]] = {
     8: (
-        (1, (8, 128, 8), (4, 128, 8)),
+        (1, (16, 128, 8, 3), (4, 128, 8)),
         (2, (8, 128, 8), (16, 128, 4)),
         (4, (16, 256, 2), (16, 128, 4)),
         (1 << 62, (32, 128, 2), (16, 128, 4)),
@@ -50,7 +53,7 @@ DECODE_CONFIGS: dict[int, tuple[tuple[int, tuple[int, int, int], tuple[int, int,
 DOWN_TILE_LIMIT = 128  # fp32 accumulator elements a thread in the down kernel's tile, at most (256 spilled)
 
 
-def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, ...], tuple[int, int, int]]:
     """The launch configs for T tokens of ``top_k`` slots (k > 16 takes the 16-slot table's tiles, shrunk
     until the down tile fits ``DOWN_TILE_LIMIT`` elements a thread)."""
     k_pad = triton.next_power_of_2(top_k)
@@ -67,7 +70,8 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, int, int]
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
     TOP_K, H, I, x_s0, expert_offset, n_local,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
+    LATE_TRIGGER: tl.constexpr = False,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
     ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait)."""
@@ -87,7 +91,7 @@ def _decode_gate_up_kernel(
         u_ptrs = g_ptrs + tl.cast(I, tl.int64) * H
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
+        for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
             k_mask = k0 + offs_k < H
             xt = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
             gt = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
@@ -152,26 +156,30 @@ def _decode_down_kernel(
     tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
 
 
-def _check_config(config: tuple[int, int, int]) -> tuple[int, int, int]:
-    for b in config:
-        if b < 1 or b & (b - 1):
+def _check_config(config: tuple[int, ...], stages: bool = False) -> tuple[int, ...]:
+    """``(block, block, warps)`` (powers of two), with ``stages`` allowed an optional fourth entry (>= 1), given
+    back as four entries."""
+    if len(config) not in ((3, 4) if stages else (3,)) or any(b < 1 for b in config):
+        raise ValueError(f"need (block_n, block_k, num_warps{'[, stages]' if stages else ''}), got {config}")
+    for b in config[:3]:
+        if b & (b - 1):
             raise ValueError(f"block sizes and warps must be powers of two, got {config}")
-    return config
+    return (*config, 1) if stages and len(config) == 3 else config
 
 
 def fused_moe_decode_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_offset: int = 0, num_local_experts: int | None = None, *,
-    gate_up_config: tuple[int, int, int] | None = None, down_config: tuple[int, int, int] | None = None,
+    gate_up_config: tuple[int, ...] | None = None, down_config: tuple[int, int, int] | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.moe.fused_moe_ref``; meant for small ``T * k`` (decode). ``gate_up_config``
-    ``(BLOCK_N over I, BLOCK_K over H, num_warps)`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
-    num_warps)`` override the table (``decode_config``; powers of two)."""
+    ``(BLOCK_N over I, BLOCK_K over H, num_warps[, stages])`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
+    num_warps)`` override the table (``decode_config``; blocks and warps powers of two)."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
     default_gate_up, default_down = decode_config(t, top_k)
-    bn1, bk1, warps1 = _check_config(gate_up_config or default_gate_up)
+    bn1, bk1, warps1, stages1 = _check_config(gate_up_config or default_gate_up, stages=True)
     bn2, bk2, warps2 = _check_config(down_config or default_down)
     x = x if x.stride(1) == 1 else x.contiguous()
     n_slots = t * top_k
@@ -183,7 +191,7 @@ def fused_moe_decode_triton(
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
         x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
-        BLOCK_N=bn1, BLOCK_K=bk1, num_warps=warps1, LATE_TRIGGER=early, **pdl,
+        BLOCK_N=bn1, BLOCK_K=bk1, STAGES=stages1, num_warps=warps1, LATE_TRIGGER=early, **pdl,
     )
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
         act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,

@@ -174,7 +174,7 @@ class Embedding(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim, dtype=dtype, device=device))
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.weight)
+        return dispatch.embedding(ids, self.weight)
 
 
 def Linear(in_features: int, out_features: int, bias: bool = False, dtype=None, device=None) -> MergedLinear:

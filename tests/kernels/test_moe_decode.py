@@ -46,7 +46,8 @@ def weights(n_experts: int = E, dtype: torch.dtype = torch.float32, seed: int = 
 
 @needs_triton
 @pytest.mark.parametrize("t", [1, 2, 5])
-@pytest.mark.parametrize("configs", [None, ((16, 16, 4), (16, 16, 2))])  # defaults; blocks smaller than I and H
+# defaults; blocks smaller than I and H; gate/up tiles three stages ahead
+@pytest.mark.parametrize("configs", [None, ((16, 16, 4), (16, 16, 2)), ((8, 16, 4, 3), (16, 16, 2))])
 def test_decode_matches_ref(t, configs):
     from kernels.triton_moe_decode import fused_moe_decode_triton
 
@@ -113,6 +114,11 @@ def test_decode_rejects_bad_inputs():
         fused_moe_decode_triton(x, w13, w2, tw, ids, 0, 4)
     with pytest.raises(ValueError):
         fused_moe_decode_triton(x, w13, w2, tw, ids, gate_up_config=(24, 16, 4))
+    for bad in ((16, 16, 4, 0), (16, 16), (16, 16, 4, 2, 1)):
+        with pytest.raises(ValueError, match="need"):
+            fused_moe_decode_triton(x, w13, w2, tw, ids, gate_up_config=bad)
+    with pytest.raises(ValueError, match="need"):  # stages are the gate/up kernel's only
+        fused_moe_decode_triton(x, w13, w2, tw, ids, down_config=(16, 16, 2, 3))
     empty = fused_moe_decode_triton(x[:0], w13, w2, tw[:0], ids[:0])
     assert empty.shape == (0, H)
 
@@ -147,7 +153,8 @@ def test_decode_config_down_tile_fits_the_register_budget(t, top_k):
     gate_up, (bn, bk, warps) = decode_config(t, top_k)
     k_pad = triton.next_power_of_2(top_k)
     assert k_pad * bn * bk <= DOWN_TILE_LIMIT * 32 * warps
-    assert all(v >= 1 and v & (v - 1) == 0 for v in (*gate_up, bn, bk, warps))
+    assert all(v >= 1 and v & (v - 1) == 0 for v in (*gate_up[:3], bn, bk, warps))
+    assert len(gate_up) == 3 or gate_up[3] >= 1  # gate/up's optional stages
     if top_k <= 8:  # the Qwen3-30B-A3B table is unchanged
         from kernels.triton_moe_decode import DECODE_CONFIGS
 
