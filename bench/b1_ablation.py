@@ -20,10 +20,6 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
   (``SKIP_EMPTY_SPLITS``, with ``REDUCE_USED_FROM_LEN``); the outputs are right;
 * ``short=N``: the decode reduce takes its short tile for rows of at most N splits (``REDUCE_SHORT_SPLITS``); the
   outputs are right;
-* ``long=N``: the decode reduce combines longer rows N splits at a time (``REDUCE_LONG_SPLITS``; 0: one tile of
-  every split); the outputs are right;
-* ``late=K1,K2``: the named kernels trigger their dependents after their wait (``LATE_TRIGGER_KERNELS``:
-  decode_split, decode_reduce, prologue, route, moe_down); the outputs are right;
 * ``gate_up=BN,BK,W[,S]`` / ``down=BN,BK,W``: the MoE decode kernels' launch config at batch 1 (``decode_config``:
   block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right.
 """
@@ -46,7 +42,7 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import dispatch, triton_compat, triton_decode_attention, triton_moe_decode  # noqa: E402
+from kernels import dispatch, triton_decode_attention, triton_moe_decode  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -100,10 +96,6 @@ def variant(name: str) -> contextlib.AbstractContextManager:
     if name == "delta_rule":
         return patched(gdn, "gated_delta_rule", lambda q, k, v, *args, **kwargs: torch.empty(
             v.shape, dtype=v.dtype, device=v.device))
-    if name.startswith("long="):
-        return patched(triton_decode_attention, "REDUCE_LONG_SPLITS", int(name.split("=")[1]))
-    if name.startswith("late="):
-        return patched(triton_compat, "LATE_TRIGGER_KERNELS", frozenset(name.split("=")[1].split(",")))
     if name.startswith(("gate_up=", "down=")):
         part, config = name.split("=")
         config = tuple(int(v) for v in config.split(","))

@@ -45,11 +45,6 @@ except ImportError:  # no triton, or one without grid dependency control: PDL st
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs the kernels (CPU tests)
 EARLY_LOADS = os.environ.get("CONVEYOR_EARLY_LOADS", "1") != "0"  # early reads under PDL: the module docstring
-# Kernels that let the next kernel launch only once their own wait is over (``pdl_wait``'s LATE_TRIGGER), by name
-# (decode_split, decode_reduce, prologue, route, moe_down): CONVEYOR_LATE_TRIGGER=decode_reduce,prologue. Every
-# kernel triggers at its start by default, so the kernels after it may become resident, and issue their early
-# reads, while it waits; a late trigger bounds how far ahead they run (bench/b1_ablation.py ``late=``).
-LATE_TRIGGER_KERNELS = frozenset(filter(None, os.environ.get("CONVEYOR_LATE_TRIGGER", "").split(",")))
 
 
 @functools.cache
@@ -66,12 +61,6 @@ def pdl_launch(t) -> dict[str, bool]:
     if not t.is_cuda or not _pdl_supported(t.device.index or 0):
         return {}
     return {"PDL": True, "launch_pdl": True}
-
-
-def late_launch(t, kernel: str) -> dict[str, bool]:
-    """``{"LATE_TRIGGER": True}`` for a kernel named in ``LATE_TRIGGER_KERNELS`` (read at each launch) launched with
-    dependent launch on ``t``'s device, else ``{}``."""
-    return {"LATE_TRIGGER": True} if kernel in LATE_TRIGGER_KERNELS and pdl_launch(t) else {}
 
 
 @jit

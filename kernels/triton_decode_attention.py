@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_compat import EARLY_LOADS, late_launch, pdl_launch, pdl_wait
+from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
@@ -40,10 +40,6 @@ SKIP_EMPTY_SPLITS = True
 # graph sized for the longest context loads one of all its splits. H200, Qwen3-30B-A3B batch-1 step at 256 keys
 # (66 splits): 2.353 ms with a 16-split tile, 2.389 with 64.
 REDUCE_SHORT_SPLITS = 16
-# Longer rows: 0 combines them from the tile of every split (the default: after 32k keys, 3.424 ms a Qwen3-30B-A3B
-# step), N > 0 N splits at a time in a loop (a smaller tile a program holds; 64: 3.464 ms, 16: 3.601 on another
-# H200, bench/b1_ablation.py ``long=``).
-REDUCE_LONG_SPLITS = 0
 
 
 @_jit
@@ -71,7 +67,6 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
     EARLY: tl.constexpr = True, ROWS: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
-    LATE_TRIGGER: tl.constexpr = False,
 ):
     """Program (b, kvh, split): one split of row b's keys for the query heads of KV head kvh.
 
@@ -82,7 +77,7 @@ def _decode_split_kernel(
     key from there on is this step's, read only after the wait. Nothing else differs: the same tiles and
     operations, so a token's output is bitwise the one a one-token decode row at its position gets."""
     if not EARLY:
-        pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
+        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -115,7 +110,7 @@ def _decode_split_kernel(
     k = tl.load(k_base + kv_off, mask=old, other=0.0)
     v = tl.load(v_base + kv_off, mask=old, other=0.0)
     if EARLY:
-        pdl_wait(PDL, LATE_TRIGGER)
+        pdl_wait(PDL)
     if ROWS:  # the step's keys up to the row's own, those in this tile (n_ok: below end <= seq_len)
         new = (n_ok & (offs_n >= new_from))[:, None] & dim_ok[None, :]
     else:
@@ -164,48 +159,22 @@ def _decode_split_kernel(
 
 
 @_jit
-def _load_partials(part_acc_ptr, part_lse_ptr, base, first, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
-    """Splits first .. first + S - 1's log-sum-exps [S] and outputs [S, D_PAD]; those past ``used`` as empty."""
-    splits = first + tl.arange(0, S)
+def _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
+    """The first ``used`` splits' partials from one [S, D_PAD] tile: sum_j 2^(lse_j - max) acc_j / sum_j 2^(...)."""
+    splits = tl.arange(0, S)
     ok = splits < used
     lse = tl.load(part_lse_ptr + base + splits, mask=ok, other=float("-inf"))
     part = tl.load(part_acc_ptr + (base + splits)[:, None] * D_PAD + dims[None, :], mask=ok[:, None], other=0.0)
-    return lse, part
-
-
-@_jit
-def _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
-    """The first ``used`` splits' partials from one [S, D_PAD] tile: sum_j 2^(lse_j - max) acc_j / sum_j 2^(...)."""
-    lse, part = _load_partials(part_acc_ptr, part_lse_ptr, base, 0, used, dims, D_PAD, S)
     w = tl.exp2(lse - tl.max(lse, 0))
     return tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
-
-
-@_jit
-def _combine_in_chunks(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD: tl.constexpr, S: tl.constexpr):
-    """``_combine_splits`` S splits at a time, in split order, the sums so far rescaled to each chunk's new maximum."""
-    lse, part = _load_partials(part_acc_ptr, part_lse_ptr, base, 0, used, dims, D_PAD, S)
-    peak = tl.max(lse, 0)
-    w = tl.exp2(lse - peak)
-    total = tl.sum(w, 0)
-    acc = tl.sum(w[:, None] * part, 0)
-    for c in range(S, used, S):
-        lse, part = _load_partials(part_acc_ptr, part_lse_ptr, base, c, used, dims, D_PAD, S)
-        new_peak = tl.maximum(peak, tl.max(lse, 0))
-        rescale = tl.exp2(peak - new_peak)
-        w = tl.exp2(lse - new_peak)
-        total = total * rescale + tl.sum(w, 0)
-        acc = acc * rescale + tl.sum(w[:, None] * part, 0)
-        peak = new_peak
-    return acc / total
 
 
 @_jit(do_not_specialize=['num_splits'])
 def _decode_reduce_kernel(
     part_acc_ptr, part_lse_ptr, out_ptr, gate_ptr, num_splits, stride_ob, stride_oh, stride_gb, stride_gh,
     seq_lens_ptr, split_tile,
-    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SHORT: tl.constexpr, LONG: tl.constexpr,
-    GATED: tl.constexpr, PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, S_PAD: tl.constexpr, SHORT: tl.constexpr, GATED: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Combine one (row, head)'s used KV splits, as ``split_reduce_kernel`` combines all of them.
 
@@ -213,18 +182,16 @@ def _decode_reduce_kernel(
     read before the wait, so the log-sum-exps and the outputs are loaded together, and a row that uses at most
     SHORT splits is combined from a [SHORT, D_PAD] tile instead of the [S_PAD, D_PAD] tile of every split (a graph's
     split count is sized for the longest context). Which tile a row takes depends on its length and the split
-    count alone, so its bits do too. LONG < S_PAD: longer rows are combined LONG splits at a time instead."""
+    count alone, so its bits do too."""
     b = tl.program_id(0)
     h = tl.program_id(1)
     dims = tl.arange(0, D_PAD)
     base = (b * tl.num_programs(1) + h) * num_splits
     seq_len = tl.load(seq_lens_ptr + b)
     used = tl.cdiv(seq_len, decode_split_len(seq_len, num_splits, split_tile))  # <= num_splits; split 0 holds key 0
-    pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     if used <= SHORT:
         out = _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD, SHORT)
-    elif LONG < S_PAD:
-        out = _combine_in_chunks(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD, LONG)
     else:
         out = _combine_splits(part_acc_ptr, part_lse_ptr, base, used, dims, D_PAD, S_PAD)
     if GATED:
@@ -284,18 +251,16 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
         num_stages=2, EARLY=EARLY_LOADS, ROWS=rows is not None,
         SKIP_EMPTY=not direct and REDUCE_USED_FROM_LEN and SKIP_EMPTY_SPLITS, **pdl_launch(query),
-        **late_launch(query, "decode_split"),
     )
     if not direct:
         s_pad = block_pow2(splits, 2)
         reduce_args = (part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides)
         if REDUCE_USED_FROM_LEN:
-            long = min(REDUCE_LONG_SPLITS or s_pad, s_pad)
             _decode_reduce_kernel[(R, H)](
                 *reduce_args, seq_lens, block_n, HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad,
-                SHORT=min(REDUCE_SHORT_SPLITS, s_pad), LONG=long, GATED=gate is not None,
-                num_warps=8 if long * d_pad > 16384 else 4,  # the largest partials tile: <= 128 fp32 a thread
-                **pdl_launch(query), **late_launch(query, "decode_reduce"))
+                SHORT=min(REDUCE_SHORT_SPLITS, s_pad), GATED=gate is not None,
+                num_warps=8 if s_pad * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
+                **pdl_launch(query))
         else:
             split_reduce_kernel[(R, H)](
                 *reduce_args, HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad, GATED=gate is not None,

@@ -25,7 +25,7 @@ from __future__ import annotations
 import torch
 
 from kernels.moe import check_kernel_inputs
-from kernels.triton_compat import EARLY_LOADS, late_launch, pdl_launch, pdl_wait
+from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -116,14 +116,14 @@ def _decode_down_kernel(
     h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    EARLY: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
     [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
     flight; the sum over experts happens once, in a fixed order (deterministic)."""
     if not EARLY:
-        pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
+        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
     pid_n = tl.program_id(1)
     # With EARLY (the gate/up kernel launched this one only after its own wait, so the routing is done): the
@@ -141,7 +141,7 @@ def _decode_down_kernel(
     k_mask = offs_k < I
     w0 = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0)
     if EARLY:
-        pdl_wait(PDL, LATE_TRIGGER)
+        pdl_wait(PDL)
     a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
     a0 = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
     acc = w0.to(tl.float32) * a0[:, None, :]
@@ -196,6 +196,5 @@ def fused_moe_decode_triton(
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
         act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
         K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, EARLY=early, **pdl,
-        **late_launch(x, "moe_down"),
     )
     return y

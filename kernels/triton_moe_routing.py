@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import late_launch, pdl_launch, pdl_wait
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 
@@ -37,10 +37,10 @@ def logit_of(key):
 def _route_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
     RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K."""
-    pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
@@ -101,6 +101,6 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
         shared_expert_id if shared else 0, RENORMALIZE=bool(renormalize), SHARED=shared,
         E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
         # one warp keeps the k + 2 reductions in shuffles: fastest on an H200 for E 128..512 at T 1..4096
-        num_warps=1 if e <= 512 else 4, **pdl_launch(router_logits), **late_launch(router_logits, "route"),
+        num_warps=1 if e <= 512 else 4, **pdl_launch(router_logits),
     )
     return weights, ids

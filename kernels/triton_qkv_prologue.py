@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import late_launch, pdl_launch, pdl_wait
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_kv_cache import write_kv_padded_ref
@@ -37,7 +37,7 @@ def _prologue_kernel(
     n_q_heads, head_dim, half, eps,
     q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, cs_s0, cs_s1, c_slot, c_head,
     HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr = False, PDL: tl.constexpr = False, LATE_TRIGGER: tl.constexpr = False,
+    ROWS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """Grid (T, H + KVH): one head of one token per program; k-head programs also move v. ROWS: cos/sin are
     tables, token t's row ``rows[t]``; neither is written in a step, so both are read before the wait."""
@@ -46,7 +46,7 @@ def _prologue_kernel(
     if ROWS:
         off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
             cos_ptr, sin_ptr, tl.load(rows_ptr + tok).to(tl.int64) * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
-    pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     if not ROWS:
         off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
             cos_ptr, sin_ptr, tok * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
@@ -126,5 +126,4 @@ def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
         cos.stride(0), cos.stride(-1), flat.stride(1), flat.stride(2),
         HAS_NORM=has_norm, IS_NEOX=is_neox_style, BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
         BLOCK_D=triton.next_power_of_2(d), ROWS=rows is not None, num_warps=1 if d <= 128 else 2, **pdl_launch(q),
-        **late_launch(q, "prologue"),
     )

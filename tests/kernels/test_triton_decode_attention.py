@@ -45,16 +45,15 @@ def test_decode_split_heuristic():
     assert decode_num_splits(2, 4, 1024) == 4  # >= 256 keys per split
 
 @pytest.mark.skipif(not REDUCE_USED_FROM_LEN, reason="the reduce of the used splits (early loads on)")
-@pytest.mark.parametrize("short,long", [(4, 0), (REDUCE_SHORT_SPLITS, 0), (4, 8)])
-def test_reduce_of_the_used_splits(monkeypatch, short, long):
+@pytest.mark.parametrize("short", [4, REDUCE_SHORT_SPLITS])
+def test_reduce_of_the_used_splits(monkeypatch, short):
     """The reduce loads only the splits a row's length says hold keys, from the short tile when there are at most
     ``short`` of them (the 17-key rows: 2 splits of 16; the 70-key row: 5; the 300-key row: 19), else from the tile
-    of every split or ``long`` at a time (the 300-key row: three rounds of 8): verify rows equal their decode rows
-    and the reference; rows cut into one-tile splits by 19 and by 24 splits (both 32-split tiles) get the same bits."""
+    of every split: verify rows equal their decode rows and the reference; rows cut into one-tile splits by 19 and
+    by 24 splits (both 32-split tiles) get the same bits."""
     import kernels.triton_decode_attention as module
 
     monkeypatch.setattr(module, "REDUCE_SHORT_SPLITS", short)
-    monkeypatch.setattr(module, "REDUCE_LONG_SPLITS", long)
     q_lens, seq_lens = [1, 3, 1, 2, 1], [1, 17, 70, 300, 33]
     query, cache, meta = make_step(q_lens, seq_lens, group=2, block_size=16, seed=48)
     gate = gate_like(query, 49)
