@@ -21,7 +21,9 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``short=N``: the decode reduce takes its short tile for rows of at most N splits (``REDUCE_SHORT_SPLITS``); the
   outputs are right;
 * ``gate_up=BN,BK,W[,S]`` / ``down=BN,BK,W``: the MoE decode kernels' launch config at batch 1 (``decode_config``:
-  block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right.
+  block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right;
+* ``route_in_router=0|1``: the router's launch also routes, no routing kernel (``ROUTE_IN_ROUTER``,
+  ``kernels/triton_router.py``); the outputs are right.
 """
 from __future__ import annotations
 
@@ -42,7 +44,7 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import dispatch, triton_decode_attention, triton_moe_decode  # noqa: E402
+from kernels import dispatch, triton_decode_attention, triton_moe_decode, triton_router  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -105,7 +107,8 @@ def variant(name: str) -> contextlib.AbstractContextManager:
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
-             "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS")}
+             "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS"),
+             "route_in_router": (triton_router, "ROUTE_IN_ROUTER")}
     if name.split("=")[0] in knobs:
         owner, attribute = knobs[name.split("=")[0]]
         return patched(owner, attribute, name.split("=")[1] == "1")

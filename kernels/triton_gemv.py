@@ -352,9 +352,12 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                      weight: torch.Tensor, bias: torch.Tensor | None = None, write_normed: bool = False, *,
                      block_n: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None, prefetch: bool | None = None,
-                     row_loop: bool = False) -> NormedProjection:
+                     row_loop: bool = False, epilogue: tuple | None = None) -> NormedProjection:
     """``gemv_norm_ref`` in one launch: the residual-add RMSNorm in the GEMV's K loop (no K split). At decode
-    batch sizes this replaces a norm kernel a layer. ``row_loop``: as ``gemv_triton``'s."""
+    batch sizes this replaces a norm kernel a layer. ``row_loop``: as ``gemv_triton``'s. ``epilogue``:
+    ``(kernel, args, constexprs)``, a kernel run instead of ``_gemv_kernel`` that takes its arguments followed by
+    ``args`` and ``constexprs`` and runs its program first (the MoE router's routing, ``kernels/triton_router.py``);
+    the TMA kernel is not used then."""
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
@@ -366,7 +369,7 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
     row_loop = row_loop and m > 1
-    if (block_n, block_k, num_warps, prefetch) == (None,) * 4 and (tma := _tma_for(x, weight, row_loop)):
+    if (block_n, block_k, num_warps, prefetch, epilogue) == (None,) * 5 and (tma := _tma_for(x, weight, row_loop)):
         return tma.gemv_norm_tma(x, residual, norm_weight, eps, weight, bias, write_normed, pdl=bool(pdl),
                                  row_loop=row_loop)
     cfg = gemv_norm_config(1 if row_loop else m, n, k, x.dtype, sms, pdl=bool(pdl))
@@ -376,10 +379,11 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     out = NormedProjection(y, x if residual is None else torch.empty_like(x),
                            torch.empty_like(x) if write_normed else None)
     write_block = max(16, min(2048 // cfg["block_m"], triton.next_power_of_2(triton.cdiv(k, grid_n))))
-    _gemv_kernel[(grid_n, 1)](
+    kernel, extra_args, extra_constexprs = epilogue or (_gemv_kernel, (), {})
+    kernel[(grid_n, 1)](
         x, weight, bias if bias is not None else y, y, y, m, n, k, k, x.stride(0),
-        r, r.stride(0), norm_weight, out.residual, out.normed if write_normed else y, eps,
-        HAS_BIAS=bias is not None, SPLIT=False, USE_DOT=cfg["use_dot"],
+        r, r.stride(0), norm_weight, out.residual, out.normed if write_normed else y, eps, *extra_args,
+        **extra_constexprs, HAS_BIAS=bias is not None, SPLIT=False, USE_DOT=cfg["use_dot"],
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=cfg["num_stages"], NORM=True, HAS_RES=residual is not None, WRITE_NORMED=write_normed,

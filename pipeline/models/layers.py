@@ -9,11 +9,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dispatch
+from kernels import dispatch, triton_router
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.triton_norm import rms_norm_ref
 from kernels.triton_paged_attention import paged_attention_triton
+from kernels.triton_router import RoutedProjection, RouteSpec
 from pipeline.models.forward_context import ForwardContext
 from pipeline.models.rope import apply_rotary_emb_
 
@@ -148,15 +149,21 @@ NORM_IN_PROJECTION = os.environ.get("CONVEYOR_NORM_IN_PROJECTION", "1") != "0"
 
 
 def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: MergedLinear,
-                 keep_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                 keep_normed: bool = False, route: RouteSpec | None = None,
+                 ) -> tuple[torch.Tensor | RoutedProjection, torch.Tensor, torch.Tensor | None]:
     """``(proj(norm(x + residual)), x + residual, the normed rows or None)``; without a residual (the first
     layer) x is the residual. One decode row on the GPU runs the norm inside the projection's GEMV
     (``gemv_norm_triton``): a norm kernel fewer a layer, 1-3 us each at batch 1 on an H200
     (bench/results/gemv-norm-tune-h200.json). Above one row the separate norm did as well or better there.
     ``CONVEYOR_NORM_IN_PROJECTION=0`` (read at import) keeps the norm separate, for A/B runs. Under
-    ``dispatch.rows_as_decode`` every row of a skinny batch takes the one-row path (each row alone)."""
+    ``dispatch.rows_as_decode`` every row of a skinny batch takes the one-row path (each row alone). ``route``
+    (a MoE router's): on that path, where ``kernels.triton_router.applies``, the same launch also routes the rows
+    and the first item is a ``RoutedProjection`` (the MoE block's ``forward_projected`` takes either)."""
     if (NORM_IN_PROJECTION and (x.shape[0] == 1 or dispatch.decode_rows_on()) and proj.packed is None
             and dispatch.skinny_linear_applies(x, proj.weight)):
+        if route is not None and proj.bias is None and triton_router.applies(x):
+            routed = dispatch.norm_route(x, residual, norm.weight, norm.eps, proj.weight, route, keep_normed)
+            return routed, routed.projection.residual, routed.projection.normed
         out = dispatch.norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, keep_normed)
         return out.y, out.residual, out.normed
     if residual is None:
@@ -186,6 +193,7 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
 
     reuses_input = False  # forward_projected needs only the projection, not x (SparseMoeBlock's does)
+    decode_route = None  # no routing (SparseMoeBlock's: its router's, for norm_project)
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu",
                  dtype=None, device=None) -> None:

@@ -91,7 +91,7 @@ class LlamaDecoderLayer(nn.Module):
         qkv, residual, _ = norm_project(self.input_layernorm, x, residual, self.self_attn.input_proj)
         x = self.self_attn.forward_projected(qkv, ctx)
         projected, residual, normed = norm_project(self.post_attention_layernorm, x, residual, self.mlp.input_proj,
-                                                   keep_normed=self.mlp.reuses_input)
+                                                   keep_normed=self.mlp.reuses_input, route=self.mlp.decode_route)
         return self.mlp.forward_projected(projected, normed), residual
 
 
