@@ -95,8 +95,9 @@ class SparseMoeBlock(nn.Module):
         self.router_rows = num_experts + self.fold_shared
         self.gate = Linear(hidden_size, -(-self.router_rows // 8) * 8 if self.fold_shared else num_experts, False,
                            dtype, device)
-        # the router's decode rows may route in the router's own launch (kernels/triton_router.py): its counter
+        # the router's decode rows may route in the router's own launch (kernels/triton_router.py): what it routes by
         self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
+        self.decode_route = RouteSpec(top_k, num_experts, norm_topk_prob, self.shared_expert_id, self.route_counter)
         self.w13 = nn.Parameter(
             torch.empty(self.num_stacked, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
         self.w2 = nn.Parameter(
@@ -116,11 +117,6 @@ class SparseMoeBlock(nn.Module):
     def input_proj(self) -> MergedLinear:
         """The router: the projection a fused norm may run in (``pipeline.models.layers.norm_project``)."""
         return self.gate
-
-    @property
-    def decode_route(self) -> RouteSpec:
-        """What ``route_logits`` routes by, for a router launch that also routes (``norm_project``)."""
-        return RouteSpec(self.top_k, self.num_experts, self.norm_topk_prob, self.shared_expert_id, self.route_counter)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, H] -> (topk_weights fp32 [T, k], topk_ids [T, k] global expert ids); with the shared expert
