@@ -22,6 +22,8 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
   outputs are right;
 * ``gate_up=BN,BK,W[,S]`` / ``down=BN,BK,W``: the MoE decode kernels' launch config at batch 1 (``decode_config``:
   block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right;
+* ``gemv_stages=N``: the one-row GEMVs' W tiles in flight along K (``triton_gemv.GEMV_K_STAGES``); the outputs
+  are right;
 * ``route_in_router=0|1``: the router's launch also routes, no routing kernel (``ROUTE_IN_ROUTER``,
   ``kernels/triton_router.py``); the outputs are right.
 """
@@ -44,7 +46,7 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import dispatch, triton_decode_attention, triton_moe_decode, triton_router  # noqa: E402
+from kernels import dispatch, triton_decode_attention, triton_gemv, triton_moe_decode, triton_router  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -104,6 +106,8 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         default = triton_moe_decode.decode_config
         return patched(triton_moe_decode, "decode_config", lambda t, k=8: (
             (config, default(t, k)[1]) if part == "gate_up" else (default(t, k)[0], config)))
+    if name.startswith("gemv_stages="):
+        return patched(triton_gemv, "GEMV_K_STAGES", int(name.split("=")[1]))
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),

@@ -85,7 +85,7 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
     WRITE_BLOCK: tl.constexpr = 16, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-    ROW_LOOP: tl.constexpr = False,
+    ROW_LOOP: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
 ):
     """ROW_LOOP: each program runs the one-row program (M = 1, BLOCK_M = 1) for each of the M rows in turn, the
     same operations on the same tiles as a one-row launch, so every row's bits equal its own one-row launch's
@@ -96,11 +96,11 @@ def _gemv_kernel(
             _gemv_program(x_ptr + row * x_s0, w_ptr, b_ptr, y_ptr + row * N, ws_ptr + row * N, M * N,
                           1, N, K, k_split, x_s0, r_ptr + row * r_s0, r_s0, nw_ptr, res_out_ptr + row * K,
                           normed_ptr + row * K, eps, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
+                          BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, K_STAGES)
     else:
         _gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M * N, M, N, K, k_split, x_s0, r_ptr, r_s0, nw_ptr,
                       res_out_ptr, normed_ptr, eps, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N,
-                      BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
+                      BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, K_STAGES)
 
 
 @_jit
@@ -111,7 +111,7 @@ def _gemv_program(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
-    WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, K_STAGES: tl.constexpr,
 ):
     """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split).
 
@@ -148,10 +148,16 @@ def _gemv_program(
         acc, squares = _accumulate_tile(w_first, k_lo, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
                                         NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
         k_start += BLOCK_K
-    for k in range(k_start, k_hi, BLOCK_K):
-        w = _load_weight_tile(w_base, k, K, offs_k, EVEN_K)
-        acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
-                                        NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
+    if K_STAGES > 1:  # the later W tiles copied into shared memory ahead of their use (tl.range's stages)
+        for k in tl.range(k_start, k_hi, BLOCK_K, num_stages=K_STAGES):
+            w = _load_weight_tile(w_base, k, K, offs_k, EVEN_K)
+            acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
+                                            NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
+    else:
+        for k in range(k_start, k_hi, BLOCK_K):
+            w = _load_weight_tile(w_base, k, K, offs_k, EVEN_K)
+            acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
+                                            NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
     if USE_DOT:
         out = acc
     else:
@@ -214,6 +220,10 @@ WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_WHOLE_ROWS", "0") == "1"
 # one at 1-21 MB (2048 x 4096, the routers, 5120 x 2048 with the norm), hence the floor. End to end, H200, B1
 # (results/gemv-tma-ab-h200-1ee1fec.json): Qwen3.5-35B-A3B 382.0 -> 405.6 tok/s, Qwen3-30B-A3B 396.8 -> 401.5.
 GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "1") == "1"
+# W tiles in flight a program along K on the FMA path (one row): above 1, ``tl.range``'s stages copy the later tiles
+# into shared memory ahead of their use (registers unchanged; a plain loop is not pipelined). Read at each launch;
+# bench/b1_ablation.py ``gemv_stages=N`` measures it.
+GEMV_K_STAGES = 1
 GEMV_TMA_MIN_BYTES = 32 << 20
 
 
@@ -319,7 +329,7 @@ def gemv_triton(
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"], PREFETCH=bool(pdl) if prefetch is None else prefetch,
-        ROW_LOOP=row_loop, **pdl,
+        ROW_LOOP=row_loop, K_STAGES=1 if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
@@ -387,7 +397,8 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=cfg["num_stages"], NORM=True, HAS_RES=residual is not None, WRITE_NORMED=write_normed,
-        WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop, **pdl,
+        WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop,
+        K_STAGES=1 if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
     )
     return out
 

@@ -58,12 +58,12 @@ def _norm_route_kernel(
     RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
     NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
     WRITE_BLOCK: tl.constexpr = 16, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-    ROW_LOOP: tl.constexpr = False,
+    ROW_LOOP: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
 ):
     """``_gemv_kernel``'s program, then the last program to arrive routes every row from the stored logits."""
     _gemv_kernel(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M, N, K, k_split, x_s0, r_ptr, r_s0, nw_ptr, res_out_ptr,
                  normed_ptr, eps, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, NORM,
-                 HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, ROW_LOOP)
+                 HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, ROW_LOOP, K_STAGES)
     tl.debug_barrier()  # every thread's stores issued before the program counts itself in (a release, gpu scope)
     arrived = tl.atomic_add(counter_ptr, 1, sem="acq_rel", scope="gpu")
     if arrived == tl.num_programs(0) - 1:

@@ -287,3 +287,41 @@ def test_gpu_row_loop_bits(m, n, k):
     singles = [gemv_norm_triton(x[i:i + 1], r[i:i + 1], nw, 1e-6, w, None, True) for i in range(m)]
     for field in ("y", "residual", "normed"):
         assert torch.equal(getattr(normed, field), torch.cat([getattr(s, field) for s in singles])), field
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("m,row_loop", [(1, False), (3, True)])
+def test_k_stages_keep_the_bits(monkeypatch, stages, m, row_loop):
+    """W tiles staged ahead along K (``GEMV_K_STAGES``) change when tiles arrive, not the operations: the plain and
+    the normed GEMV give the same bits as with one stage, the first tile loaded early or not (a K of 4 tiles)."""
+    import kernels.triton_gemv as module
+
+    x, w, b = operands(m, 24, 256, torch.float32, True, seed=5)
+    r, nw = randn(m, 256, seed=6), 1 + 0.3 * randn(256, seed=7)
+
+    def run(prefetch: bool):
+        plain = gemv_triton(x, w, b, block_k=64, prefetch=prefetch, row_loop=row_loop)
+        normed = module.gemv_norm_triton(x, r, nw, 1e-6, w, b, True, block_k=64, prefetch=prefetch,
+                                         row_loop=row_loop)
+        return plain, normed.y, normed.normed
+
+    for prefetch in (False, True):
+        one = run(prefetch)
+        monkeypatch.setattr(module, "GEMV_K_STAGES", stages)
+        staged = run(prefetch)
+        monkeypatch.setattr(module, "GEMV_K_STAGES", 1)
+        assert all(torch.equal(a, b) for a, b in zip(one, staged))
+        close(one[0], gemv_ref(x, w, b))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n,k", [(2048, 4096), (5120, 2048), (128, 2048)])  # o_proj, qkv, a router (one row)
+def test_gpu_k_stages_keep_the_bits(monkeypatch, n, k):
+    import kernels.triton_gemv as module
+
+    x, w, _ = operands(1, n, k, torch.bfloat16, False, seed=8)
+    r, nw = randn(1, k, dtype=torch.bfloat16, seed=9), (1 + 0.3 * randn(k, seed=10)).to(torch.bfloat16)
+    one = gemv_triton(x, w), module.gemv_norm_triton(x, r, nw, 1e-6, w).y
+    monkeypatch.setattr(module, "GEMV_K_STAGES", 3)
+    staged = gemv_triton(x, w), module.gemv_norm_triton(x, r, nw, 1e-6, w).y
+    assert torch.equal(one[0], staged[0]) and torch.equal(one[1], staged[1])
