@@ -222,8 +222,8 @@ WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_WHOLE_ROWS", "0") == "1"
 GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "1") == "1"
 # W tiles in flight a program along K on the FMA path (one row): above 1, ``tl.range``'s stages copy the later tiles
 # into shared memory ahead of their use (registers unchanged; a plain loop is not pipelined). Read at each launch;
-# bench/b1_ablation.py ``gemv_stages=N`` measures it.
-GEMV_K_STAGES = 1
+# CONVEYOR_GEMV_K_STAGES sets it, bench/b1_ablation.py ``gemv_stages=N`` measures it.
+GEMV_K_STAGES = int(os.environ.get("CONVEYOR_GEMV_K_STAGES", "1"))
 GEMV_TMA_MIN_BYTES = 32 << 20
 
 
