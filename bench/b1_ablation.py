@@ -24,6 +24,9 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
   block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right;
 * ``gemv_stages=N``: the one-row GEMVs' W tiles in flight along K (``triton_gemv.GEMV_K_STAGES``); the outputs
   are right;
+* ``gemv=BN,BK`` / ``gemv_norm=BN,BK``: the one-row Triton GEMVs' tiles (``gemv_config``: the plain projections;
+  ``gemv_norm_config``: those with the norm inside; ``gemv=`` also reaches the normed ones of under 1,024 rows, the
+  routers), rows by columns of W; the outputs are right;
 * ``route_in_router=0|1``: the router's launch also routes, no routing kernel (``ROUTE_IN_ROUTER``,
   ``kernels/triton_router.py``); the outputs are right.
 """
@@ -106,6 +109,15 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         default = triton_moe_decode.decode_config
         return patched(triton_moe_decode, "decode_config", lambda t, k=8: (
             (config, default(t, k)[1]) if part == "gate_up" else (default(t, k)[0], config)))
+    if name.startswith(("gemv=", "gemv_norm=")):
+        part, tile = name.split("=")
+        block_n, block_k = (int(v) for v in tile.split(","))
+        config = getattr(triton_gemv, f"{part}_config")
+
+        def tiled(m, n, k, *args, **kwargs):
+            cfg = config(m, n, k, *args, **kwargs)
+            return {**cfg, "block_n": block_n, "block_k": block_k} if m == 1 and not cfg["use_dot"] else cfg
+        return patched(triton_gemv, f"{part}_config", tiled)
     if name.startswith("gemv_stages="):
         return patched(triton_gemv, "GEMV_K_STAGES", int(name.split("=")[1]))
     if name.startswith("short="):
