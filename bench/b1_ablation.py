@@ -28,7 +28,9 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
   ``gemv_norm_config``: those with the norm inside; ``gemv=`` also reaches the normed ones of under 1,024 rows, the
   routers), rows by columns of W; the outputs are right;
 * ``route_in_router=0|1``: the router's launch also routes, no routing kernel (``ROUTE_IN_ROUTER``,
-  ``kernels/triton_router.py``); the outputs are right.
+  ``kernels/triton_router.py``); the outputs are right;
+* ``prologue_in_projection=0|1``: the qkv projection's launch also runs the attention prologue, no prologue kernel
+  (``PROLOGUE_IN_PROJECTION``, ``kernels/triton_qkv_projection.py``); the outputs are right.
 """
 from __future__ import annotations
 
@@ -49,7 +51,8 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import dispatch, triton_decode_attention, triton_gemv, triton_moe_decode, triton_router  # noqa: E402
+from kernels import (dispatch, triton_decode_attention, triton_gemv, triton_moe_decode,  # noqa: E402
+                     triton_qkv_projection, triton_router)
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -124,7 +127,8 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
              "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS"),
-             "route_in_router": (triton_router, "ROUTE_IN_ROUTER")}
+             "route_in_router": (triton_router, "ROUTE_IN_ROUTER"),
+             "prologue_in_projection": (triton_qkv_projection, "PROLOGUE_IN_PROJECTION")}
     if name.split("=")[0] in knobs:
         owner, attribute = knobs[name.split("=")[0]]
         return patched(owner, attribute, name.split("=")[1] == "1")

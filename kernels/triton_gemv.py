@@ -362,12 +362,14 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                      weight: torch.Tensor, bias: torch.Tensor | None = None, write_normed: bool = False, *,
                      block_n: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None, prefetch: bool | None = None,
-                     row_loop: bool = False, epilogue: tuple | None = None) -> NormedProjection:
+                     row_loop: bool = False, epilogue: tuple | None = None,
+                     out: torch.Tensor | None = None) -> NormedProjection:
     """``gemv_norm_ref`` in one launch: the residual-add RMSNorm in the GEMV's K loop (no K split). At decode
     batch sizes this replaces a norm kernel a layer. ``row_loop``: as ``gemv_triton``'s. ``epilogue``:
     ``(kernel, args, constexprs)``, a kernel run instead of ``_gemv_kernel`` that takes its arguments followed by
-    ``args`` and ``constexprs`` and runs its program first (the MoE router's routing, ``kernels/triton_router.py``);
-    the TMA kernel is not used then."""
+    ``args`` and ``constexprs`` and runs its program first (the MoE router's routing, ``kernels/triton_router.py``;
+    the attention prologue, ``kernels/triton_qkv_projection.py``); the TMA kernel is not used then. ``out``: y's
+    storage, [M, N] contiguous in x's dtype (an epilogue's arguments may be views of it)."""
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
@@ -385,7 +387,9 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     cfg = gemv_norm_config(1 if row_loop else m, n, k, x.dtype, sms, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     grid_n = triton.cdiv(n, bn)
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if out is not None and (out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
     out = NormedProjection(y, x if residual is None else torch.empty_like(x),
                            torch.empty_like(x) if write_normed else None)
     write_block = max(16, min(2048 // cfg["block_m"], triton.next_power_of_2(triton.cdiv(k, grid_n))))

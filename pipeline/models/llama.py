@@ -88,10 +88,11 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual, _ = norm_project(self.input_layernorm, x, residual, self.self_attn.input_proj)
+        qkv, residual, _ = norm_project(self.input_layernorm, x, residual, self.self_attn.input_proj,
+                                        epilogue=self.self_attn.decode_prologue(ctx))
         x = self.self_attn.forward_projected(qkv, ctx)
         projected, residual, normed = norm_project(self.post_attention_layernorm, x, residual, self.mlp.input_proj,
-                                                   keep_normed=self.mlp.reuses_input, route=self.mlp.decode_route)
+                                                   keep_normed=self.mlp.reuses_input, epilogue=self.mlp.decode_route)
         return self.mlp.forward_projected(projected, normed), residual
 
 

@@ -85,24 +85,44 @@ def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, mo
         torch.testing.assert_close(ours.float(), ref.float(), atol=0.05 * scale, rtol=0.05)
 
 
+def launches_of_a_switch(model, monkeypatch, module, switch: str, launch: str) -> int:
+    """Decode steps of one sequence with ``module.<switch>`` off, then on (its ``applies`` standing in for the
+    real one, which wants CUDA tensors): the same tokens and logits, bitwise. Returns the ``dispatch.<launch>``
+    calls made with it on."""
+    prompt = [list(range(100, 107))]
+    separate_run = run_paged(model, prompt, max_new_tokens=3)
+    calls = []
+    fused = getattr(dispatch, launch)
+    monkeypatch.setattr(dispatch, launch, lambda *a: calls.append(a) or fused(*a))
+    monkeypatch.setattr(module, switch, True)
+    monkeypatch.setattr(module, "applies", lambda *a: getattr(module, switch))
+    fused_run = run_paged(model, prompt, max_new_tokens=3)
+    assert fused_run.generated == separate_run.generated
+    for ours, ref in zip(fused_run.decode_logits[0], separate_run.decode_logits[0]):
+        assert torch.equal(ours, ref)
+    return len(calls)
+
+
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
 def test_one_decode_row_routes_in_the_router_launch(model_type, monkeypatch):
-    """bf16, one sequence, ``ROUTE_IN_ROUTER`` on: every MoE layer's router launch at a decode step also routes
+    """bf16, ``ROUTE_IN_ROUTER`` on: every MoE layer's router launch at a decode step also routes
     (``kernels/triton_router.py``; the hybrid's router holds the folded shared expert's gate row), and the model
     gives the same logits, bitwise, and tokens as with the routing kernel after the router."""
     from kernels import triton_router
 
     model = bf16_model_on_the_gpu_path(model_type, monkeypatch)
-    prompt = [list(range(100, 107))]
-    separate_run = run_paged(model, prompt, max_new_tokens=3)
-    routed = []
-    norm_route = dispatch.norm_route
-    monkeypatch.setattr(dispatch, "norm_route", lambda *a: routed.append(a[5].experts) or norm_route(*a))
-    monkeypatch.setattr(triton_router, "ROUTE_IN_ROUTER", True)
-    monkeypatch.setattr(triton_router, "applies", lambda x: triton_router.ROUTE_IN_ROUTER)  # CPU tensors here
-    fused_run = run_paged(model, prompt, max_new_tokens=3)
+    launches = launches_of_a_switch(model, monkeypatch, triton_router, "ROUTE_IN_ROUTER", "norm_route")
     moe_layers = sum(hasattr(layer.mlp, "route_counter") for layer in model.model.layers)
-    assert moe_layers and len(routed) == 2 * moe_layers  # two single-row decode steps (after the prefill)
-    assert fused_run.generated == separate_run.generated
-    for ours, ref in zip(fused_run.decode_logits[0], separate_run.decode_logits[0]):
-        assert torch.equal(ours, ref)
+    assert moe_layers and launches == 2 * moe_layers  # two single-row decode steps (after the prefill)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_one_decode_row_runs_the_prologue_in_the_qkv_launch(model_type, monkeypatch):
+    """bf16, ``PROLOGUE_IN_PROJECTION`` on: every attention layer's qkv launch at a decode step also runs the q/k
+    norm, rope and KV write (``kernels/triton_qkv_projection.py``), and the model gives the same logits, bitwise,
+    and tokens as with the prologue kernel after the projection."""
+    from kernels import triton_qkv_projection
+
+    model = bf16_model_on_the_gpu_path(model_type, monkeypatch)
+    launches = launches_of_a_switch(model, monkeypatch, triton_qkv_projection, "PROLOGUE_IN_PROJECTION", "norm_qkv")
+    assert launches == 2 * len(model.model.layers)  # two single-row decode steps (after the prefill)
