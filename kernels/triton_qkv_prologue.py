@@ -40,7 +40,7 @@ def prologue_head(
     """One head of one token: q head ``head`` (< n_q_heads) normed and rotated in place, or k head
     ``head - n_q_heads`` too, then written with its v head to the cache slot (when the slot is >= 0), given the
     token's rotation pairs (``_rotation_pairs``). q, k and v are read through L2 (``.cg``): the qkv projection's
-    last program calls this on rows other programs just stored (kernels/triton_qkv_in_projection.py)."""
+    last program calls this on rows other programs just stored (kernels/triton_qkv_projection.py)."""
     is_q = head < n_q_heads
     if is_q:
         base = q_ptr + tok * q_s0 + head.to(tl.int64) * q_s1
