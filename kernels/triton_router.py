@@ -5,8 +5,9 @@ At one decode row (and verify rows taken as decode rows) the router's norm and p
 the GEMV's programs run as there; then each counts itself in on a counter, and the last to arrive, which then sees
 every program's logits, routes the rows (``route_row``) and sets the counter back to zero for the next launch. The
 logits are stored rounded to x's dtype, as the separate kernels store and read them, so the same experts are
-picked; the weights are the same values, summed by this kernel's warps rather than the routing kernel's one warp
-(every decode-row launch takes this path when it is on, so decode and verify rows agree bitwise).
+picked; the weights may differ from the routing kernel's in their last bit (their softmax sums run over this
+kernel's warps rather than its one warp). Every decode-row launch takes this path while it is on, so decode and
+verify rows still agree bitwise.
 
 ``ROUTE_IN_ROUTER`` (``CONVEYOR_ROUTE_IN_ROUTER=1``; read at each call) turns it on: ``bench/b1_ablation.py``
 variant ``route_in_router=1`` measures it.
