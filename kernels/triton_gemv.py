@@ -87,7 +87,10 @@ def _gemv_kernel(
     WRITE_BLOCK: tl.constexpr = 16, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
     ROW_LOOP: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
 ):
-    """ROW_LOOP: each program runs the one-row program (M = 1, BLOCK_M = 1) for each of the M rows in turn, the
+    """K_STAGES: W tiles in flight along the K loop (the dot path's pipeline depth, the FMA path's
+    ``GEMV_K_STAGES``; the same code a plain loop at that kernel ``num_stages`` gives).
+
+    ROW_LOOP: each program runs the one-row program (M = 1, BLOCK_M = 1) for each of the M rows in turn, the
     same operations on the same tiles as a one-row launch, so every row's bits equal its own one-row launch's
     whatever M is (speculative verify rows against one-token decode rows). The weight slice a program streams is
     read again per row, from L1/L2."""
@@ -148,16 +151,10 @@ def _gemv_program(
         acc, squares = _accumulate_tile(w_first, k_lo, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
                                         NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
         k_start += BLOCK_K
-    if K_STAGES > 1:  # the later W tiles copied into shared memory ahead of their use (tl.range's stages)
-        for k in tl.range(k_start, k_hi, BLOCK_K, num_stages=K_STAGES):
-            w = _load_weight_tile(w_base, k, K, offs_k, EVEN_K)
-            acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
-                                            NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
-    else:
-        for k in range(k_start, k_hi, BLOCK_K):
-            w = _load_weight_tile(w_base, k, K, offs_k, EVEN_K)
-            acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
-                                            NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
+    for k in tl.range(k_start, k_hi, BLOCK_K, num_stages=K_STAGES):  # K_STAGES W tiles in flight (1: none ahead)
+        w = _load_weight_tile(w_base, k, K, offs_k, EVEN_K)
+        acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
+                                        NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
     if USE_DOT:
         out = acc
     else:
@@ -329,7 +326,7 @@ def gemv_triton(
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"], PREFETCH=bool(pdl) if prefetch is None else prefetch,
-        ROW_LOOP=row_loop, K_STAGES=1 if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
+        ROW_LOOP=row_loop, K_STAGES=(num_stages or cfg["num_stages"]) if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
@@ -402,7 +399,7 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=cfg["num_stages"], NORM=True, HAS_RES=residual is not None, WRITE_NORMED=write_normed,
         WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop,
-        K_STAGES=1 if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
+        K_STAGES=cfg["num_stages"] if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
     )
     return out
 

@@ -8,11 +8,11 @@ share one), and the last to arrive, which then sees the head's every row, runs t
 (``prologue_head``) on every row and sets the counter back to zero. The operations are the prologue kernel's, so
 q, k and the cache get the same bits. Heads after q, k and v (an output gate's) have no prologue.
 
-Only where the projection runs on the Triton GEMV anyway (a weight under the TMA kernel's floor), so no faster
-GEMV is traded for it. The prologue's code would raise the kernel's registers a thread (109 against the GEMV's 80
-for Qwen3-30B-A3B's [8, 512] tiles, sm_90) and cost its 640 programs their single wave, so registers are capped at
-what one wave allows (96 there, no spills). ``PROLOGUE_IN_PROJECTION`` (``CONVEYOR_PROLOGUE_IN_PROJECTION=1``; read at each call) turns
-it on: ``bench/b1_ablation.py`` variant ``prologue_in_projection=1`` measures it.
+Only where the projection runs on the Triton GEMV anyway (a weight under the TMA kernel's floor), so no faster GEMV
+is traded for it. The prologue's code would raise the kernel's registers a thread (109 against the GEMV's 80 for
+Qwen3-30B-A3B's [8, 512] tiles, sm_90) and cost its 640 programs their single wave, so registers are capped at what
+one wave allows (96 there, no spills). ``PROLOGUE_IN_PROJECTION`` (``CONVEYOR_PROLOGUE_IN_PROJECTION=1``; read at
+each call) turns it on: ``bench/b1_ablation.py`` variant ``prologue_in_projection=1`` measures it.
 """
 
 from __future__ import annotations
@@ -121,7 +121,8 @@ def norm_qkv_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight:
     if n < q_size + 2 * kv_size:
         raise ValueError(f"a projection of {n} rows has no room for {h} q and 2 x {kvh} k/v heads of {d}")
     if prologue.counters.dtype != torch.int32 or prologue.counters.shape != (h + kvh,):
-        raise ValueError(f"need {h + kvh} int32 counters, got {prologue.counters.dtype} {tuple(prologue.counters.shape)}")
+        raise ValueError(f"need {h + kvh} int32 counters, got {prologue.counters.dtype} "
+                         f"{tuple(prologue.counters.shape)}")
     cfg = gemv_norm_config(1, n, weight.shape[1], x.dtype)
     block_n = cfg["block_n"]
     if d % block_n:

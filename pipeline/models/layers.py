@@ -276,16 +276,20 @@ class PagedAttention(nn.Module):
     def input_proj(self) -> MergedLinear:
         return self.qkv_proj
 
+    @property
+    def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q norm weight, k norm weight, eps) as the prologue takes them; (None, None, 0.0) without them."""
+        return (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+
     def decode_prologue(self, ctx: ForwardContext) -> QkvPrologue | None:
         """This step's prologue, for a qkv projection launch that also runs it (``norm_project``), while
         ``PROLOGUE_IN_PROJECTION`` is on."""
         if not triton_qkv_projection.PROLOGUE_IN_PROJECTION or ctx.rope is None:
             return None
-        norms = (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
         rope = ctx.rope
-        return QkvPrologue(self.num_heads, self.num_kv_heads, self.head_dim, *norms, rope.cos_table, rope.sin_table,
-                           self.is_neox_style, ctx.kv_cache(self.cache_index), ctx.attention.slot_mapping,
-                           rope.positions, self.prologue_counters)
+        return QkvPrologue(self.num_heads, self.num_kv_heads, self.head_dim, *self.qk_norms, rope.cos_table,
+                           rope.sin_table, self.is_neox_style, ctx.kv_cache(self.cache_index),
+                           ctx.attention.slot_mapping, rope.positions, self.prologue_counters)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Reads the step's rope (cos/sin [T, 1, rotary_dim]) and attention plan
@@ -308,11 +312,9 @@ class PagedAttention(nn.Module):
             q = qkv[:, : self.q_size].view(T, H, D)
             k = qkv[:, self.q_size : qk_end].view(T, KVH, D)
             v = qkv[:, qk_end:v_end].view(T, KVH, D)
-            norms = (None, None, 0.0) if self.q_norm is None else (
-                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             if not prologued:
-                dispatch.qkv_prologue(q, k, v, *norms, rope.cos_table, rope.sin_table, self.is_neox_style, kv_cache,
-                                      meta.slot_mapping, rows=rope.positions)
+                dispatch.qkv_prologue(q, k, v, *self.qk_norms, rope.cos_table, rope.sin_table, self.is_neox_style,
+                                      kv_cache, meta.slot_mapping, rows=rope.positions)
             gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
             out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
             return self.o_proj(out.reshape(T, self.q_size))
