@@ -21,16 +21,7 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``short=N``: the decode reduce takes its short tile for rows of at most N splits (``REDUCE_SHORT_SPLITS``); the
   outputs are right;
 * ``gate_up=BN,BK,W[,S]`` / ``down=BN,BK,W``: the MoE decode kernels' launch config at batch 1 (``decode_config``:
-  block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right;
-* ``gemv_stages=N``: the one-row GEMVs' W tiles in flight along K (``triton_gemv.GEMV_K_STAGES``); the outputs
-  are right;
-* ``gemv=BN,BK`` / ``gemv_norm=BN,BK``: the one-row Triton GEMVs' tiles (``gemv_config``: the plain projections;
-  ``gemv_norm_config``: those with the norm inside; ``gemv=`` also reaches the normed ones of under 1,024 rows, the
-  routers), rows by columns of W; the outputs are right;
-* ``route_in_router=0|1``: the router's launch also routes, no routing kernel (``ROUTE_IN_ROUTER``,
-  ``kernels/triton_router.py``); the outputs are right;
-* ``prologue_in_projection=0|1``: the qkv projection's launch also runs the attention prologue, no prologue kernel
-  (``PROLOGUE_IN_PROJECTION``, ``kernels/triton_qkv_projection.py``); the outputs are right.
+  block over outputs, block over the reduced dim, warps; gate/up's stages); the outputs are right.
 """
 from __future__ import annotations
 
@@ -51,8 +42,7 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import (dispatch, triton_decode_attention, triton_gemv, triton_moe_decode,  # noqa: E402
-                     triton_qkv_projection, triton_router)
+from kernels import dispatch, triton_decode_attention, triton_moe_decode  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -112,23 +102,10 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         default = triton_moe_decode.decode_config
         return patched(triton_moe_decode, "decode_config", lambda t, k=8: (
             (config, default(t, k)[1]) if part == "gate_up" else (default(t, k)[0], config)))
-    if name.startswith(("gemv=", "gemv_norm=")):
-        part, tile = name.split("=")
-        block_n, block_k = (int(v) for v in tile.split(","))
-        config = getattr(triton_gemv, f"{part}_config")
-
-        def tiled(m, n, k, *args, **kwargs):
-            cfg = config(m, n, k, *args, **kwargs)
-            return {**cfg, "block_n": block_n, "block_k": block_k} if m == 1 and not cfg["use_dot"] else cfg
-        return patched(triton_gemv, f"{part}_config", tiled)
-    if name.startswith("gemv_stages="):
-        return patched(triton_gemv, "GEMV_K_STAGES", int(name.split("=")[1]))
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
-             "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS"),
-             "route_in_router": (triton_router, "ROUTE_IN_ROUTER"),
-             "prologue_in_projection": (triton_qkv_projection, "PROLOGUE_IN_PROJECTION")}
+             "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS")}
     if name.split("=")[0] in knobs:
         owner, attribute = knobs[name.split("=")[0]]
         return patched(owner, attribute, name.split("=")[1] == "1")

@@ -22,8 +22,6 @@ from kernels.triton_gemv import SKINNY_MAX_M, NormedProjection, gemv_norm_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
 from kernels.triton_qkv_prologue import qkv_prologue_ref, qkv_prologue_triton
 from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
-from kernels.triton_qkv_projection import QkvPrologue, norm_qkv_triton
-from kernels.triton_router import RoutedProjection, RouteSpec, norm_route_triton
 
 
 _ROWS_AS_DECODE: ContextVar[bool] = ContextVar("rows_as_decode", default=False)
@@ -105,19 +103,6 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
                 weight: torch.Tensor, bias: torch.Tensor | None, write_normed: bool) -> NormedProjection:
     """The residual-add RMSNorm inside a skinny projection (where ``skinny_linear_applies``)."""
     return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed, row_loop=decode_rows_on())
-
-
-def norm_route(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-               weight: torch.Tensor, route: RouteSpec, write_normed: bool) -> RoutedProjection:
-    """``norm_linear`` of a MoE router, and the rows' routing, in one launch; see ``kernels/triton_router.py``."""
-    return norm_route_triton(x, residual, norm_weight, eps, weight, route, write_normed, row_loop=decode_rows_on())
-
-
-def norm_qkv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-             weight: torch.Tensor, prologue: QkvPrologue) -> NormedProjection:
-    """``norm_linear`` of an attention layer's qkv, and its prologue, in one launch; see
-    ``kernels/triton_qkv_projection.py``."""
-    return norm_qkv_triton(x, residual, norm_weight, eps, weight, prologue, row_loop=decode_rows_on())
 
 
 def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,

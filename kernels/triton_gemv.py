@@ -85,12 +85,9 @@ def _gemv_kernel(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr = False, HAS_RES: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
     WRITE_BLOCK: tl.constexpr = 16, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-    ROW_LOOP: tl.constexpr = False, K_STAGES: tl.constexpr = 1,
+    ROW_LOOP: tl.constexpr = False,
 ):
-    """K_STAGES: W tiles in flight along the K loop (the dot path's pipeline depth, the FMA path's
-    ``GEMV_K_STAGES``; the same code a plain loop at that kernel ``num_stages`` gives).
-
-    ROW_LOOP: each program runs the one-row program (M = 1, BLOCK_M = 1) for each of the M rows in turn, the
+    """ROW_LOOP: each program runs the one-row program (M = 1, BLOCK_M = 1) for each of the M rows in turn, the
     same operations on the same tiles as a one-row launch, so every row's bits equal its own one-row launch's
     whatever M is (speculative verify rows against one-token decode rows). The weight slice a program streams is
     read again per row, from L1/L2."""
@@ -99,11 +96,11 @@ def _gemv_kernel(
             _gemv_program(x_ptr + row * x_s0, w_ptr, b_ptr, y_ptr + row * N, ws_ptr + row * N, M * N,
                           1, N, K, k_split, x_s0, r_ptr + row * r_s0, r_s0, nw_ptr, res_out_ptr + row * K,
                           normed_ptr + row * K, eps, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N,
-                          BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, K_STAGES)
+                          BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
     else:
         _gemv_program(x_ptr, w_ptr, b_ptr, y_ptr, ws_ptr, M * N, M, N, K, k_split, x_s0, r_ptr, r_s0, nw_ptr,
                       res_out_ptr, normed_ptr, eps, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N,
-                      BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, K_STAGES)
+                      BLOCK_K, NORM, HAS_RES, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
 
 
 @_jit
@@ -114,7 +111,7 @@ def _gemv_program(
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE_NORMED: tl.constexpr,
-    WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr, K_STAGES: tl.constexpr,
+    WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
 ):
     """Grid (N tiles, K splits): rows [pid_n*BLOCK_N, +BLOCK_N) of W over K range [pid_k*k_split, +k_split).
 
@@ -151,7 +148,7 @@ def _gemv_program(
         acc, squares = _accumulate_tile(w_first, k_lo, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
                                         NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
         k_start += BLOCK_K
-    for k in tl.range(k_start, k_hi, BLOCK_K, num_stages=K_STAGES):  # K_STAGES W tiles in flight (1: none ahead)
+    for k in range(k_start, k_hi, BLOCK_K):
         w = _load_weight_tile(w_base, k, K, offs_k, EVEN_K)
         acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
                                         NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
@@ -217,10 +214,6 @@ WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_WHOLE_ROWS", "0") == "1"
 # one at 1-21 MB (2048 x 4096, the routers, 5120 x 2048 with the norm), hence the floor. End to end, H200, B1
 # (results/gemv-tma-ab-h200-1ee1fec.json): Qwen3.5-35B-A3B 382.0 -> 405.6 tok/s, Qwen3-30B-A3B 396.8 -> 401.5.
 GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "1") == "1"
-# W tiles in flight a program along K on the FMA path (one row): above 1, ``tl.range``'s stages copy the later tiles
-# into shared memory ahead of their use (registers unchanged; a plain loop is not pipelined). Read at each launch;
-# CONVEYOR_GEMV_K_STAGES sets it, bench/b1_ablation.py ``gemv_stages=N`` measures it.
-GEMV_K_STAGES = int(os.environ.get("CONVEYOR_GEMV_K_STAGES", "1"))
 GEMV_TMA_MIN_BYTES = 32 << 20
 
 
@@ -326,7 +319,7 @@ def gemv_triton(
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=num_stages or cfg["num_stages"], PREFETCH=bool(pdl) if prefetch is None else prefetch,
-        ROW_LOOP=row_loop, K_STAGES=(num_stages or cfg["num_stages"]) if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
+        ROW_LOOP=row_loop, **pdl,
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
@@ -359,14 +352,9 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
                      weight: torch.Tensor, bias: torch.Tensor | None = None, write_normed: bool = False, *,
                      block_n: int | None = None, block_k: int | None = None,
                      num_warps: int | None = None, prefetch: bool | None = None,
-                     row_loop: bool = False, epilogue: tuple | None = None,
-                     out: torch.Tensor | None = None) -> NormedProjection:
+                     row_loop: bool = False) -> NormedProjection:
     """``gemv_norm_ref`` in one launch: the residual-add RMSNorm in the GEMV's K loop (no K split). At decode
-    batch sizes this replaces a norm kernel a layer. ``row_loop``: as ``gemv_triton``'s. ``epilogue``:
-    ``(kernel, args, constexprs)``, a kernel run instead of ``_gemv_kernel`` that takes its arguments followed by
-    ``args`` and ``constexprs`` and runs its program first (the MoE router's routing, ``kernels/triton_router.py``;
-    the attention prologue, ``kernels/triton_qkv_projection.py``); the TMA kernel is not used then. ``out``: y's
-    storage, [M, N] contiguous in x's dtype (an epilogue's arguments may be views of it)."""
+    batch sizes this replaces a norm kernel a layer. ``row_loop``: as ``gemv_triton``'s."""
     _check_operands(x, weight, bias)
     (m, k), n = x.shape, weight.shape[0]
     if norm_weight.shape != (k,) or (residual is not None and residual.shape != x.shape):
@@ -378,28 +366,24 @@ def gemv_norm_triton(x: torch.Tensor, residual: torch.Tensor | None, norm_weight
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
     row_loop = row_loop and m > 1
-    if (block_n, block_k, num_warps, prefetch, epilogue) == (None,) * 5 and (tma := _tma_for(x, weight, row_loop)):
+    if (block_n, block_k, num_warps, prefetch) == (None,) * 4 and (tma := _tma_for(x, weight, row_loop)):
         return tma.gemv_norm_tma(x, residual, norm_weight, eps, weight, bias, write_normed, pdl=bool(pdl),
                                  row_loop=row_loop)
     cfg = gemv_norm_config(1 if row_loop else m, n, k, x.dtype, sms, pdl=bool(pdl))
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     grid_n = triton.cdiv(n, bn)
-    if out is not None and (out.shape != (m, n) or out.dtype != x.dtype or not out.is_contiguous()):
-        raise ValueError(f"out must be a contiguous [{m}, {n}] {x.dtype} tensor, got {tuple(out.shape)} {out.dtype}")
-    y = torch.empty(m, n, dtype=x.dtype, device=x.device) if out is None else out
+    y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     out = NormedProjection(y, x if residual is None else torch.empty_like(x),
                            torch.empty_like(x) if write_normed else None)
     write_block = max(16, min(2048 // cfg["block_m"], triton.next_power_of_2(triton.cdiv(k, grid_n))))
-    kernel, extra_args, extra_constexprs = epilogue or (_gemv_kernel, (), {})
-    kernel[(grid_n, 1)](
+    _gemv_kernel[(grid_n, 1)](
         x, weight, bias if bias is not None else y, y, y, m, n, k, k, x.stride(0),
-        r, r.stride(0), norm_weight, out.residual, out.normed if write_normed else y, eps, *extra_args,
-        **extra_constexprs, HAS_BIAS=bias is not None, SPLIT=False, USE_DOT=cfg["use_dot"],
+        r, r.stride(0), norm_weight, out.residual, out.normed if write_normed else y, eps,
+        HAS_BIAS=bias is not None, SPLIT=False, USE_DOT=cfg["use_dot"],
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % bk == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, num_warps=num_warps or cfg["num_warps"],
         num_stages=cfg["num_stages"], NORM=True, HAS_RES=residual is not None, WRITE_NORMED=write_normed,
-        WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop,
-        K_STAGES=cfg["num_stages"] if cfg["use_dot"] else GEMV_K_STAGES, **pdl,
+        WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop, **pdl,
     )
     return out
 

@@ -34,14 +34,17 @@ def logit_of(key):
 
 
 @_jit
-def route_row(logits_ptr, stride_e, weights_ptr, ids_ptr, E, TOP_K, shared_id,
-              RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
-    """One token's routing from its logits row at ``logits_ptr`` into its ``TOP_K (+1)`` weights and ids there.
-    E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K. The row is read
-    through L2 (``.cg``): the router GEMV's last program calls this on logits the other programs just stored."""
+def _route_topk_kernel(
+    logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
+    RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
+    PDL: tl.constexpr = False,
+):
+    """E routed experts; SHARED: column E is the shared expert's gate logit, written as slot TOP_K."""
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    tok = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E_PAD)
     valid = offs < E
-    row = tl.load(logits_ptr + offs * stride_e, mask=valid, other=float("-inf"), cache_modifier=".cg").to(tl.float32)
+    row = tl.load(logits_ptr + tok * stride_t + offs * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
     # One int64 key an expert: the logit's bits made order-preserving (negative floats' magnitude bits flipped; -0
     # taken as +0 first) above the expert's complement index, so one max gives the largest logit and, among ties, the
     # lowest expert. The taken key is retired; padding is retired from the start.
@@ -65,26 +68,14 @@ def route_row(logits_ptr, stride_e, weights_ptr, ids_ptr, E, TOP_K, shared_id,
     top_w = tl.where(slots < TOP_K, tl.exp(top_v - peak) / denominator, 0.0)
     if RENORMALIZE:
         top_w = top_w / tl.sum(tl.where(slots < TOP_K, top_w, 0.0), axis=0)
-    tl.store(weights_ptr + slots, top_w, mask=slots < TOP_K)
-    tl.store(ids_ptr + slots, top_i, mask=slots < TOP_K)
-    if SHARED:
-        gate = tl.load(logits_ptr + E * stride_e, cache_modifier=".cg").to(tl.float32)
-        tl.store(weights_ptr + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
-        tl.store(ids_ptr + TOP_K, shared_id)
-
-
-@_jit
-def _route_topk_kernel(
-    logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
-    RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """One program a token: ``route_row`` of its row."""
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
-    tok = tl.program_id(0).to(tl.int64)
     width = TOP_K + 1 if SHARED else TOP_K
-    route_row(logits_ptr + tok * stride_t, stride_e, weights_ptr + tok * width, ids_ptr + tok * width, E, TOP_K,
-              shared_id, RENORMALIZE, SHARED, E_PAD, K_PAD)
+    out = tok * width + slots
+    tl.store(weights_ptr + out, top_w, mask=slots < TOP_K)
+    tl.store(ids_ptr + out, top_i, mask=slots < TOP_K)
+    if SHARED:
+        gate = tl.load(logits_ptr + tok * stride_t + E * stride_e).to(tl.float32)
+        tl.store(weights_ptr + tok * width + TOP_K, 1.0 / (1.0 + tl.exp(-gate)))
+        tl.store(ids_ptr + tok * width + TOP_K, shared_id)
 
 
 def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,

@@ -32,15 +32,24 @@ def qkv_prologue_ref(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: 
 
 
 @_jit
-def prologue_head(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, tok, head, n_q_heads, head_dim, half, eps,
-    q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, c_slot, c_head, off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b,
-    HAS_NORM: tl.constexpr, BLOCK_D: tl.constexpr,
+def _prologue_kernel(
+    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, rows_ptr,
+    n_q_heads, head_dim, half, eps,
+    q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, cs_s0, cs_s1, c_slot, c_head,
+    HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+    ROWS: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """One head of one token: q head ``head`` (< n_q_heads) normed and rotated in place, or k head
-    ``head - n_q_heads`` too, then written with its v head to the cache slot (when the slot is >= 0), given the
-    token's rotation pairs (``_rotation_pairs``). q, k and v are read through L2 (``.cg``): the qkv projection's
-    last program calls this on rows other programs just stored (kernels/triton_qkv_projection.py)."""
+    """Grid (T, H + KVH): one head of one token per program; k-head programs also move v. ROWS: cos/sin are
+    tables, token t's row ``rows[t]``; neither is written in a step, so both are read before the wait."""
+    tok = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    if ROWS:
+        off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
+            cos_ptr, sin_ptr, tl.load(rows_ptr + tok).to(tl.int64) * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
+    if not ROWS:
+        off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
+            cos_ptr, sin_ptr, tok * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
     is_q = head < n_q_heads
     if is_q:
         base = q_ptr + tok * q_s0 + head.to(tl.int64) * q_s1
@@ -51,11 +60,11 @@ def prologue_head(
     dtype = q_ptr.dtype.element_ty
     dims = tl.arange(0, BLOCK_D)
     tail = (dims >= 2 * half) & (dims < head_dim)  # partial rotary: normed, not rotated
-    xa = tl.load(base + off_a, mask=mask_i, other=0.0, cache_modifier=".cg").to(tl.float32)
-    xb = tl.load(base + off_b, mask=mask_i, other=0.0, cache_modifier=".cg").to(tl.float32)
-    xt = tl.load(base + dims, mask=tail, other=0.0, cache_modifier=".cg").to(tl.float32)
+    xa = tl.load(base + off_a, mask=mask_i, other=0.0).to(tl.float32)
+    xb = tl.load(base + off_b, mask=mask_i, other=0.0).to(tl.float32)
+    xt = tl.load(base + dims, mask=tail, other=0.0).to(tl.float32)
     if HAS_NORM:
-        x = tl.load(base + dims, mask=dims < head_dim, other=0.0, cache_modifier=".cg").to(tl.float32)
+        x = tl.load(base + dims, mask=dims < head_dim, other=0.0).to(tl.float32)
         rstd = 1.0 / tl.sqrt(tl.sum(x * x) / head_dim + eps)
         xa = (xa * rstd * tl.load(w_ptr + off_a, mask=mask_i, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
         xb = (xb * rstd * tl.load(w_ptr + off_b, mask=mask_i, other=0.0).to(tl.float32)).to(dtype).to(tl.float32)
@@ -77,32 +86,8 @@ def prologue_head(
             tl.store(kc_ptr + dst + off_b, out_b.to(cache_dtype), mask=mask_i)
             tl.store(kc_ptr + dst + dims, out_t.to(cache_dtype), mask=tail)
             d_ok = dims < head_dim
-            v = tl.load(v_ptr + tok * v_s0 + kv_head * v_s1 + dims, mask=d_ok, other=0.0, cache_modifier=".cg")
+            v = tl.load(v_ptr + tok * v_s0 + kv_head * v_s1 + dims, mask=d_ok, other=0.0)
             tl.store(vc_ptr + dst + dims, v.to(cache_dtype), mask=d_ok)
-
-
-@_jit
-def _prologue_kernel(
-    q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, kc_ptr, vc_ptr, slot_ptr, rows_ptr,
-    n_q_heads, head_dim, half, eps,
-    q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, cs_s0, cs_s1, c_slot, c_head,
-    HAS_NORM: tl.constexpr, IS_NEOX: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_D: tl.constexpr,
-    ROWS: tl.constexpr = False, PDL: tl.constexpr = False,
-):
-    """Grid (T, H + KVH): one head of one token per program (``prologue_head``). ROWS: cos/sin are tables, token
-    t's row ``rows[t]``; neither is written in a step, so both are read before the wait."""
-    tok = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    if ROWS:
-        off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
-            cos_ptr, sin_ptr, tl.load(rows_ptr + tok).to(tl.int64) * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
-    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
-    if not ROWS:
-        off_a, off_b, mask_i, cos_a, cos_b, sin_a, sin_b = _rotation_pairs(
-            cos_ptr, sin_ptr, tok * cs_s0, cs_s1, half, IS_NEOX, BLOCK_HALF)
-    prologue_head(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, kc_ptr, vc_ptr, slot_ptr, tok, head, n_q_heads, head_dim,
-                  half, eps, q_s0, q_s1, k_s0, k_s1, v_s0, v_s1, c_slot, c_head, off_a, off_b, mask_i, cos_a, cos_b,
-                  sin_a, sin_b, HAS_NORM, BLOCK_D)
 
 
 def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
@@ -112,18 +97,6 @@ def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
     """Same contract as ``qkv_prologue_ref``: q [T, H, D], k and v [T, KVH, D] (strided views of the
     fused qkv output are fine), cos/sin [T, 1, R], cache [2, NB, BS, KVH, D], slots [T] (< 0: skip). With
     ``rows`` [T] (integer), cos/sin are tables [P, 1, R] and token t's rotation is row ``rows[t]`` of them."""
-    args, constexprs = prologue_arguments(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer,
-                                          slot_mapping, rows)
-    if q.shape[0]:
-        _prologue_kernel[(q.shape[0], q.shape[1] + k.shape[1])](
-            *args, **constexprs, num_warps=1 if q.shape[2] <= 128 else 2, **pdl_launch(q))
-
-
-def prologue_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
-                       k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-                       is_neox_style: bool, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor,
-                       rows: torch.Tensor | None) -> tuple[tuple, dict]:
-    """``_prologue_kernel``'s arguments and constexprs (PDL aside) for ``qkv_prologue_triton``'s inputs, checked."""
     t, n_q, d = q.shape
     n_k = k.shape[1]
     rot = cos.shape[-1]
@@ -141,13 +114,16 @@ def prologue_arguments(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm
         raise ValueError("q, k and v must be contiguous in their last dim")
     if kv_cache_layer.shape[-2:] != (n_k, d):
         raise ValueError(f"cache {tuple(kv_cache_layer.shape)} does not hold [{n_k}, {d}] heads")
+    if t == 0:
+        return
     _, nb, bs, _, _ = kv_cache_layer.shape
     flat = kv_cache_layer.view(2, nb * bs, n_k, d)
     has_norm = q_norm is not None
-    args = (q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, flat[0], flat[1],
-            slot_mapping.contiguous(), slot_mapping if rows is None else rows.contiguous(), n_q, d, rot // 2, eps,
-            q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-            cos.stride(0), cos.stride(-1), flat.stride(1), flat.stride(2))
-    constexprs = dict(HAS_NORM=has_norm, IS_NEOX=is_neox_style, BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
-                      BLOCK_D=triton.next_power_of_2(d), ROWS=rows is not None)
-    return args, constexprs
+    _prologue_kernel[(t, n_q + n_k)](
+        q, k, v, q_norm if has_norm else q, k_norm if has_norm else k, cos, sin, flat[0], flat[1],
+        slot_mapping.contiguous(), slot_mapping if rows is None else rows.contiguous(), n_q, d, rot // 2, eps,
+        q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos.stride(0), cos.stride(-1), flat.stride(1), flat.stride(2),
+        HAS_NORM=has_norm, IS_NEOX=is_neox_style, BLOCK_HALF=triton.next_power_of_2(max(1, rot // 2)),
+        BLOCK_D=triton.next_power_of_2(d), ROWS=rows is not None, num_warps=1 if d <= 128 else 2, **pdl_launch(q),
+    )

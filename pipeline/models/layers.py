@@ -9,13 +9,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kernels import dispatch, triton_qkv_projection, triton_router
+from kernels import dispatch
 from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.triton_norm import rms_norm_ref
 from kernels.triton_paged_attention import paged_attention_triton
-from kernels.triton_qkv_projection import Prologued, QkvPrologue
-from kernels.triton_router import RoutedProjection, RouteSpec
 from pipeline.models.forward_context import ForwardContext
 from pipeline.models.rope import apply_rotary_emb_
 
@@ -150,27 +148,15 @@ NORM_IN_PROJECTION = os.environ.get("CONVEYOR_NORM_IN_PROJECTION", "1") != "0"
 
 
 def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: MergedLinear,
-                 keep_normed: bool = False, epilogue: RouteSpec | QkvPrologue | None = None,
-                 ) -> tuple[torch.Tensor | RoutedProjection | Prologued, torch.Tensor, torch.Tensor | None]:
+                 keep_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(proj(norm(x + residual)), x + residual, the normed rows or None)``; without a residual (the first
     layer) x is the residual. One decode row on the GPU runs the norm inside the projection's GEMV
     (``gemv_norm_triton``): a norm kernel fewer a layer, 1-3 us each at batch 1 on an H200
     (bench/results/gemv-norm-tune-h200.json). Above one row the separate norm did as well or better there.
     ``CONVEYOR_NORM_IN_PROJECTION=0`` (read at import) keeps the norm separate, for A/B runs. Under
-    ``dispatch.rows_as_decode`` every row of a skinny batch takes the one-row path (each row alone). On that path
-    an ``epilogue`` may run in the same launch, and the first item says so: a MoE router's ``RouteSpec`` routes the
-    rows (where ``kernels.triton_router.applies``; a ``RoutedProjection``), an attention layer's ``QkvPrologue``
-    runs its prologue (where ``kernels.triton_qkv_projection.applies``; ``Prologued``). The layers'
-    ``forward_projected`` take either."""
+    ``dispatch.rows_as_decode`` every row of a skinny batch takes the one-row path (each row alone)."""
     if (NORM_IN_PROJECTION and (x.shape[0] == 1 or dispatch.decode_rows_on()) and proj.packed is None
             and dispatch.skinny_linear_applies(x, proj.weight)):
-        if isinstance(epilogue, RouteSpec) and proj.bias is None and triton_router.applies(x):
-            routed = dispatch.norm_route(x, residual, norm.weight, norm.eps, proj.weight, epilogue, keep_normed)
-            return routed, routed.projection.residual, routed.projection.normed
-        if (isinstance(epilogue, QkvPrologue) and proj.bias is None and not keep_normed
-                and triton_qkv_projection.applies(x, proj.weight, epilogue)):
-            out = dispatch.norm_qkv(x, residual, norm.weight, norm.eps, proj.weight, epilogue)
-            return Prologued(out.y), out.residual, None
         out = dispatch.norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, keep_normed)
         return out.y, out.residual, out.normed
     if residual is None:
@@ -200,7 +186,6 @@ class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
 
     reuses_input = False  # forward_projected needs only the projection, not x (SparseMoeBlock's does)
-    decode_route = None  # no routing (SparseMoeBlock's: its router's, for norm_project)
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False, act: str = "silu",
                  dtype=None, device=None) -> None:
@@ -268,38 +253,18 @@ class PagedAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device, zero_centered_qk_norm)
         else:
             self.q_norm = self.k_norm = None
-        # decode rows may run the prologue in the qkv projection's launch (kernels/triton_qkv_projection.py)
-        self.register_buffer("prologue_counters", torch.zeros(num_heads + num_kv_heads, dtype=torch.int32,
-                                                              device=device), persistent=False)
 
     @property
     def input_proj(self) -> MergedLinear:
         return self.qkv_proj
-
-    @property
-    def qk_norms(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
-        """(q norm weight, k norm weight, eps) as the prologue takes them; (None, None, 0.0) without them."""
-        return (None, None, 0.0) if self.q_norm is None else (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-
-    def decode_prologue(self, ctx: ForwardContext) -> QkvPrologue | None:
-        """This step's prologue, for a qkv projection launch that also runs it (``norm_project``), while
-        ``PROLOGUE_IN_PROJECTION`` is on."""
-        if not triton_qkv_projection.PROLOGUE_IN_PROJECTION or ctx.rope is None:
-            return None
-        rope = ctx.rope
-        return QkvPrologue(self.num_heads, self.num_kv_heads, self.head_dim, *self.qk_norms, rope.cos_table,
-                           rope.sin_table, self.is_neox_style, ctx.kv_cache(self.cache_index),
-                           ctx.attention.slot_mapping, rope.positions, self.prologue_counters)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         """x [T, hidden] -> [T, hidden]. Reads the step's rope (cos/sin [T, 1, rotary_dim]) and attention plan
         from ``ctx``, which the model filled once for all layers, and writes this step's K/V into its cache."""
         return self.forward_projected(self.qkv_proj(x), ctx)
 
-    def forward_projected(self, qkv: torch.Tensor | Prologued, ctx: ForwardContext) -> torch.Tensor:
-        """``forward`` from the fused qkv projection on (``Prologued``: its prologue has run)."""
-        prologued = isinstance(qkv, Prologued)
-        qkv = qkv.y if prologued else qkv
+    def forward_projected(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """``forward`` from the fused qkv projection on."""
         kv_cache = ctx.kv_cache(self.cache_index)  # [2, NB, BS, KVH, D]
         meta, plan = ctx.attention, ctx.attention_plan
         rope = ctx.rope
@@ -312,9 +277,10 @@ class PagedAttention(nn.Module):
             q = qkv[:, : self.q_size].view(T, H, D)
             k = qkv[:, self.q_size : qk_end].view(T, KVH, D)
             v = qkv[:, qk_end:v_end].view(T, KVH, D)
-            if not prologued:
-                dispatch.qkv_prologue(q, k, v, *self.qk_norms, rope.cos_table, rope.sin_table, self.is_neox_style,
-                                      kv_cache, meta.slot_mapping, rows=rope.positions)
+            norms = (None, None, 0.0) if self.q_norm is None else (
+                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
+            dispatch.qkv_prologue(q, k, v, *norms, rope.cos_table, rope.sin_table, self.is_neox_style, kv_cache,
+                                  meta.slot_mapping, rows=rope.positions)
             gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
             out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
             return self.o_proj(out.reshape(T, self.q_size))

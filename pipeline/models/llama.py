@@ -88,11 +88,10 @@ class LlamaDecoderLayer(nn.Module):
         residual: torch.Tensor | None,
         ctx: ForwardContext,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        qkv, residual, _ = norm_project(self.input_layernorm, x, residual, self.self_attn.input_proj,
-                                        epilogue=self.self_attn.decode_prologue(ctx))
+        qkv, residual, _ = norm_project(self.input_layernorm, x, residual, self.self_attn.input_proj)
         x = self.self_attn.forward_projected(qkv, ctx)
         projected, residual, normed = norm_project(self.post_attention_layernorm, x, residual, self.mlp.input_proj,
-                                                   keep_normed=self.mlp.reuses_input, epilogue=self.mlp.decode_route)
+                                                   keep_normed=self.mlp.reuses_input)
         return self.mlp.forward_projected(projected, normed), residual
 
 

@@ -32,7 +32,6 @@ import torch
 from torch import nn
 
 from kernels.moe import fused_moe, route_topk
-from kernels.triton_router import RoutedProjection, RouteSpec
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 from pipeline.dist.group import ExpertGroup
 
@@ -95,9 +94,6 @@ class SparseMoeBlock(nn.Module):
         self.router_rows = num_experts + self.fold_shared
         self.gate = Linear(hidden_size, -(-self.router_rows // 8) * 8 if self.fold_shared else num_experts, False,
                            dtype, device)
-        # the router's decode rows may route in the router's own launch (kernels/triton_router.py): what it routes by
-        self.register_buffer("route_counter", torch.zeros(1, dtype=torch.int32, device=device), persistent=False)
-        self.decode_route = RouteSpec(top_k, num_experts, norm_topk_prob, self.shared_expert_id, self.route_counter)
         self.w13 = nn.Parameter(
             torch.empty(self.num_stacked, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
         self.w2 = nn.Parameter(
@@ -142,12 +138,9 @@ class SparseMoeBlock(nn.Module):
         """x [T, H] -> [T, H]."""
         return self.forward_projected(self.gate(x), x)
 
-    def forward_projected(self, logits: torch.Tensor | RoutedProjection, x: torch.Tensor) -> torch.Tensor:
-        """``forward`` given the router's output for x (or, from a router launch that routed, the routing)."""
-        if isinstance(logits, RoutedProjection):
-            topk_weights, topk_ids = logits.weights, logits.ids
-        else:
-            topk_weights, topk_ids = self.route_logits(logits)
+    def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        """``forward`` given the router's output for x."""
+        topk_weights, topk_ids = self.route_logits(logits)
         partial = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:  # (only on the rank holding it: before the sum, so every rank gets it)
             partial = partial + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

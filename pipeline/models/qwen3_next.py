@@ -79,7 +79,7 @@ class HybridDecoderLayer(nn.Module):
         projected, residual, _ = norm_project(self.input_layernorm, x, residual, mixer.input_proj)
         x = mixer.forward_projected(projected, ctx)
         projected, residual, normed = norm_project(self.post_attention_layernorm, x, residual, self.mlp.input_proj,
-                                                   keep_normed=self.mlp.reuses_input, epilogue=self.mlp.decode_route)
+                                                   keep_normed=self.mlp.reuses_input)
         return self.mlp.forward_projected(projected, normed), residual
 
 

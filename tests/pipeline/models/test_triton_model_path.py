@@ -38,31 +38,23 @@ def test_triton_path_equals_torch_path(model_type, monkeypatch):
             torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
 
 
-def bf16_model_on_the_gpu_path(model_type: str, monkeypatch):
-    """A tiny bf16 model whose layers take their GPU branches (kernels under the interpreter); the plain
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_5_moe_text"])
+def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, monkeypatch):
+    """bf16, one sequence: every decode step runs each layer's two residual-add norms inside the projection that
+    follows them (``gemv_norm_triton``; the MoE router also hands the normed rows to the experts). Against the same
+    GPU path with the norm as its own kernel: the same greedy tokens, logits within bf16 rounding. The plain
     projections (the 49k-row lm_head above all) take the torch reference: the interpreter would run one program
-    per two of their rows (the kernel itself is tested in tests/kernels/test_triton_gemv.py)."""
+    per two of their rows; the kernel itself is tested in tests/kernels/test_triton_gemv.py."""
     if not dispatch.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton under the interpreter (the model runs on CPU tensors)")
-    from kernels.triton_gemv import gemv_ref
+    from kernels.triton_gemv import NormedProjection, gemv_ref
+    from kernels.triton_norm import rms_norm_triton
 
     hf = make_tiny_hf_model(model_type, **({} if model_type == "qwen3_5_moe_text" else {"num_hidden_layers": 2}))
     model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.bfloat16, prepack=False)
     monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
     monkeypatch.setattr(dispatch, "skinny_linear",
                         lambda x, w, b=None, out_dtype=None: gemv_ref(x, w, b).to(out_dtype or x.dtype))
-    return model
-
-
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_5_moe_text"])
-def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, monkeypatch):
-    """bf16, one sequence: every decode step runs each layer's two residual-add norms inside the projection that
-    follows them (``gemv_norm_triton``; the MoE router also hands the normed rows to the experts). Against the same
-    GPU path with the norm as its own kernel: the same greedy tokens, logits within bf16 rounding."""
-    from kernels.triton_gemv import NormedProjection, gemv_ref
-    from kernels.triton_norm import rms_norm_triton
-
-    model = bf16_model_on_the_gpu_path(model_type, monkeypatch)
     fused_calls = []
     fused = dispatch.norm_linear
     monkeypatch.setattr(dispatch, "norm_linear", lambda *a: fused_calls.append(a[-1]) or fused(*a))
@@ -83,46 +75,3 @@ def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, mo
     for ours, ref in zip(fused_run.decode_logits[0], separate_run.decode_logits[0]):
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(ours.float(), ref.float(), atol=0.05 * scale, rtol=0.05)
-
-
-def launches_of_a_switch(model, monkeypatch, module, switch: str, launch: str) -> int:
-    """Decode steps of one sequence with ``module.<switch>`` off, then on (its ``applies`` standing in for the
-    real one, which wants CUDA tensors): the same tokens and logits, bitwise. Returns the ``dispatch.<launch>``
-    calls made with it on."""
-    prompt = [list(range(100, 107))]
-    separate_run = run_paged(model, prompt, max_new_tokens=3)
-    calls = []
-    fused = getattr(dispatch, launch)
-    monkeypatch.setattr(dispatch, launch, lambda *a: calls.append(a) or fused(*a))
-    monkeypatch.setattr(module, switch, True)
-    monkeypatch.setattr(module, "applies", lambda *a: getattr(module, switch))
-    fused_run = run_paged(model, prompt, max_new_tokens=3)
-    assert fused_run.generated == separate_run.generated
-    for ours, ref in zip(fused_run.decode_logits[0], separate_run.decode_logits[0]):
-        assert torch.equal(ours, ref)
-    return len(calls)
-
-
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-def test_one_decode_row_routes_in_the_router_launch(model_type, monkeypatch):
-    """bf16, ``ROUTE_IN_ROUTER`` on: every MoE layer's router launch at a decode step also routes
-    (``kernels/triton_router.py``; the hybrid's router holds the folded shared expert's gate row), and the model
-    gives the same logits, bitwise, and tokens as with the routing kernel after the router."""
-    from kernels import triton_router
-
-    model = bf16_model_on_the_gpu_path(model_type, monkeypatch)
-    launches = launches_of_a_switch(model, monkeypatch, triton_router, "ROUTE_IN_ROUTER", "norm_route")
-    moe_layers = sum(hasattr(layer.mlp, "route_counter") for layer in model.model.layers)
-    assert moe_layers and launches == 2 * moe_layers  # two single-row decode steps (after the prefill)
-
-
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_one_decode_row_runs_the_prologue_in_the_qkv_launch(model_type, monkeypatch):
-    """bf16, ``PROLOGUE_IN_PROJECTION`` on: every attention layer's qkv launch at a decode step also runs the q/k
-    norm, rope and KV write (``kernels/triton_qkv_projection.py``), and the model gives the same logits, bitwise,
-    and tokens as with the prologue kernel after the projection."""
-    from kernels import triton_qkv_projection
-
-    model = bf16_model_on_the_gpu_path(model_type, monkeypatch)
-    launches = launches_of_a_switch(model, monkeypatch, triton_qkv_projection, "PROLOGUE_IN_PROJECTION", "norm_qkv")
-    assert launches == 2 * len(model.model.layers)  # two single-row decode steps (after the prefill)
