@@ -13,7 +13,8 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``prologue``: no q/k norm + rope + KV write kernel;
 * ``route``: no routing at all (the first step's expert choice, kept, read by the expert kernels);
 * ``route_in_experts=0|1``: the expert kernels rank the experts from the router's logits themselves, or a routing
-  kernel runs before them (``kernels.moe.ROUTE_IN_EXPERTS``); the outputs are right;
+  kernel runs before them (``kernels.moe.ROUTE_IN_EXPERTS``); ``route_chunk=N``: the logits they compare at a
+  time (``ROUTE_CHUNK``); the outputs are right;
 * ``experts``: no expert kernels (the routed and folded shared experts);
 * ``conv`` / ``delta_rule``: no Gated DeltaNet conv / recurrence kernel (hybrid shapes);
 * ``reduce_from_len=0|1``: the decode attention's reduce with the used splits from the row's length (its two loads
@@ -108,6 +109,8 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         default = triton_moe_decode.decode_config
         return patched(triton_moe_decode, "decode_config", lambda t, k=8: (
             (config, default(t, k)[1]) if part == "gate_up" else (default(t, k)[0], config)))
+    if name.startswith("route_chunk="):
+        return patched(triton_moe_decode, "ROUTE_CHUNK", int(name.split("=")[1]))
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"route_in_experts": (kernels_moe, "ROUTE_IN_EXPERTS"),
