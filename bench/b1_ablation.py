@@ -11,10 +11,7 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``attention``: no decode attention kernels (the query stands in for the output);
 * ``splits=N``: decode attention with N KV splits at batch 1 (the graph's plan; 1 runs no reduce kernel);
 * ``prologue``: no q/k norm + rope + KV write kernel;
-* ``route``: no routing at all (the first step's expert choice, kept, read by the expert kernels);
-* ``route_in_experts=0|1``: the expert kernels rank the experts from the router's logits themselves, or a routing
-  kernel runs before them (``kernels.moe.ROUTE_IN_EXPERTS``); ``route_chunk=N``: the logits they compare at a
-  time (``ROUTE_CHUNK``); the outputs are right;
+* ``route``: no routing kernel (the first step's expert choice, kept);
 * ``experts``: no expert kernels (the routed and folded shared experts);
 * ``conv`` / ``delta_rule``: no Gated DeltaNet conv / recurrence kernel (hybrid shapes);
 * ``reduce_from_len=0|1``: the decode attention's reduce with the used splits from the row's length (its two loads
@@ -42,7 +39,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import kernels.gdn as gdn  # noqa: E402
-import kernels.moe as kernels_moe  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
@@ -91,13 +87,10 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         return patched(cuda_graphs, "decode_num_splits", lambda *args, **kwargs: n)
     if name == "prologue":
         return patched(dispatch, "qkv_prologue", lambda *args, **kwargs: None)
-    if name == "route":  # (the experts' kernels then take their routing from the kept ids and weights)
-        stack = contextlib.ExitStack()
-        stack.enter_context(patched(kernels_moe, "ROUTE_IN_EXPERTS", False))
-        stack.enter_context(patched(kernels_moe, "route_topk", kept_first(kernels_moe.route_topk)))
-        return stack
+    if name == "route":
+        return patched(moe, "route_topk", kept_first(moe.route_topk))
     if name == "experts":
-        return patched(moe, "fused_moe_routed", kept_first(lambda x, *args: torch.zeros_like(x)))
+        return patched(moe, "fused_moe", kept_first(lambda x, *args: torch.zeros_like(x)))
     if name == "conv":
         return patched(gdn, "causal_conv1d_varlen", lambda x, *args, **kwargs: x)
     if name == "delta_rule":
@@ -109,12 +102,9 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         default = triton_moe_decode.decode_config
         return patched(triton_moe_decode, "decode_config", lambda t, k=8: (
             (config, default(t, k)[1]) if part == "gate_up" else (default(t, k)[0], config)))
-    if name.startswith("route_chunk="):
-        return patched(triton_moe_decode, "ROUTE_CHUNK", int(name.split("=")[1]))
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
-    knobs = {"route_in_experts": (kernels_moe, "ROUTE_IN_EXPERTS"),
-             "reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
+    knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
              "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS")}
     if name.split("=")[0] in knobs:
         owner, attribute = knobs[name.split("=")[0]]

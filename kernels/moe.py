@@ -25,8 +25,6 @@ more the slots are grouped by expert (``group_by_expert``, host-sync free) and r
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
 
@@ -71,16 +69,6 @@ KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                         topk_ids: torch.Tensor, num_local_experts: int | None) -> tuple[int, int, int, int, int]:
     """The Triton paths' contract on shapes, dtypes and layout -> (T, H, local experts, I, k)."""
-    t, h, n_local, inter = check_expert_inputs(x, w13, w2, num_local_experts)
-    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
-        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
-                         f"{tuple(topk_ids.shape)}")
-    return t, h, n_local, inter, topk_ids.shape[1]
-
-
-def check_expert_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
-                        num_local_experts: int | None) -> tuple[int, int, int, int]:
-    """The contract on x and the expert weights -> (T, H, local experts, I)."""
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -91,11 +79,14 @@ def check_expert_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         raise ValueError(f"inconsistent shapes x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}")
     if num_local_experts is not None and num_local_experts != n_local:
         raise ValueError(f"num_local_experts = {num_local_experts} but w13 holds {n_local} experts")
+    if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
+                         f"{tuple(topk_ids.shape)}")
     if x.dtype not in KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
         raise ValueError(f"x, w13 and w2 must share a dtype in {KERNEL_DTYPES}")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("w13 and w2 must be contiguous")
-    return t, h, n_local, inter
+    return t, h, n_local, inter, topk_ids.shape[1]
 
 
 def _local_experts(w13: torch.Tensor, num_local_experts: int | None) -> int:
@@ -179,18 +170,6 @@ DECODE_SLOTS = 128  # fused_moe takes the grouping-free decode kernels up to thi
 # at 16 tokens x 8 experts they still beat the grouped GEMMs on an H100 (0.29 vs 0.35 ms a layer)
 
 
-def _decode_row_configs(width: int) -> dict:
-    """Under ``dispatch.rows_as_decode``, the decode kernels' one-token launch configs for every T (each token's
-    programs then compute as in a one-token step); else the table's for T (no overrides)."""
-    from kernels.dispatch import decode_rows_on
-    from kernels.triton_moe_decode import decode_config
-
-    if not decode_rows_on():
-        return {}
-    gate_up, down = decode_config(1, width)
-    return {"gate_up_config": gate_up, "down_config": down}
-
-
 def fused_moe(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_offset: int = 0, num_local_experts: int | None = None,
@@ -199,45 +178,19 @@ def fused_moe(
     of ``kernels/triton_moe_decode.py`` when ``T * k <= DECODE_SLOTS``, else the grouped GEMMs of
     ``kernels/triton_moe.py``), else ``fused_moe_ref``. Under ``dispatch.rows_as_decode`` the decode kernels take
     one token's launch configs whatever T is: each token's programs then compute as in a one-token step."""
-    from kernels.dispatch import use_triton
+    from kernels.dispatch import decode_rows_on, use_triton
 
     if use_triton(x.device):
         if topk_ids.numel() <= DECODE_SLOTS:
-            from kernels.triton_moe_decode import fused_moe_decode_triton
+            from kernels.triton_moe_decode import decode_config, fused_moe_decode_triton
 
+            configs = {}
+            if decode_rows_on():
+                gate_up, down = decode_config(1, topk_ids.shape[1])
+                configs = {"gate_up_config": gate_up, "down_config": down}
             return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts,
-                                           **_decode_row_configs(topk_ids.shape[1]))
+                                           **configs)
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
     return fused_moe_ref(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
-
-
-ROUTE_IN_EXPERTS = os.environ.get("CONVEYOR_ROUTE_IN_EXPERTS", "1") != "0"  # the decode kernels route themselves
-# ... for at most this many experts: at 256 (Qwen3.5) the ranks take the down kernel to 163 registers a thread and
-# the gate/up kernel to 64, past the 51 its 576 batch-1 programs may hold for one wave (offline ptxas, sm_90a)
-ROUTE_IN_EXPERTS_MAX = 128
-
-
-def fused_moe_routed(
-    x: torch.Tensor, router_logits: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, top_k: int,
-    renormalize: bool, shared_expert_id: int | None = None, expert_offset: int = 0,
-    num_local_experts: int | None = None,
-) -> torch.Tensor:
-    """``fused_moe(x, w13, w2, *route_topk(router_logits, top_k, renormalize, shared_expert_id), ...)``. Where the
-    decode kernels take the step (and ``ROUTE_IN_EXPERTS``), they rank the experts from the logits themselves: no
-    routing kernel runs, and the experts' kernel waits on the router directly, one dependent wait less a layer."""
-    from kernels.dispatch import use_triton
-
-    shared = shared_expert_id is not None
-    width = top_k + shared
-    if (use_triton(x.device) and ROUTE_IN_EXPERTS and x.shape[0] * width <= DECODE_SLOTS
-            and router_logits.shape[1] - shared <= ROUTE_IN_EXPERTS_MAX):
-        from kernels.triton_moe_decode import LogitsRouting, fused_moe_decode_routed_triton
-
-        routing = LogitsRouting(router_logits, top_k, renormalize, shared_expert_id)
-        return fused_moe_decode_routed_triton(x, w13, w2, routing, expert_offset, num_local_experts,
-                                              **_decode_row_configs(width))
-    topk_weights, topk_ids = route_topk(router_logits, top_k, renormalize, shared_expert_id)
-    return fused_moe(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)
-

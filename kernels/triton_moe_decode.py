@@ -22,15 +22,12 @@ Block sizes and warps come from H200 sweeps on the Qwen3-30B-A3B and Qwen3.5-35B
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from kernels.moe import check_expert_inputs, check_kernel_inputs
+from kernels.moe import check_kernel_inputs
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
-from kernels.triton_moe_routing import check_router_logits, route_slots, routing_ranks
 
 # By token count, the smallest bucket that holds T: ((BLOCK_N over I, BLOCK_K over H, num_warps[, stages]) of
 # gate/up, (BLOCK_N over H, BLOCK_K over I, num_warps) of down); from H200 sweeps (bench/moe_tune.py; at one token,
@@ -73,27 +70,15 @@ def decode_config(num_tokens: int, top_k: int = 8) -> tuple[tuple[int, ...], tup
 def _decode_gate_up_kernel(
     x_ptr, w13_ptr, ids_ptr, h_ptr,
     TOP_K, H, I, x_s0, expert_offset, n_local,
-    logits_ptr, logits_s0, logits_s1, E, ROUTED_K, shared_id,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
-    LATE_TRIGGER: tl.constexpr = False, ROUTE: tl.constexpr = False, SHARED: tl.constexpr = False,
-    E_PAD: tl.constexpr = 1, CHUNK: tl.constexpr = 1,
+    LATE_TRIGGER: tl.constexpr = False,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
-    ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait).
-    ``ROUTE``: the slot's expert is ranked from the token's router logits here (``TOP_K`` slots a token:
-    ``ROUTED_K`` routed, then the shared expert's with SHARED), not read from ``ids``."""
+    ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait)."""
     pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
-    if ROUTE:
-        j = slot % TOP_K
-        _, rank = routing_ranks(logits_ptr + (slot // TOP_K).to(tl.int64) * logits_s0, logits_s1, E, E_PAD, CHUNK)
-        e = tl.max(tl.where(rank == j, tl.arange(0, E_PAD), -1), axis=0)
-        if SHARED:
-            e = tl.where(j == ROUTED_K, shared_id, e)
-        e = e.to(tl.int64) - expert_offset
-    else:
-        e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
+    e = tl.load(ids_ptr + slot).to(tl.int64) - expert_offset
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_mask = offs_n < I
     h_ptrs = h_ptr + slot.to(tl.int64) * I + offs_n
@@ -130,10 +115,8 @@ def _decode_gate_up_kernel(
 def _decode_down_kernel(
     h_ptr, w2_ptr, ids_ptr, tw_ptr, y_ptr,
     TOP_K, H, I, y_s0, expert_offset, n_local,
-    logits_ptr, logits_s0, logits_s1, E, ROUTED_K, shared_id,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = False, ROUTE: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
-    SHARED: tl.constexpr = False, E_PAD: tl.constexpr = 1, CHUNK: tl.constexpr = 1,
+    EARLY: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
@@ -145,21 +128,12 @@ def _decode_down_kernel(
     pid_n = tl.program_id(1)
     # With EARLY (the gate/up kernel launched this one only after its own wait, so the routing is done): the
     # routing and the first weight tile are read before the wait, overlapping the gate/up kernel's tail.
-    # ROUTE: the token's routing from its router logits, computed here as the gate/up kernel ranks them
     offs_j = tl.arange(0, K_PAD)
     slots = tok * TOP_K + offs_j
-    if ROUTE:
-        ids, rw = route_slots(logits_ptr + tok * logits_s0, logits_s1, E, ROUTED_K, shared_id, RENORMALIZE, SHARED,
-                              E_PAD, K_PAD, CHUNK)
-        e = ids.to(tl.int64) - expert_offset
-    else:
-        e = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0).to(tl.int64) - expert_offset
+    e = tl.load(ids_ptr + slots, mask=offs_j < TOP_K, other=0).to(tl.int64) - expert_offset
     local = (offs_j < TOP_K) & (e >= 0) & (e < n_local)  # slots routed to another rank's experts add nothing
     e = tl.where(local, e, 0)
-    if ROUTE:
-        rw = tl.where(local, rw, 0.0)
-    else:
-        rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
+    rw = tl.load(tw_ptr + slots, mask=local, other=0.0).to(tl.float32)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, H - 1).to(tl.int64)  # clamped: out-of-range columns are never stored
     offs_k = tl.arange(0, BLOCK_K)
@@ -193,20 +167,6 @@ def _check_config(config: tuple[int, ...], stages: bool = False) -> tuple[int, .
     return (*config, 1) if stages and len(config) == 3 else config
 
 
-ROUTE_CHUNK = 32  # router logits compared a chunk at a time when a decode kernel ranks the experts itself
-
-
-@dataclass(frozen=True, slots=True)
-class LogitsRouting:
-    """The routing the decode kernels compute themselves from the router's logits ``[T, E (+1)]`` (as
-    ``route_topk`` would give it): ``top_k`` routed experts, renormalised or not, and the shared expert's slot
-    (its gate logit in the last column) when ``shared_expert_id`` is set."""
-    logits: torch.Tensor
-    top_k: int
-    renormalize: bool
-    shared_expert_id: int | None = None
-
-
 def fused_moe_decode_triton(
     x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
     expert_offset: int = 0, num_local_experts: int | None = None, *,
@@ -216,64 +176,25 @@ def fused_moe_decode_triton(
     ``(BLOCK_N over I, BLOCK_K over H, num_warps[, stages])`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
     num_warps)`` override the table (``decode_config``; blocks and warps powers of two)."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
-    ids = topk_ids.reshape(-1).contiguous()
-    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
-    return _launch(x, w13, w2, top_k, ids, tw, None, expert_offset, n_local, gate_up_config, down_config)
-
-
-def fused_moe_decode_routed_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, routing: LogitsRouting,
-    expert_offset: int = 0, num_local_experts: int | None = None, *,
-    gate_up_config: tuple[int, ...] | None = None, down_config: tuple[int, int, int] | None = None,
-) -> torch.Tensor:
-    """``fused_moe_decode_triton(x, w13, w2, *route_topk(...), ...)`` with no routing kernel: each gate/up program
-    ranks its slot's expert from the token's logits, and each down program its token's experts and weights (the
-    same ids; the weights' sums in another order, so they may differ in the last bit)."""
-    shared = routing.shared_expert_id is not None
-    check_router_logits(routing.logits, routing.top_k, shared)
-    width = routing.top_k + shared
-    if routing.logits.shape[0] != x.shape[0]:
-        raise ValueError(f"router logits {tuple(routing.logits.shape)} do not match x {tuple(x.shape)}")
-    _, _, n_local, _ = check_expert_inputs(x, w13, w2, num_local_experts)
-    logits = routing.logits  # (also the unread ids and weights pointers)
-    return _launch(x, w13, w2, width, logits, logits, routing, expert_offset, n_local, gate_up_config, down_config)
-
-
-def _launch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, width: int, ids: torch.Tensor, tw: torch.Tensor,
-            routing: LogitsRouting | None, expert_offset: int, n_local: int,
-            gate_up_config: tuple[int, ...] | None, down_config: tuple[int, int, int] | None) -> torch.Tensor:
-    """The two kernels over ``width`` slots a token, routed by ``ids`` / ``tw`` or, given ``routing``, by the
-    kernels themselves."""
-    t, h = x.shape
-    inter = w2.shape[2]
-    if t == 0 or h == 0 or width == 0:
+    if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
-    default_gate_up, default_down = decode_config(t, width)
+    default_gate_up, default_down = decode_config(t, top_k)
     bn1, bk1, warps1, stages1 = _check_config(gate_up_config or default_gate_up, stages=True)
     bn2, bk2, warps2 = _check_config(down_config or default_down)
     x = x if x.stride(1) == 1 else x.contiguous()
-    n_slots = t * width
+    n_slots = t * top_k
+    ids = topk_ids.reshape(-1).contiguous()
+    tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     act = torch.empty(n_slots, inter, dtype=torch.float32, device=x.device)
     pdl = pdl_launch(x)
     early = bool(pdl) and EARLY_LOADS
     y = torch.empty(t, h, dtype=x.dtype, device=x.device)  # every element is written
-    if routing is None:
-        logits, route_args, route_keys = ids, (0, 0, 1, 0, 0), {}
-    else:
-        logits = routing.logits
-        shared = routing.shared_expert_id is not None
-        e = logits.shape[1] - shared
-        route_args = (logits.stride(0), logits.stride(1), e, routing.top_k, routing.shared_expert_id or 0)
-        route_keys = dict(ROUTE=True, SHARED=shared, E_PAD=triton.next_power_of_2(e),
-                          CHUNK=min(ROUTE_CHUNK, triton.next_power_of_2(e)))
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
-        x, w13, ids, act, width, h, inter, x.stride(0), expert_offset, n_local, logits, *route_args,
-        BLOCK_N=bn1, BLOCK_K=bk1, STAGES=stages1, num_warps=warps1, LATE_TRIGGER=early, **route_keys, **pdl,
+        x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
+        BLOCK_N=bn1, BLOCK_K=bk1, STAGES=stages1, num_warps=warps1, LATE_TRIGGER=early, **pdl,
     )
-    renormalize = {} if routing is None else {"RENORMALIZE": bool(routing.renormalize)}
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
-        act, w2, ids, tw, y, width, h, inter, y.stride(0), expert_offset, n_local, logits, *route_args,
-        K_PAD=triton.next_power_of_2(width), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, EARLY=early,
-        **route_keys, **renormalize, **pdl,
+        act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
+        K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, EARLY=early, **pdl,
     )
     return y

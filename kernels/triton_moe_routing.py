@@ -34,36 +34,6 @@ def logit_of(key):
 
 
 @_jit
-def order_bits(row):
-    """A logit's fp32 bits as an int32 that orders as the logits do (negative floats' magnitude bits flipped; -0
-    taken as +0)."""
-    bits = tl.where(row == 0.0, 0.0, row).to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
-
-
-@_jit
-def routing_ranks(logits_ptr, stride_e, E, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """One token's logits row at ``logits_ptr`` (fp32 [E_PAD], -inf past E) and each expert's place in the order
-    the routing kernel picks in (int32 [E_PAD]; 0 is the first pick, padding ranks after every expert): the number
-    of experts with a larger logit, or an equal one and a lower id. The comparisons run CHUNK columns at a time, so
-    the registers a thread needs do not grow with E: a kernel holding few registers can route inline."""
-    offs = tl.arange(0, E_PAD)
-    valid = offs < E
-    row = tl.load(logits_ptr + offs * stride_e, mask=valid, other=float("-inf")).to(tl.float32)
-    key = tl.where(valid, order_bits(row), -2147483647 - 1)
-    rank = tl.zeros((E_PAD,), dtype=tl.int32)
-    offs_c = tl.arange(0, CHUNK)
-    for c in range(0, E, CHUNK):
-        cols = c + offs_c
-        other = tl.load(logits_ptr + cols * stride_e, mask=cols < E, other=float("-inf")).to(tl.float32)
-        other_key = tl.where(cols < E, order_bits(other), -2147483647 - 1)
-        before = (other_key[None, :] > key[:, None]) | ((other_key[None, :] == key[:, None])
-                                                         & (cols[None, :] < offs[:, None]))
-        rank += tl.sum(before.to(tl.int32), axis=1)
-    return row, rank
-
-
-@_jit
 def _route_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, E, TOP_K, stride_t, stride_e, shared_id,
     RENORMALIZE: tl.constexpr, SHARED: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr,
@@ -78,7 +48,9 @@ def _route_topk_kernel(
     # One int64 key an expert: the logit's bits made order-preserving (negative floats' magnitude bits flipped; -0
     # taken as +0 first) above the expert's complement index, so one max gives the largest logit and, among ties, the
     # lowest expert. The taken key is retired; padding is retired from the start.
-    key = (order_bits(row).to(tl.int64) << 32) | (E_PAD - 1 - offs).to(tl.int64)
+    bits = tl.where(row == 0.0, 0.0, row).to(tl.int32, bitcast=True)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    key = (ordered.to(tl.int64) << 32) | (E_PAD - 1 - offs).to(tl.int64)
     retired = tl.full((E_PAD,), -(1 << 63), dtype=tl.int64)
     key = tl.where(valid, key, retired)
     slots = tl.arange(0, K_PAD)
@@ -106,51 +78,20 @@ def _route_topk_kernel(
         tl.store(ids_ptr + tok * width + TOP_K, shared_id)
 
 
-@_jit
-def route_slots(logits_ptr, stride_e, E, TOP_K, shared_id, RENORMALIZE: tl.constexpr, SHARED: tl.constexpr,
-                E_PAD: tl.constexpr, K_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """One token's routing as the routing kernel gives it, held in registers: (ids int32 [K_PAD], weights fp32
-    [K_PAD]); slots past ``TOP_K`` (+ the shared slot) get id -1 and weight 0. The ids are the kernel's; the weights
-    are its formula, summed in this kernel's order (they may differ from its in the last bit)."""
-    row, rank = routing_ranks(logits_ptr, stride_e, E, E_PAD, CHUNK)
-    offs = tl.arange(0, E_PAD)
-    slots = tl.arange(0, K_PAD)
-    picked = rank[None, :] == slots[:, None]  # slot j holds the expert ranked j
-    routed = slots < TOP_K
-    ids = tl.where(routed, tl.max(tl.where(picked, offs[None, :], -1), axis=1), -1)
-    top_v = tl.max(tl.where(picked, row[None, :], float("-inf")), axis=1)
-    peak = tl.max(row, axis=0)
-    denominator = tl.sum(tl.where(offs < E, tl.exp(row - peak), 0.0), axis=0)
-    weights = tl.where(routed, tl.exp(top_v - peak) / denominator, 0.0)
-    if RENORMALIZE:
-        weights = weights / tl.sum(weights, axis=0)
-    if SHARED:
-        gate = tl.load(logits_ptr + E * stride_e).to(tl.float32)
-        weights = tl.where(slots == TOP_K, 1.0 / (1.0 + tl.exp(-gate)), weights)
-        ids = tl.where(slots == TOP_K, shared_id, ids)
-    return ids, weights
-
-
-def check_router_logits(router_logits: torch.Tensor, top_k: int, shared: bool) -> int:
-    """The routing's contract on its logits (a float [T, E (+1)] tensor, 1 <= k <= E) -> E, the routed experts."""
-    if router_logits.dim() != 2 or not router_logits.is_floating_point():
-        raise ValueError(f"router logits must be a float [T, E] tensor, got {router_logits.dtype} "
-                         f"{tuple(router_logits.shape)}")
-    e = router_logits.shape[1] - shared
-    if not 1 <= e <= MAX_EXPERTS:
-        raise ValueError(f"need 1 <= E <= {MAX_EXPERTS} experts, got {e}")
-    if not 1 <= top_k <= min(e, MAX_TOP_K):
-        raise ValueError(f"need 1 <= top_k <= min(E, {MAX_TOP_K}) = {min(e, MAX_TOP_K)}, got {top_k}")
-    return e
-
-
 def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool,
                       shared_expert_id: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``route_topk_ref`` except the ids are int32 (and ties go to the lower expert id):
     ``(topk_weights fp32 [T, k (+1)], topk_ids int32 [T, k (+1)])``. Any float dtype and any strides."""
+    if router_logits.dim() != 2 or not router_logits.is_floating_point():
+        raise ValueError(f"router logits must be a float [T, E] tensor, got {router_logits.dtype} "
+                         f"{tuple(router_logits.shape)}")
     shared = shared_expert_id is not None
-    e = check_router_logits(router_logits, top_k, shared)
-    t = router_logits.shape[0]
+    t, e = router_logits.shape
+    e -= shared
+    if not 1 <= e <= MAX_EXPERTS:
+        raise ValueError(f"need 1 <= E <= {MAX_EXPERTS} experts, got {e}")
+    if not 1 <= top_k <= min(e, MAX_TOP_K):
+        raise ValueError(f"need 1 <= top_k <= min(E, {MAX_TOP_K}) = {min(e, MAX_TOP_K)}, got {top_k}")
     weights = torch.empty(t, top_k + shared, dtype=torch.float32, device=router_logits.device)
     ids = torch.empty(t, top_k + shared, dtype=torch.int32, device=router_logits.device)
     if t == 0:

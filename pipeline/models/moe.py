@@ -9,9 +9,6 @@ boundary) and its forward runs in three named steps a comm stage can split:
     experts(x, topk_weights, topk_ids) -> partial y [T, H]  (only this block's local experts contribute)
     combine(partial)                   -> y  (identity on one rank; where the all-reduce / all-to-all goes)
 
-``forward`` runs route and experts as one call (``kernels.moe.fused_moe_routed``): at decode sizes the expert
-kernels rank the experts from the router's logits themselves, so no routing kernel sits between the two.
-
 ``k' = k``, or ``k + 1`` with the shared expert folded in. The shared expert computes
 ``sigmoid(shared_expert_gate(x)) * shared_expert(x)``, added to the routed output. When its intermediate size equals
 the routed experts' (Qwen3-Next, Qwen3.5-MoE) it is folded in as one more expert with the global id ``num_experts``:
@@ -34,7 +31,7 @@ import re
 import torch
 from torch import nn
 
-from kernels.moe import fused_moe, fused_moe_routed, route_topk
+from kernels.moe import fused_moe, route_topk
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 from pipeline.dist.group import ExpertGroup
 
@@ -143,8 +140,8 @@ class SparseMoeBlock(nn.Module):
 
     def forward_projected(self, logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         """``forward`` given the router's output for x."""
-        partial = fused_moe_routed(x, logits[:, :self.router_rows], self.w13, self.w2, self.top_k,
-                                   self.norm_topk_prob, self.shared_expert_id, self.expert_offset, self.num_stacked)
+        topk_weights, topk_ids = self.route_logits(logits)
+        partial = self.experts(x, topk_weights, topk_ids)
         if self.shared_expert is not None:  # (only on the rank holding it: before the sum, so every rank gets it)
             partial = partial + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return self.combine(partial)

@@ -75,33 +75,3 @@ def test_one_decode_row_runs_each_norm_inside_the_next_projection(model_type, mo
     for ours, ref in zip(fused_run.decode_logits[0], separate_run.decode_logits[0]):
         scale = ref.float().abs().max().item()
         torch.testing.assert_close(ours.float(), ref.float(), atol=0.05 * scale, rtol=0.05)
-
-
-@pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_5_moe_text"])
-def test_decode_experts_route_themselves(model_type, monkeypatch):
-    """The expert kernels of steps with few token slots (here the prompts' step too) rank the experts from the
-    router's logits, no routing kernel. Against the routing kernel before the same kernels: the same greedy tokens
-    and, in fp32, the same logits within the routing weights' last bit."""
-    if not dispatch.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
-        pytest.skip("needs triton under the interpreter (the model runs on CPU tensors)")
-    import kernels.moe as moe
-    import kernels.triton_moe_decode as moe_decode
-
-    hf = make_tiny_hf_model(model_type, **({} if model_type == "qwen3_5_moe_text" else {"num_hidden_layers": 2}))
-    model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.float32, prepack=False)
-    monkeypatch.setattr(dispatch, "use_triton", lambda device: True)
-    calls = []
-    routed = moe_decode.fused_moe_decode_routed_triton
-    monkeypatch.setattr(moe_decode, "fused_moe_decode_routed_triton",
-                        lambda x, *a, **kw: calls.append(x.shape[0]) or routed(x, *a, **kw))
-    prompts = [list(range(100, 107)), list(range(200, 203))]
-    monkeypatch.setattr(moe, "ROUTE_IN_EXPERTS", True)
-    inline = run_paged(model, prompts, max_new_tokens=3)
-    monkeypatch.setattr(moe, "ROUTE_IN_EXPERTS", False)
-    kernel = run_paged(model, prompts, max_new_tokens=3)
-    moe_layers = sum(hasattr(layer.mlp, "w13") for layer in model.model.layers)
-    assert calls.count(2) == 2 * moe_layers  # the two decode steps of two rows, each MoE layer
-    assert inline.generated == kernel.generated
-    for ours_seq, ref_seq in zip(inline.decode_logits, kernel.decode_logits):
-        for ours, ref in zip(ours_seq, ref_seq):
-            torch.testing.assert_close(ours, ref, atol=1e-5, rtol=1e-5)
