@@ -18,6 +18,7 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
   together) or from the log-sum-exps (``REDUCE_USED_FROM_LEN``); the outputs are right;
 * ``skip_empty=0|1``: the decode attention's splits past a row's keys skip their loads and stores, or not
   (``SKIP_EMPTY_SPLITS``, with ``REDUCE_USED_FROM_LEN``); the outputs are right;
+* ``decode_block_n=N``: the decode attention's keys a tile (``DECODE_BLOCK_N``); the outputs are right;
 * ``short=N``: the decode reduce takes its short tile for rows of at most N splits (``REDUCE_SHORT_SPLITS``); the
   outputs are right;
 * ``gate_up=BN,BK,W[,S]`` / ``down=BN,BK,W``: the MoE decode kernels' launch config at batch 1 (``decode_config``:
@@ -102,6 +103,8 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         default = triton_moe_decode.decode_config
         return patched(triton_moe_decode, "decode_config", lambda t, k=8: (
             (config, default(t, k)[1]) if part == "gate_up" else (default(t, k)[0], config)))
+    if name.startswith("decode_block_n="):
+        return patched(triton_decode_attention, "DECODE_BLOCK_N", int(name.split("=")[1]))
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
     knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),

@@ -42,6 +42,9 @@ SKIP_EMPTY_SPLITS = True
 REDUCE_SHORT_SPLITS = 16
 
 
+DECODE_BLOCK_N = 64  # keys a tile of the split kernel, head dims up to 128 (a plan may set another; b1_ablation sweeps it)
+
+
 @_jit
 def decode_split_len(seq_len, num_splits, tile):
     """Keys a decode split of a row of ``seq_len`` keys holds: equal parts rounded up to whole ``tile``s. The split
@@ -234,7 +237,7 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
         raise ValueError(f"gate {tuple(gate.shape)} does not fit query {tuple(query.shape)} (last dim contiguous)")
     R, H, d = query.shape
     d_pad = block_pow2(d)
-    block_n = block_pow2(plan.decode_block_n or (64 if d_pad <= 128 else 32))  # tl.dot needs >= 16
+    block_n = block_pow2(plan.decode_block_n or (DECODE_BLOCK_N if d_pad <= 128 else 32))  # tl.dot needs >= 16
     out = torch.empty_like(query)
     direct = splits == 1
     part_acc = query.new_empty(0 if direct else R * H * splits * d_pad, dtype=torch.float32)
