@@ -194,6 +194,24 @@ async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[
     return out
 
 
+def route_to_the_same_experts() -> None:
+    """``--same-experts``: every token of every MoE layer goes to experts 0..k-1 (its routing weights and shared
+    slot as computed), so a verify row reads one token's expert bytes: the best case of expert locality. Real
+    checkpoints route consecutive tokens to overlapping experts; random weights route them anywhere."""
+    import torch
+
+    import pipeline.models.moe as moe_block
+
+    routed = moe_block.route_topk
+
+    def same(logits, top_k, renormalize, shared_expert_id=None):
+        weights, ids = routed(logits, top_k, renormalize, shared_expert_id)
+        ids[:, :top_k] = torch.arange(top_k, dtype=ids.dtype, device=ids.device)
+        return weights, ids
+
+    moe_block.route_topk = same
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(ap, "spec.json")
@@ -211,7 +229,11 @@ def main() -> None:
                     help="EngineConfig.gil_switch_interval_s (default: the engine's)")
     ap.add_argument("--exact-speculation", action="store_true",
                     help="verify rows computed as one-token decode rows (EngineConfig.exact_speculation)")
+    ap.add_argument("--same-experts", action="store_true",
+                    help="every token to the same experts (route_to_the_same_experts): expert locality's best case")
     a = ap.parse_args()
+    if a.same_experts:
+        route_to_the_same_experts()
     shape = chosen_shape(a.shape, a.quick)
     sizes = dict(prompt=32, new=24, batches=[1, 4]) if a.quick else dict(prompt=128, new=256, batches=[1, 16, 64])
     sizes["batches"] = a.batches or sizes["batches"]
@@ -231,6 +253,7 @@ def main() -> None:
         options["speculative_model"] = draft_dir
         report_drafter = dflash_shape(shape)
     report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "method": a.method,
+                    "same_experts": a.same_experts,
                     "exact_speculation": a.exact_speculation, "gil_switch_interval_s": a.gil_switch_interval,
                     "date": time.strftime("%Y-%m-%d %H:%M"), "sizes": sizes}
     if a.method == "dflash":
