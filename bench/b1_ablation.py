@@ -19,6 +19,8 @@ unchanged step's. The outputs of a variant are wrong; only its time is read. Var
 * ``skip_empty=0|1``: the decode attention's splits past a row's keys skip their loads and stores, or not
   (``SKIP_EMPTY_SPLITS``, with ``REDUCE_USED_FROM_LEN``); the outputs are right;
 * ``decode_block_n=N``: the decode attention's keys a tile (``DECODE_BLOCK_N``); the outputs are right;
+* ``small_whole_rows=0|1``: a norm-GEMV too small to fill the GPU (the router) on whole-row tiles, or the table's
+  (``SMALL_WHOLE_ROWS``); the outputs are right;
 * ``short=N``: the decode reduce takes its short tile for rows of at most N splits (``REDUCE_SHORT_SPLITS``); the
   outputs are right;
 * ``gate_up=BN,BK,W[,S]`` / ``down=BN,BK,W``: the MoE decode kernels' launch config at batch 1 (``decode_config``:
@@ -43,7 +45,7 @@ import kernels.gdn as gdn  # noqa: E402
 import pipeline.models.layers as layers  # noqa: E402
 import pipeline.models.moe as moe  # noqa: E402
 import pipeline.runner.cuda_graphs as cuda_graphs  # noqa: E402
-from kernels import dispatch, triton_decode_attention, triton_moe_decode  # noqa: E402
+from kernels import dispatch, triton_decode_attention, triton_gemv, triton_moe_decode  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
@@ -107,7 +109,8 @@ def variant(name: str) -> contextlib.AbstractContextManager:
         return patched(triton_decode_attention, "DECODE_BLOCK_N", int(name.split("=")[1]))
     if name.startswith("short="):
         return patched(triton_decode_attention, "REDUCE_SHORT_SPLITS", int(name.split("=")[1]))
-    knobs = {"reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
+    knobs = {"small_whole_rows": (triton_gemv, "SMALL_WHOLE_ROWS"),
+             "reduce_from_len": (triton_decode_attention, "REDUCE_USED_FROM_LEN"),
              "skip_empty": (triton_decode_attention, "SKIP_EMPTY_SPLITS")}
     if name.split("=")[0] in knobs:
         owner, attribute = knobs[name.split("=")[0]]

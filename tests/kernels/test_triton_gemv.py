@@ -235,6 +235,46 @@ def test_gemv_pdl_config_takes_whole_rows_at_one_row_when_asked(monkeypatch):
     assert (norm["block_n"], norm["block_k"], norm["split_k"]) == (8, 2048, 1)
 
 
+def test_gemv_norm_pdl_config_takes_whole_rows_when_the_programs_would_not_fill_the_gpu(monkeypatch):
+    """Under PDL a norm-GEMV whose programs would not outnumber the SMs (a router: 128 or 264 rows of 2,048) takes
+    whole rows, about one program an SM; projections that fill the GPU, M > 1, no PDL, rows too long for the
+    register budget and the switch off keep the table's tiles."""
+    from kernels import triton_gemv
+    from kernels.triton_gemv import gemv_norm_config
+
+    def tile(m, n, k, pdl=True, sms=132):
+        cfg = gemv_norm_config(m, n, k, torch.bfloat16, sms, pdl=pdl)
+        return cfg["block_n"], cfg["block_k"], cfg["split_k"]
+
+    monkeypatch.setattr(triton_gemv, "SMALL_WHOLE_ROWS", True)
+    assert tile(1, 128, 2048) == (1, 2048, 1)
+    assert tile(1, 264, 2048) == (2, 2048, 1)
+    assert tile(1, 128, 2048, sms=78) == (2, 2048, 1)
+    assert tile(1, 128, 1000) == (1, 1024, 1)  # a ragged row: one tile, masked
+    assert tile(1, 5120, 2048) == (8, 512, 1)
+    assert tile(1, 128, 8192) == tile(1, 128, 8192, pdl=False)  # [1, 8192] fp32 would pass 32 registers a thread
+    assert tile(4, 128, 2048) == tile(4, 128, 2048, pdl=False)
+    assert tile(1, 128, 2048, pdl=False) == (2, 1024, 1)
+    monkeypatch.setattr(triton_gemv, "SMALL_WHOLE_ROWS", False)
+    assert tile(1, 128, 2048) == (2, 1024, 1)
+
+
+@pytest.mark.parametrize("block_n", [1, 2])
+def test_gemv_norm_whole_row_tiles(block_n):
+    """The router's whole-row tiles (one or two rows a program, the row one tile, loaded before the wait): the
+    same projection, new residual and normed rows as the reference."""
+    from kernels.triton_gemv import gemv_norm_ref, gemv_norm_triton
+
+    x, weight, _ = operands(1, 70, 200, torch.bfloat16, bias=False)
+    r = randn(1, 200, dtype=torch.bfloat16, seed=9)
+    norm_weight = (1 + 0.3 * randn(200, seed=10)).bfloat16()
+    out = gemv_norm_triton(x, r, norm_weight, 1e-6, weight, None, True, block_n=block_n, block_k=256, prefetch=True)
+    ref = gemv_norm_ref(x, r, norm_weight, 1e-6, weight, None, True)
+    close(out.y, ref.y)
+    close(out.normed, ref.normed)
+    close(out.residual, ref.residual)
+
+
 def split_rows(fn, x: torch.Tensor, *rest):
     """``fn`` called on each row of x (and of a residual in ``rest``) alone, the rows stacked."""
     return [fn(x[i:i + 1], *(r[i:i + 1] if isinstance(r, torch.Tensor) and r.shape == x.shape else r for r in rest))
