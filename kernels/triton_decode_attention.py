@@ -40,9 +40,10 @@ SKIP_EMPTY_SPLITS = True
 # graph sized for the longest context loads one of all its splits. H200, Qwen3-30B-A3B batch-1 step at 256 keys
 # (66 splits): 2.353 ms with a 16-split tile, 2.389 with 64.
 REDUCE_SHORT_SPLITS = 16
-
-
-DECODE_BLOCK_N = 64  # keys a tile of the split kernel, head dims up to 128 (a plan may set another; b1_ablation sweeps it)
+# Keys a tile of the split kernel for head dims up to 128 (a plan may set another). H200 batch-1 step: 32 is
+# 0.005-0.011 ms faster at 256-384 keys but cuts B1 after a 32k prompt from 293 to 258 tok/s
+# (results/b1-decode-block-n-h200-8c662fb.json, results/b1-small-whole-rows-h200-d021a42.json).
+DECODE_BLOCK_N = 64
 
 
 @_jit

@@ -218,7 +218,6 @@ GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "1") == "1"
 # H200 batch-1 step: 0.040 ms faster on Qwen3-30B-A3B, 0.046 on Qwen3.5-35B-A3B (results/b1-small-whole-rows-h200-
 # d021a42.json); CONVEYOR_GEMV_SMALL_WHOLE_ROWS=0 keeps the table's tiles.
 SMALL_WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_SMALL_WHOLE_ROWS", "1") == "1"
-SMALL_WHOLE_ROWS_ELEMENTS = 4096
 GEMV_TMA_MIN_BYTES = 32 << 20
 
 
@@ -399,8 +398,8 @@ def gemv_norm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 
     projection of >= 1,024 rows takes [8, 1 KiB] tiles: with the norm's loads in the K loop, 8 weight rows a
     program beat the plain GEMV's 2 on an H200 (5120-12352 x 2048; results/gemv-norm-tune-h200.json); with PDL,
     whole rows, as ``gemv_config``. Under PDL a projection whose programs would not outnumber the SMs (a router's
-    128-264 rows) takes whole rows, about one program an SM: its weight is all loaded before the wait, and the
-    programs' K loops, latency-bound at a few tiles each, go."""
+    128-264 rows) takes whole rows, about one program an SM: each program loads all of its weight before the wait
+    and runs no K loop after it."""
     cfg = {**gemv_config(m, n, k, dtype, num_sms, pdl=pdl), "split_k": 1}
     if m == 1 and n >= 1024 and not cfg["use_dot"] and not (pdl and _whole_rows_tile(m, k, dtype)):
         cfg["block_n"], cfg["block_k"] = 8, min(512, max(1, triton.next_power_of_2(k)))
@@ -408,6 +407,6 @@ def gemv_norm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 
         # too few rows to fill the GPU (a router): about one program an SM over whole rows, so every weight byte a
         # program reads is in flight before its wait (the [BLOCK_N, K] fp32 product within 32 registers a thread)
         block_n, block_k = triton.next_power_of_2(triton.cdiv(n, num_sms)), triton.next_power_of_2(k)
-        if block_n * block_k <= SMALL_WHOLE_ROWS_ELEMENTS:
+        if block_n * block_k <= 32 * 32 * cfg["num_warps"]:
             cfg["block_n"], cfg["block_k"] = block_n, block_k
     return cfg
