@@ -10,6 +10,15 @@ class InvalidRequest(ValueError):
         self.param = param
 
 
+class ContextLengthExceeded(InvalidRequest):
+    """The prompt leaves no room to generate within the model's context (HTTP 400, each API's own code)."""
+
+    def __init__(self, message: str, prompt_tokens: int, max_model_len: int) -> None:
+        super().__init__(message, "prompt")
+        self.prompt_tokens = prompt_tokens
+        self.max_model_len = max_model_len
+
+
 class AdmissionRefused(RuntimeError):
     """The engine is at its waiting limits or draining (HTTP 503 with Retry-After)."""
 

@@ -103,6 +103,8 @@ class SamplingParams:
 
     n: int = 1
     max_tokens: int | None = None  # None: up to max_model_len
+    # max_tokens past the context left: False refuses the request, True ends the output at the context's end
+    max_tokens_clamped: bool = False
     min_tokens: int = 0
     temperature: float | None = None
     top_k: int | None = None  # 0 or -1: disabled
@@ -190,6 +192,7 @@ class OutputDelta:
     output_token_count: int = 0  # cumulative for this child
     prompt_opens_thinking: bool = False  # the prompt ends inside <think>: output starts as reasoning
     cached_prompt_tokens: int = 0  # of the prompt, tokens taken from the prefix cache
+    stop_string: str | None = None  # on a final delta: the stop string that ended the output
 
     def merge(self, later: OutputDelta) -> None:
         self.text += later.text
@@ -198,6 +201,7 @@ class OutputDelta:
             self.logprobs = (self.logprobs or []) + later.logprobs
         self.finish_reason = later.finish_reason
         self.error = later.error or self.error
+        self.stop_string = later.stop_string or self.stop_string
         self.output_token_count = later.output_token_count
 
 

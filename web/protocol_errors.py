@@ -6,7 +6,7 @@ traceback or an exception repr: only the log gets those.
 """
 from __future__ import annotations
 
-from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest, RequestFailed
+from pipeline.errors import AdmissionRefused, ContextLengthExceeded, EngineDead, InvalidRequest, RequestFailed
 
 GENERIC_SERVER_ERROR = "internal server error"
 
@@ -43,6 +43,8 @@ def api_error_from_exception(exc: BaseException) -> APIError:
     """
     if isinstance(exc, APIError):
         return exc
+    if isinstance(exc, ContextLengthExceeded):
+        return APIError(400, str(exc), "invalid_request_error", exc.param, "context_length_exceeded")
     if isinstance(exc, InvalidRequest):
         return APIError(400, str(exc) or "invalid request", "invalid_request_error", exc.param)
     if isinstance(exc, AdmissionRefused):

@@ -95,6 +95,8 @@ class DetokenizeStage(Stage[StepTokens]):
         delta = OutputDelta(request.request_id, index, text, [token] if token >= 0 else [], logprobs, finish, error,
                             len(request.prompt_token_ids), message.output_counts[r], request.prompt_opens_thinking,
                             request.cached_prompt_tokens)
+        if finish is not None and state.stops is not None:
+            delta.stop_string = state.stops.matched
         out.append((request, delta))
         if finish is not None:
             state.done = True

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 from dataclasses import dataclass, fields, replace
 
-from pipeline.errors import AdmissionRefused, InvalidRequest
+from pipeline.errors import AdmissionRefused, ContextLengthExceeded, InvalidRequest
 from pipeline.grammar.spec import GrammarSpec
 from pipeline.messages import IntakeItem
 from pipeline.prompt import PromptRenderer
@@ -124,9 +124,9 @@ class IntakeStage(Stage[IntakeItem]):
         if not ids:
             raise InvalidRequest("the prompt is empty", "prompt")
         if len(ids) >= self.limits.max_model_len:
-            raise InvalidRequest(
+            raise ContextLengthExceeded(
                 f"the prompt has {len(ids)} tokens; the model's maximum context length is "
-                f"{self.limits.max_model_len}, leaving no room to generate", "prompt")
+                f"{self.limits.max_model_len}, leaving no room to generate", len(ids), self.limits.max_model_len)
         return ids
 
     def resolve_params(self, params: SamplingParams, prompt_len: int) -> SamplingParams:
@@ -137,7 +137,8 @@ class IntakeStage(Stage[IntakeItem]):
         limits = self.limits
         if params.n > limits.max_num_seqs:
             raise InvalidRequest(f"n={params.n} exceeds the server's max_num_seqs ({limits.max_num_seqs})", "n")
-        if params.max_tokens is not None and prompt_len + params.max_tokens > limits.max_model_len:
+        if params.max_tokens is not None and not params.max_tokens_clamped and \
+                prompt_len + params.max_tokens > limits.max_model_len:
             raise InvalidRequest(
                 f"the prompt ({prompt_len} tokens) plus max_tokens ({params.max_tokens}) is "
                 f"{prompt_len + params.max_tokens}, over the model's maximum context length of "
