@@ -1,5 +1,8 @@
-"""POST /v1/chat/completions and /v1/completions: one engine request each, streamed as SSE or
-collected into one response.
+"""The generation core every API face shares, and its chat and completions faces.
+
+A face (an `Endpoint`) translates its request into a `ChatRequest` (or a completions prompt) and renders the
+engine's output deltas in its own shape; `serve` runs the request the same way for every face: admission errors
+before any byte, streaming or collecting, the request timeout, cancellation on disconnect, and metrics.
 
 A client that disconnects cancels its handler (aiohttp handler_cancellation); closing the engine's
 stream then cancels the request, which frees its sequences within one step. --request-timeout
@@ -17,9 +20,10 @@ from aiohttp import web
 
 from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogprob
 from web.app import STATE, ServerState, json_response, read_json
-from web.chat_output import ChatOutputParser, ChatPiece, wire_tool_call, wire_tool_call_delta
+from web.chat_output import ChatPiece, wire_tool_call, wire_tool_call_delta
 from web.chat_tools import chat_output_parsers
-from web.protocol import (SSE_DONE, APIError, TextEvent, chat_chunk, chat_choice, chat_completion,
+from web.output_parsing import ChoiceParsers
+from web.protocol import (SSE_DONE, APIError, ChatRequest, TextEvent, chat_chunk, chat_choice, chat_completion,
                           chat_delta_choice, chat_logprobs, chat_usage_chunk, completion_choice, completion_chunk,
                           completion_logprobs, completion_response, completion_usage_chunk, new_chat_id,
                           new_completion_id, parse_chat_request, parse_completion_request, sse_event, usage)
@@ -35,6 +39,7 @@ class Choice:
     text_offset: int = 0  # characters sent so far (completions logprobs offsets)
     error: str | None = None
     prompt_opens_thinking: bool = False
+    stop_string: str | None = None  # the stop string that ended the choice
 
 
 @dataclass(slots=True)
@@ -68,22 +73,25 @@ class Tracker:
         if delta.finish_reason is not None:
             choice.finish_reason = delta.finish_reason
             choice.error = delta.error
+            choice.stop_string = delta.stop_string
         return choice
 
     @property
     def completion_tokens(self) -> int:
         return sum(c.output_tokens for c in self.choices.values())
 
-    def finish(self, state: ServerState, cancelled: bool) -> None:
+    def finish(self, state: ServerState, cancelled: bool, api: str) -> None:
         reasons = [c.finish_reason for c in self.choices.values() if c.finish_reason is not None]
         reason = "abort" if cancelled or not reasons else reasons[0].value
         ttft = None if self.first_token is None else self.first_token - self.arrival
         state.metrics.request_finished(reason, self.prompt_tokens, self.completion_tokens, ttft,
-                                       time.monotonic() - self.arrival)
+                                       time.monotonic() - self.arrival, api=api)
 
 
 class Endpoint:
-    """What differs between chat and completions: how deltas and the final answer are shaped."""
+    """What differs between the API faces: how deltas, the stream's ends and the final answer are shaped."""
+
+    api = "openai"  # the metrics label of the face
 
     def __init__(self, state: ServerState, model: str, include_usage: bool, want_logprobs: bool) -> None:
         self.state = state
@@ -95,8 +103,21 @@ class Endpoint:
         self.token_text = lambda t: tokenizer.decode([t], skip_special_tokens=False)
         self._text_events: dict[int, TextEvent] = {}
 
-    def opening(self, n: int) -> list[dict]:
-        return []
+    def opening(self, first: OutputDelta, n: int) -> bytes:
+        """The events before the first delta's (the first delta is not observed yet)."""
+        return b""
+
+    def closing(self, tracker: Tracker) -> bytes:
+        """The events after the last delta's."""
+        return b""
+
+    def delta_error(self, message: str) -> bytes:
+        """The event of a choice that failed mid-way; the stream then closes as usual."""
+        return sse_event(APIError(500, message, "server_error").body())
+
+    def stream_error(self, error: APIError, tracker: Tracker) -> bytes:
+        """The last events of a stream the server cut short (a timeout): nothing follows them."""
+        return sse_event(error.body()) + SSE_DONE
 
     def event(self, delta: OutputDelta, choice: Choice) -> bytes:
         """The SSE event of a delta (empty when it carries nothing to show)."""
@@ -122,32 +143,31 @@ class Endpoint:
         raise NotImplementedError
 
 
-class ChatEndpoint(Endpoint):
-    def __init__(self, *args: Any, parsers: Callable[[], ChatOutputParser] | None = None) -> None:
+class OpenAIEndpoint(Endpoint):
+    """Chat and completions streams end with an optional usage chunk and `data: [DONE]`."""
+
+    def closing(self, tracker: Tracker) -> bytes:
+        data = b""
+        if self.include_usage:
+            final = usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens)
+            data = sse_event(self.usage_chunk(final))
+        return data + SSE_DONE
+
+
+class ChatEndpoint(OpenAIEndpoint):
+    api = "chat_completions"
+
+    def __init__(self, *args: Any, parsers: ChoiceParsers | None = None) -> None:
         super().__init__(*args)
         self.id = new_chat_id()
-        self.new_parser = parsers
-        self.parsers: dict[int, ChatOutputParser] = {}
+        self.choice_parsers = parsers or ChoiceParsers(None)
+        self.parse = self.choice_parsers.parse
+        self.finish_reason = self.choice_parsers.finish_reason
 
-    def parse(self, index: int, text: str, finished: bool, prompt_opens_thinking: bool) -> ChatPiece | None:
-        """Reasoning / content / tool calls of a choice's new text (None: no parsing configured)."""
-        if self.new_parser is None:
-            return None
-        parser = self.parsers.get(index)
-        if parser is None:
-            parser = self.parsers[index] = self.new_parser()
-        piece = parser.feed(text, prompt_opens_thinking)
-        return piece.extend(parser.finish()) if finished else piece
-
-    def finish_reason(self, index: int, reason: FinishReason | None) -> FinishReason | str | None:
-        parser = self.parsers.get(index)
-        if reason is FinishReason.STOP and parser is not None and parser.calls:
-            return "tool_calls"
-        return reason
-
-    def opening(self, n: int) -> list[dict]:
-        return [chat_chunk(self.id, self.created, self.model, [chat_delta_choice(i, role="assistant", content="")],
-                           include_usage=self.include_usage) for i in range(n)]
+    def opening(self, first: OutputDelta, n: int) -> bytes:
+        return b"".join(sse_event(chat_chunk(self.id, self.created, self.model,
+                                             [chat_delta_choice(i, role="assistant", content="")],
+                                             include_usage=self.include_usage)) for i in range(n))
 
     def event(self, delta: OutputDelta, choice: Choice) -> bytes:
         logprobs = chat_logprobs(delta.logprobs, self.token_text) if self.want_logprobs and delta.logprobs else None
@@ -181,7 +201,7 @@ class ChatEndpoint(Endpoint):
             if piece is None:
                 choices.append(chat_choice(index, text, c.finish_reason, logprobs=logprobs))
                 continue
-            calls = [wire_tool_call(call) for call in self.parsers[index].calls]
+            calls = [wire_tool_call(call) for call in self.choice_parsers.calls(index)]
             content = piece.content if piece.content or not calls else None
             choices.append(chat_choice(index, content, self.finish_reason(index, c.finish_reason), logprobs=logprobs,
                                        reasoning_content=piece.reasoning or None, tool_calls=calls or None))
@@ -189,7 +209,9 @@ class ChatEndpoint(Endpoint):
                                usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens))
 
 
-class CompletionEndpoint(Endpoint):
+class CompletionEndpoint(OpenAIEndpoint):
+    api = "completions"
+
     def __init__(self, *args: Any, echo_text: str = "") -> None:
         super().__init__(*args)
         self.id = new_completion_id()
@@ -235,9 +257,17 @@ async def chat_completions(request: web.Request) -> web.StreamResponse:
     state = request.app[STATE]
     arrival = time.monotonic()
     parsed = parse_chat_request(await read_json(request))
-    parsers = chat_output_parsers(state, parsed)
-    endpoint = ChatEndpoint(state, state.model_name(parsed.model), parsed.include_usage, parsed.logprobs,
-                            parsers=parsers)
+    model = state.model_name(parsed.model)
+    return await serve_chat(request, parsed, arrival, lambda parsers: ChatEndpoint(
+        state, model, parsed.include_usage, parsed.logprobs, parsers=parsers))
+
+
+async def serve_chat(request: web.Request, parsed: ChatRequest, arrival: float,
+                     endpoint_for: Callable[[ChoiceParsers], Endpoint]) -> web.StreamResponse:
+    """Every chat-shaped face's run: the output parsers (and the tool-call grammar they set), the engine request
+    for the messages, then `serve`."""
+    state = request.app[STATE]
+    endpoint = endpoint_for(ChoiceParsers(chat_output_parsers(state, parsed)))
     stream = state.ready_engine().generate(messages=parsed.messages, params=parsed.params, request_id=endpoint.id,
                                            chat_template_kwargs=parsed.chat_template_kwargs)
     return await serve(request, stream, endpoint, parsed.stream, parsed.params.n, arrival)
@@ -282,8 +312,7 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
         error = APIError(504, f"the request timed out after {timeout_s:g}s", "timeout")
         if body is None:
             raise error from None
-        await body.write(sse_event(error.body()))
-        await body.write(SSE_DONE)
+        await body.write(endpoint.stream_error(error, tracker))
         completed = connected = True
     except ConnectionResetError:
         pass  # the client went away mid-stream; closing the stream below cancels the request
@@ -291,7 +320,7 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
         if body is not None and not connected:
             body.abandon()  # first: it cannot fail, and nothing after it may skip it
         await stream.aclose()
-        tracker.finish(state, cancelled=not completed)
+        tracker.finish(state, cancelled=not completed, api=endpoint.api)
     if body is not None:
         if connected:
             await body.finish()
@@ -312,12 +341,12 @@ def _collect(state: ServerState, delta: OutputDelta, tracker: Tracker) -> None:
 def delta_events(endpoint: Endpoint, tracker: Tracker) -> Callable[[OutputDelta], bytes]:
     """A stream's formatter: the SSE events of one delta (empty when it carries nothing to show). It runs
     for every token of every stream, so what it calls is bound once, here."""
-    state, event, observe = endpoint.state, endpoint.event, tracker.observe
+    state, event, observe, delta_error = endpoint.state, endpoint.event, tracker.observe, endpoint.delta_error
 
     def events(delta: OutputDelta) -> bytes:
         data = event(delta, observe(state, delta))
         if delta.finish_reason is not None and delta.error:
-            data += sse_event(APIError(500, delta.error, "server_error").body())
+            data += delta_error(delta.error)
         return data
 
     return events
@@ -325,13 +354,9 @@ def delta_events(endpoint: Endpoint, tracker: Tracker) -> Callable[[OutputDelta]
 
 async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[OutputDelta],
                   endpoint: Endpoint, tracker: Tracker, n: int) -> None:
-    for chunk in endpoint.opening(n):
-        await body.write(sse_event(chunk))
+    await body.write(endpoint.opening(first, n))
     events = delta_events(endpoint, tracker)
     await body.write(events(first))
     while (delta := await anext(stream, None)) is not None:  # one merged delta per read: a slow client falls behind
         await body.write(events(delta))
-    if endpoint.include_usage:
-        final = usage(tracker.prompt_tokens, tracker.completion_tokens, tracker.cached_tokens)
-        await body.write(sse_event(endpoint.usage_chunk(final)))
-    await body.write(SSE_DONE)
+    await body.write(endpoint.closing(tracker))

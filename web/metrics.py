@@ -231,6 +231,8 @@ class ServerMetrics:
         reg, m = self.registry, ["model_name"]
         self._requests = Counter("conveyor_requests", "Finished requests by finish_reason.",
                                  [*m, "finish_reason"], registry=reg)
+        self._api_requests = Counter("conveyor_api_requests", "Finished requests by API face and finish_reason.",
+                                     [*m, "api", "finish_reason"], registry=reg)
         self._prompt_tokens = Counter("conveyor_prompt_tokens", "Prompt tokens of finished requests.",
                                       m, registry=reg).labels(model_name)
         self._generation_tokens = Counter("conveyor_generation_tokens", "Generated tokens of finished requests.",
@@ -254,9 +256,11 @@ class ServerMetrics:
                          buckets=REQUEST_LATENCY_BUCKETS).labels(self.model_name)
 
     def request_finished(self, finish_reason: str, prompt_tokens: int, generation_tokens: int,
-                         ttft_s: float | None, e2e_s: float) -> None:
-        """One call per finished request (per choice set, not per choice). ttft_s None: no token was produced."""
+                         ttft_s: float | None, e2e_s: float, api: str = "chat_completions") -> None:
+        """One call per finished request (per choice set, not per choice). ttft_s None: no token was produced.
+        `api`: the face that served it (chat_completions, completions, responses, messages)."""
         self._requests.labels(self.model_name, _label(finish_reason)).inc()
+        self._api_requests.labels(self.model_name, api, _label(finish_reason)).inc()
         self._prompt_tokens.inc(max(0, prompt_tokens))
         self._generation_tokens.inc(max(0, generation_tokens))
         if ttft_s is not None:
