@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import CPU_DEFAULTS, CUDA_DEFAULTS, CUDA_GRAPH_MAX_BATCH, EngineConfig
+from pipeline.cpu_threads import prefer_passive_wait
 from pipeline.errors import AdmissionRefused, InvalidRequest
 from pipeline.request import RepetitionDetection, SamplingParams
 
@@ -86,6 +87,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                         help="Python's young-generation GC threshold while serving (pipeline/interpreter_tuning.py)")
     parser.add_argument("--gil-switch-interval", type=float, default=defaults.gil_switch_interval_s,
                         metavar="SECONDS", help="sys.setswitchinterval while serving (pipeline/interpreter_tuning.py)")
+    parser.add_argument("--cpu-threads", type=positive_int, default=None, metavar="N",
+                        help="CPU backend: compute threads (default: the cores this process may use; "
+                             "pipeline/cpu_threads.py)")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_repetition_detection(text: str) -> RepetitionDetection | None:
@@ -118,6 +132,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         ep_split_linear_attention=args.ep_split_linear_attention,
                         gc_young_threshold=args.gc_young_threshold,
                         gil_switch_interval_s=args.gil_switch_interval,
+                        cpu_threads=args.cpu_threads,
                         repetition_detection=parse_repetition_detection(args.repetition_detection))
 
 
@@ -251,6 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # how the head starts local workers
     add_engine_args(worker)
     args = parser.parse_args(argv)
+    prefer_passive_wait()  # before anything loads torch
     if args.command == "worker":
         from pipeline.dist.ranks import config_from_json, worker_main
 

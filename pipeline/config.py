@@ -63,6 +63,7 @@ class EngineConfig:
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
     gil_switch_interval_s: float = 0.001  # sys.setswitchinterval while serving (Python's default is 5 ms)
+    cpu_threads: int | None = None  # CPU: torch intra-op threads; None: the cores this process may use
 
     def resolved(self) -> EngineConfig:
         """A copy with the device named and every None default filled in for it."""
@@ -74,8 +75,14 @@ class EngineConfig:
         defaults = device_defaults(device)
         seqs = self.max_num_seqs or defaults.max_num_seqs
         graph_batch = self.cuda_graph_max_batch or min(seqs, CUDA_GRAPH_MAX_BATCH)
+        threads = self.cpu_threads
+        if threads is None and device == "cpu":
+            from pipeline.cpu_threads import usable_cores
+
+            threads = usable_cores()
         return replace(self, device=device, max_num_seqs=seqs, cuda_graph_max_batch=graph_batch,
-                       max_num_batched_tokens=self.max_num_batched_tokens or defaults.max_num_batched_tokens)
+                       max_num_batched_tokens=self.max_num_batched_tokens or defaults.max_num_batched_tokens,
+                       cpu_threads=threads)
 
     def validate(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -88,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
+        if self.cpu_threads is not None and self.cpu_threads < 1:
+            raise ValueError(f"cpu_threads must be at least 1, got {self.cpu_threads}")
         if self.gc_young_threshold < 1:
             raise ValueError("gc_young_threshold must be at least 1")
         if not 1e-5 <= self.gil_switch_interval_s <= 0.1:

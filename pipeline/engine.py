@@ -21,6 +21,7 @@ from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
 from pipeline.config import EngineConfig
+from pipeline.cpu_threads import CpuThreads, set_cpu_threads
 from pipeline.dist.ranks import ParallelContext, start_head
 from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
 from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_serving
@@ -99,6 +100,7 @@ class Engine:
         self._tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._interpreter: InterpreterSettings | None = None  # what create() replaced (shutdown restores it)
+        self.cpu_threads: CpuThreads | None = None  # the CPU backend's threads (shutdown restores the count)
         self.failure: BaseException | None = None
         self._grammars: GrammarCompiler | None = None
 
@@ -118,7 +120,11 @@ class Engine:
         config.validate()
         executor = DeviceExecutor()
         parallel: ParallelContext | None = None
+        threads = None
         try:
+            if config.cpu_threads is not None:  # OpenMP counts per thread: this one and the device thread
+                threads = set_cpu_threads(config.cpu_threads)
+                await executor.call(lambda: set_cpu_threads(config.cpu_threads))
             if config.ep_size > 1:
                 parallel = await executor.call(lambda: start_head(config, progress or (lambda m: None)))
             loaded = await executor.call(lambda: load_model(config, progress, parallel))
@@ -127,8 +133,11 @@ class Engine:
                 parallel.abort()
                 await asyncio.to_thread(parallel.close, 5.0)
             await asyncio.to_thread(executor.shutdown)
+            if threads is not None:
+                threads.restore()
             raise
         engine = cls(config, loaded, executor, parallel)
+        engine.cpu_threads = threads
         engine.start()
         if parallel is not None:
             loop = asyncio.get_running_loop()
@@ -324,5 +333,7 @@ class Engine:
                 log.exception("stopping the expert-parallel workers")
             await asyncio.to_thread(parallel.close, 30.0)
         await asyncio.to_thread(self.executor.shutdown)
+        if self.cpu_threads is not None:
+            self.cpu_threads.restore()
         if self.cache.offload is not None:
             self.cache.offload.close()

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from pipeline.config import EngineConfig
+from pipeline.cpu_threads import set_cpu_threads
 from pipeline.dist.group import ExpertGroup, ExpertShard
 from pipeline.request import RepetitionDetection
 
@@ -285,8 +286,8 @@ def worker_main(config: EngineConfig) -> int:
         end_with_parent()
     config = config.resolved()
     config.validate()
-    if not config.device.startswith("cuda"):
-        torch.set_num_threads(max(1, torch.get_num_threads() // rendezvous.world_size))
+    if config.cpu_threads is not None:  # the CPU's cores shared among the ranks
+        set_cpu_threads(max(1, config.cpu_threads // rendezvous.world_size))
     context = _join(config, rendezvous)
     try:
         loaded = load_model(config, parallel=context)
