@@ -29,6 +29,7 @@ def banner(engine: Engine, url: str, settings: ServerSettings | None = None) -> 
         f"model        {loaded.path}",
         f"architecture {arch.model_type}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}",
         f"device       {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})",
+        *([f"CPU threads  {engine.cpu_threads.describe()}"] if engine.cpu_threads is not None else []),
         f"KV cache     {loaded.num_blocks} blocks x {config.block_size} tokens",
         f"max length   {loaded.limits.max_model_len} tokens",
         f"batching     up to {config.max_num_seqs} sequences, {config.max_num_batched_tokens} tokens per step"
