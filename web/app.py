@@ -5,6 +5,7 @@ holds it once ready, and the generation handlers live in web/generation.py.
 """
 from __future__ import annotations
 
+import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -15,11 +16,14 @@ from aiohttp import web
 
 from pipeline.engine import Engine
 from pipeline.model_family import FamilyDefaults
+from web.messages_errors import anthropic_error_body, anthropic_status, is_messages_path
 from web.metrics import ServerMetrics, admission_reason
 from web.protocol import APIError, api_error_from_exception, bad_request, models_list
 
 log = logging.getLogger("conveyor.web")
 
+# the API routes behind --api-key: everything under /v1, and the agent APIs' aliases without it
+AUTHENTICATED_PATHS = ("/v1", "/responses", "/messages")
 NO_REASONING_PARSER = "none"  # --reasoning-parser none: keep <think> blocks in the content
 
 
@@ -34,6 +38,7 @@ class ServerSettings:
     reasoning_parser: str | None = None  # "qwen3" / "deepseek_r1": split <think> blocks into reasoning_content;
     # None: the model family's (off for most); "none": off (with_model_defaults turns it into None)
     enforce_tool_grammar: bool = True  # constrain tool calls to the offered tools' schemas
+    responses_store_size: int = 256  # stored Responses API responses (previous_response_id), least recent dropped
 
     def with_model_defaults(self, defaults: FamilyDefaults) -> ServerSettings:
         """The parsers to serve with: an explicit choice wins, an unset one takes the model family's default, and
@@ -57,10 +62,13 @@ class ServerState:
         return self.engine
 
     def model_name(self, requested: str | None) -> str:
-        """The served name a request addresses; unknown names are 404 as in OpenAI's API."""
+        """The served name a request addresses; unknown names are 404 as in OpenAI's API. A served name with `*`
+        is a pattern (`claude-*`): a name it matches addresses the model and is answered under its own name."""
         names = self.settings.served_model_names
         if requested is None or requested in names:
             return requested or names[0]
+        if any("*" in name and fnmatch.fnmatchcase(requested, name) for name in names):
+            return requested
         raise APIError(404, f"The model `{requested}` does not exist.", "invalid_request_error", "model",
                        "model_not_found")
 
@@ -73,8 +81,11 @@ def json_response(payload: Any, status: int = 200, headers: dict[str, str] | Non
                         headers=headers)
 
 
-def error_response(error: APIError, retry_after_s: int) -> web.Response:
+def error_response(error: APIError, retry_after_s: int, path: str = "") -> web.Response:
+    """The error in the shape of the API the path belongs to: Anthropic's on the Messages routes, else OpenAI's."""
     headers = {"Retry-After": str(retry_after_s)} if error.status == 503 else None
+    if is_messages_path(path):
+        return json_response(anthropic_error_body(error), anthropic_status(error), headers)
     return json_response(error.body(), error.status, headers)
 
 
@@ -93,7 +104,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
             kind, text = _HTTP_ERRORS[exc.status]
             message = f"{text}: {request.method} {request.path}" if exc.status != 413 else (
                 f"{text} (limit {state.settings.max_body_bytes} bytes)")
-            return error_response(APIError(exc.status, message, kind), state.settings.retry_after_s)
+            return error_response(APIError(exc.status, message, kind), state.settings.retry_after_s, request.path)
         raise
     except Exception as exc:  # noqa: BLE001 - the boundary: classify, log internals, answer cleanly
         error = api_error_from_exception(exc)
@@ -101,15 +112,16 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
             log.exception("request %s %s failed", request.method, request.path)
         if error.status == 503:
             state.metrics.admission_rejected(admission_reason(exc))
-        return error_response(error, state.settings.retry_after_s)
+        return error_response(error, state.settings.retry_after_s, request.path)
 
 
 @web.middleware
 async def auth_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
     key = request.app[STATE].settings.api_key
-    if key is not None and request.path.startswith("/v1"):
-        if request.headers.get("Authorization", "") != f"Bearer {key}":
-            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key>)",
+    if key is not None and request.path.startswith(AUTHENTICATED_PATHS):
+        # Bearer (OpenAI clients, ANTHROPIC_AUTH_TOKEN) or x-api-key (ANTHROPIC_API_KEY)
+        if request.headers.get("Authorization", "") != f"Bearer {key}" and request.headers.get("x-api-key") != key:
+            raise APIError(401, "invalid or missing API key (send Authorization: Bearer <key> or x-api-key: <key>)",
                            "authentication_error", code="invalid_api_key")
     return await handler(request)
 
@@ -181,6 +193,8 @@ async def detokenize(request: web.Request) -> web.Response:
 
 def build_app(state: ServerState) -> web.Application:
     from web.generation import chat_completions, completions
+    from web.messages_api import add_messages_routes
+    from web.responses_api import add_responses_routes
 
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=state.settings.max_body_bytes)
     app[STATE] = state
@@ -192,4 +206,6 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_post("/tokenize", tokenize)
     app.router.add_post("/detokenize", detokenize)
     app.router.add_get("/debug/stages", debug_stages)
+    add_responses_routes(app, state.settings.responses_store_size)
+    add_messages_routes(app)
     return app
