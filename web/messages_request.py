@@ -24,8 +24,9 @@ BILLING_HEADER = "x-anthropic-billing-header:"
 ROLES = ("user", "assistant", "system")
 MEDIA_BLOCKS = ("image", "document")
 IGNORED_BLOCKS = ("redacted_thinking",)  # opaque to this server: nothing to render
+# Extensions passed through to the chat parser as they are (vLLM-style sampling and structured output).
 PASSTHROUGH_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "presence_penalty",
-                      "frequency_penalty")
+                      "frequency_penalty", "structured_outputs")
 
 
 @dataclass(slots=True)
