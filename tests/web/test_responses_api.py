@@ -3,7 +3,9 @@
 The tiny model is random: grammars make its tool calls, structured output and reasoning deterministic in shape."""
 from __future__ import annotations
 
+import asyncio
 import json
+from typing import Literal
 
 import jsonschema
 import openai
@@ -191,3 +193,38 @@ def test_unprefixed_route_and_disconnect_frees_everything(live):
             if b"output_text.delta" in line:
                 break
     live.wait_idle()
+
+
+def test_openai_agents_sdk_runs_a_tool_loop(live):
+    agents = pytest.importorskip("agents")
+    from openai.types.shared import Reasoning
+
+    agents.set_tracing_disabled(True)
+    seen: list[str] = []
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "Oslo"]) -> str:
+        """The weather in a city."""
+        seen.append(city)
+        return f"sunny in {city}"
+
+    def forecaster() -> agents.Agent:
+        """An agent whose model has a client of its own: an async client keeps to the event loop it first ran on."""
+        model = agents.OpenAIResponsesModel(model="tiny", openai_client=openai.AsyncOpenAI(
+            base_url=live.url + "/v1", api_key="unused", max_retries=0))
+        settings = agents.ModelSettings(tool_choice="get_weather", max_tokens=120, reasoning=Reasoning(effort="none"))
+        # the tool's result is the answer: a random model's free text would run into max_tokens (status incomplete)
+        return agents.Agent(name="forecaster", instructions="Answer with the weather.", model=model,
+                            tools=[get_weather], model_settings=settings, tool_use_behavior="stop_on_first_tool")
+
+    agent = forecaster()
+    result = agents.Runner.run_sync(agent, "Weather in Paris?", max_turns=3)
+    assert len(seen) == 1 and seen[0] in ("Paris", "Oslo")
+    assert result.final_output == f"sunny in {seen[0]}"
+
+    async def streamed() -> list[str]:
+        run = agents.Runner.run_streamed(forecaster(), "Weather in Oslo?", max_turns=3)
+        return [event.type async for event in run.stream_events()]
+
+    kinds = asyncio.run(streamed())
+    assert "raw_response_event" in kinds and "run_item_stream_event" in kinds and len(seen) >= 2
