@@ -214,7 +214,8 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
     settings = ServerSettings(served_model_names=names, api_key=args.api_key,
                               request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
-                              enforce_tool_grammar=not args.no_tool_grammar)
+                              enforce_tool_grammar=not args.no_tool_grammar,
+                              responses_store_size=args.responses_store_size)
     return settings.with_model_defaults(model_family_defaults(args.model))
 
 
@@ -233,8 +234,11 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API")
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
-    serve.add_argument("--served-model-name", action="append", default=None,
-                       help="name(s) clients use for the model (default: the model path, or the embedded name)")
+    serve.add_argument("--served-model-name", action="extend", nargs="+", default=None,
+                       help="name(s) clients use for the model (default: the model path, or the embedded name); "
+                            "a name with * is a pattern: 'claude-*' answers the names Claude Code sends")
+    serve.add_argument("--responses-store-size", type=int, default=256, metavar="N",
+                       help="Responses API responses kept for previous_response_id and GET (least recent dropped)")
     serve.add_argument("--max-waiting-requests", type=int, default=defaults.max_waiting_requests)
     serve.add_argument("--max-waiting-tokens", type=int, default=defaults.max_waiting_tokens)
     serve.add_argument("--request-timeout", type=float, default=None, help="seconds before a request is aborted")

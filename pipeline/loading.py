@@ -95,6 +95,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     say(f"reading {path}")
     hf_config = load_hf_config(path)
     arch = ModelArchConfig.from_hf(hf_config)
+    check_max_model_len(config.max_model_len, arch.max_position_embeddings, path)
     if parallel is not None:
         if not arch.num_experts:
             raise ValueError(f"{arch.model_type} has no experts: --ep-size needs a mixture-of-experts model")
@@ -142,6 +143,9 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     runner.allocate_snapshots(snapshots)
     pool_tokens = (num_blocks - 1) * config.block_size
     max_model_len = min(config.max_model_len or arch.max_position_embeddings, arch.max_position_embeddings, pool_tokens)
+    if config.max_model_len and max_model_len < config.max_model_len:
+        say(f"warning: --max-model-len {config.max_model_len} is more than the KV cache holds for one sequence "
+            f"({pool_tokens} tokens in {num_blocks} blocks); serving {max_model_len} (raise the KV cache memory)")
     if device.type == "cuda" and config.cuda_graphs:
         say(f"capturing CUDA graphs for decode batches up to {config.cuda_graph_max_batch}")
         runner.capture_decode_graphs(config.cuda_graph_max_batch, max_model_len, config.num_speculative_tokens + 1)
@@ -170,6 +174,14 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
         parallel.set_timeout(parallel.step_timeout_s)  # every rank has loaded: serving
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
     return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter)
+
+
+def check_max_model_len(requested: int | None, model_positions: int, path: object) -> None:
+    """A context longer than the model was trained for is refused, not quietly cut to it: clients size their
+    prompts from the length the server reports."""
+    if requested and requested > model_positions:
+        raise ValueError(f"--max-model-len {requested} is more than {path} supports ({model_positions} positions, "
+                         f"max_position_embeddings); give at most {model_positions}")
 
 
 def split_linear_attention(config: EngineConfig) -> bool:
