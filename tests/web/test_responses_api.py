@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from tests.web.agent_http import post_json, post_stream
-from tests.web.server_utils import LiveServer
+from tests.web.server_utils import LiveServer, metric_value
 from web.app import ServerSettings
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
@@ -228,3 +228,9 @@ def test_openai_agents_sdk_runs_a_tool_loop(live):
 
     kinds = asyncio.run(streamed())
     assert "raw_response_event" in kinds and "run_item_stream_event" in kinds and len(seen) >= 2
+
+
+def test_metrics_are_labelled_by_api(client, live):
+    client.responses.create(model="tiny", input="x", max_output_tokens=1)
+    text = live.metrics_text()
+    assert metric_value(text, 'conveyor_api_requests_total{api="responses"') >= 1
