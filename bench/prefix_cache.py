@@ -2,6 +2,7 @@
 
     python3 bench/prefix_cache.py --shape qwen3-8b --commit $(git rev-parse --short HEAD) --out $OUT/prefix.json
     python3 bench/prefix_cache.py --quick --device cpu      # the control flow, on a tiny shape
+    python3 bench/prefix_cache.py --quick --device cpu --model embedded --corrupt-disk-fraction 0.25
 
 For caching on and off, each on a fresh engine with random weights (--load-format dummy):
 
@@ -15,9 +16,13 @@ For caching on and off, each on a fresh engine with random weights (--load-forma
   against the same run without a host tier (recomputed);
 * ``snapshot_host`` (hybrid shapes, its own engines, room for 2.5 state snapshots on the device): four 8,192-token
   conversations, then each one's next turn (its reply and 1,536 new tokens): TTFT with its snapshot promoted back
-  from the snapshots' host tier against the same run without a host tier (recomputed from the start).
+  from the snapshots' host tier against the same run without a host tier (recomputed from the start);
+* ``disk_corruption`` (``--corrupt-disk-fraction F``, its own engine; bench/prefix_cache_disk.py): prompts pushed
+  down to the disk tier, a fraction F of their files damaged, the prompts again: the corrupt counter, the hits,
+  whether the answers equal the undamaged run's.
 
-``--sections`` runs a subset (``caching``: the first three, on and off).
+``--sections`` runs a subset (``caching``: the first three, on and off); ``--corrupt-disk-fraction`` alone runs
+``disk_corruption``. ``--model`` runs a real model (an HF directory, a .gguf, or ``embedded``) instead of the shape.
 
 Greedy, ignore_eos, the loop guard off (random weights repeat themselves). Writes JSON; asserts nothing.
 """
@@ -35,12 +40,20 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from pipeline.config import EngineConfig  # noqa: E402
 from pipeline.engine import Engine  # noqa: E402
+from pipeline.models.loader import load_hf_config, resolve_model_path  # noqa: E402
 
 from gpu import engine_config, write_model_dir  # noqa: E402
 from gpu_requests import run_one  # noqa: E402
 from gpu_shapes import add_engine_args, chosen_shape  # noqa: E402
 from gpu_util import pct, state_bytes_per_seq  # noqa: E402
+from prefix_cache_disk import disk_corruption  # noqa: E402
+
+
+def config(a: argparse.Namespace, model_dir: str | None, **kw) -> EngineConfig:
+    """The engine config: --model's own weights when it names one (None: the embedded model), else random ones."""
+    return engine_config(a, model_dir, **({"load_format": "auto"} if a.model else {}), **kw)
 
 
 def tokens(n: int, rng: random.Random) -> list[int]:
@@ -86,8 +99,8 @@ async def host_restore(a: argparse.Namespace, model_dir: str, sizes: dict, host_
     block = 16
     pool = sizes["same"] * 11 // 10 // block + 1  # room for one prompt and a bit, not two
     tiers = dict(kv_offload_host_gib=host_gib) if host_gib else {}
-    engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=8, num_kv_blocks=pool, block_size=block,
-                                               max_model_len=sizes["same"] + 64, **tiers))
+    engine = await Engine.create(config(a, model_dir, max_num_seqs=8, num_kv_blocks=pool, block_size=block,
+                                        max_model_len=sizes["same"] + 64, **tiers))
     try:
         rng = random.Random(11)
         await run_one(engine, tokens(sizes["same"], rng), 4)  # warm-up
@@ -108,8 +121,8 @@ async def snapshot_host(a: argparse.Namespace, model_dir: str, sizes: dict, shap
     the host tier (``host``) or recomputed."""
     room = 2.5 * state_bytes_per_seq(shape) / (1 << 30)
     tiers = dict(kv_offload_host_gib=sizes["host_gib"]) if host else {}
-    engine = await Engine.create(engine_config(a, model_dir, max_num_seqs=8, state_snapshot_gib=room,
-                                               max_model_len=sizes["same"] + sizes["turn"] + 256, **tiers))
+    engine = await Engine.create(config(a, model_dir, max_num_seqs=8, state_snapshot_gib=room,
+                                        max_model_len=sizes["same"] + sizes["turn"] + 256, **tiers))
     try:
         rng = random.Random(13)
         await run_one(engine, tokens(sizes["same"], rng), 4)  # warm-up
@@ -126,8 +139,8 @@ async def snapshot_host(a: argparse.Namespace, model_dir: str, sizes: dict, shap
 
 
 async def run(a: argparse.Namespace, model_dir: str, caching: bool, sizes: dict) -> dict:
-    engine = await Engine.create(engine_config(a, model_dir, prefix_caching=caching, max_num_seqs=64,
-                                               max_model_len=sizes["max_model_len"]))
+    engine = await Engine.create(config(a, model_dir, prefix_caching=caching, max_num_seqs=64,
+                                        max_model_len=sizes["max_model_len"]))
     try:
         result = await workloads(engine, sizes)
         result["prefix_cache_stats"] = engine.stats()["prefix_cache"]
@@ -158,17 +171,34 @@ def vs_off(report: dict) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_engine_args(ap, "prefix_cache.json")
-    ap.add_argument("--sections", nargs="+", default=["host_restore", "snapshot_host", "caching"],
-                    choices=["host_restore", "snapshot_host", "caching"])
+    ap.add_argument("--sections", nargs="+", default=None,
+                    choices=["host_restore", "snapshot_host", "caching", "disk_corruption"])
+    ap.add_argument("--corrupt-disk-fraction", type=float, default=None,
+                    help="disk_corruption: the share of the prompts' spilled block files damaged (0..1)")
+    ap.add_argument("--model", default=None, help="an HF directory or .gguf, or 'embedded' (default: --shape)")
     a = ap.parse_args()
-    shape = chosen_shape(a.shape, a.quick)
+    if a.sections is None:
+        a.sections = (["disk_corruption"] if a.corrupt_disk_fraction is not None else
+                      ["host_restore", "snapshot_host", "caching"])
+    fraction = 0.25 if a.corrupt_disk_fraction is None else a.corrupt_disk_fraction
+    if not 0 <= fraction <= 1:
+        ap.error("--corrupt-disk-fraction is a share of the files: between 0 and 1")
     sizes = (dict(same=256, prefix=128, tail=8, requests=8, shared_out=4, turn=48, reply=4, turns=5,
                   max_model_len=1024, host_gib=0.05) if a.quick else
              dict(same=8192, prefix=4096, tail=64, requests=32, shared_out=32, turn=1536, reply=64, turns=20,
                   max_model_len=40960, host_gib=4.0))
-    model_dir = write_model_dir(shape, a.tokenizer)
-    report: dict = {"shape": a.shape, "quick": a.quick, "commit": a.commit, "date": time.strftime("%Y-%m-%d %H:%M"),
-                    "sizes": sizes}
+    # disk_corruption: the device pool holds 2.5 prompts, the host tier 1.5 (more than one prompt's evictions)
+    sizes.update(dict(disk_prompt=128, disk_prompts=6, disk_out=4, disk_passes=3) if a.quick else
+                 dict(disk_prompt=2048, disk_prompts=16, disk_out=16, disk_passes=3),
+                 disk_pool_prompts=2.5, disk_host_prompts=1.5, disk_gib=4.0)
+    if a.model is None:
+        shape = chosen_shape(a.shape, a.quick)
+        model_dir = write_model_dir(shape, a.tokenizer)
+    else:
+        model_dir = None if a.model == "embedded" else a.model
+        shape = load_hf_config(resolve_model_path(model_dir))
+    report: dict = {"shape": a.shape if a.model is None else None, "model": a.model, "quick": a.quick,
+                    "commit": a.commit, "date": time.strftime("%Y-%m-%d %H:%M"), "sizes": sizes}
     try:
         import torch
 
@@ -177,6 +207,10 @@ def main() -> None:
             for host_gib in (sizes["host_gib"], 0.0):
                 report.setdefault("host_restore", []).append(asyncio.run(host_restore(a, model_dir, sizes,
                                                                                       host_gib)))
+        if "disk_corruption" in a.sections:
+            report["disk_corruption"] = asyncio.run(disk_corruption(a, config, model_dir, shape, sizes, fraction))
+            with open(a.out, "w") as handle:
+                json.dump(report, handle, indent=1)
         if "snapshot_host" in a.sections and shape.get("linear_num_value_heads"):
             report["snapshot_host"] = [asyncio.run(snapshot_host(a, model_dir, sizes, shape, host))
                                        for host in (True, False)]
@@ -185,11 +219,18 @@ def main() -> None:
             with open(a.out, "w") as handle:
                 json.dump(report, handle, indent=1)
     finally:
-        shutil.rmtree(model_dir, ignore_errors=True)
+        if a.model is None:
+            shutil.rmtree(model_dir, ignore_errors=True)
     report["vs_off"] = vs_off(report)
     with open(a.out, "w") as handle:
         json.dump(report, handle, indent=1)
-    print(json.dumps({k: report[k] for k in ("device", "shape", "vs_off")}, indent=1))
+    print(json.dumps({k: report[k] for k in ("device", "shape", "model", "vs_off")}, indent=1))
+    if "disk_corruption" in report:
+        damage = report["disk_corruption"]
+        print("disk_corruption: damaged", damage["damaged_files"], "of", damage["spilled_files"], "corrupt",
+              damage["corrupt_total"], "answers match", damage["answers_match"], "served past a bad file",
+              damage["served_past_bad_file"], "passes",
+              [(p["corrupt_reads"], p["prompts_with_bad_file"], p["disk_hits"]) for p in damage["passes"]])
     for mode in ("on", "off") if "on" in report else ():
         r = report[mode]
         print(mode, "same 2nd/1st", round(r["same_prompt"]["second_over_first"], 3), "shared p50 ms",

@@ -217,11 +217,11 @@ class CacheManager:
             size = self._pool.block_size
             full = seq.num_computed // size
             keys = seq.block_keys[:full]
-            for block, key in zip(seq.block_ids[:full], keys):
-                self.offload.save(block, key)
             tail_key = tail_block_key(seq, keys, seq.token_ids[full * size:seq.num_computed])
             if tail_key is not None:
                 self.offload.save(seq.block_ids[full], tail_key)
+            for block, key in reversed(list(zip(seq.block_ids[:full], keys))):  # last first, as the pool evicts:
+                self.offload.save(block, key)  # a host without room for them all keeps the first ones
             state_key = tail_key or (keys[-1] if keys else None)
             if self.snapshots is not None and seq.state_slot is not None and state_key is not None:
                 self._schedule.after_preempt(seq.state_slot.index, state_key)

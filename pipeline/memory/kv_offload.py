@@ -13,6 +13,8 @@ is no second copy on the device.
 
 A host slot is shared by the two threads, so it is reused (or demoted to disk) only when no copy touches it: never
 while a queued transfer names it, and only after the transfers already handed to the runner are done (``done``).
+A save still queued (not handed to the runner) and read by no queued load may be called off instead, its slot given
+to a block evicted after it (``save``).
 The disk tier is read and written on the planning thread only.
 """
 from __future__ import annotations
@@ -227,7 +229,9 @@ class OffloadStats:
     saved_blocks: int = 0  # device -> host
     restored_blocks: int = 0  # host -> device (disk hits pass through host)
     disk_restored_blocks: int = 0  # of those, read from disk first
-    dropped_blocks: int = 0  # evicted from the device but not saved (their host slot was still in use)
+    # evicted from the device but not saved: no host slot free of copies (a later eviction of the plan took its
+    # slot, or it found none)
+    dropped_blocks: int = 0
     bytes_to_host: int = 0
     bytes_to_device: int = 0
     swapped_out: int = 0  # preempted sequences whose computed blocks were copied to host
@@ -246,6 +250,7 @@ class KVOffload:
         self.stats = OffloadStats()
         self._queued = BlockTransfers(host.buffer)
         self._queued_slots: set[int] = set()
+        self._saving: dict[int, tuple[int, bytes]] = {}  # host slot -> (index, key) of a queued save no load reads
         self._handed: list[BlockTransfers] = []
 
     def take_transfers(self) -> BlockTransfers | None:
@@ -254,23 +259,40 @@ class KVOffload:
         if not self._queued.saves and not self._queued.loads:
             return None
         transfers, self._queued = self._queued, BlockTransfers(self.host.buffer)
-        self._queued_slots = set()
+        self._queued_slots, self._saving = set(), {}
         self._handed.append(transfers)
         return transfers
 
     def save(self, block: int, key: bytes) -> None:
-        """The device pool evicts keyed ``block``: copy it to the host tier (before its new holder writes it)."""
+        """The device pool evicts keyed ``block``: copy it to the host tier (before its new holder writes it). When
+        a plan evicts more blocks than the host has slots free of copies, the later blocks take the slots of the
+        earlier ones' queued saves (``_replace_save``): the pool evicts a sequence's last blocks first, so the later
+        ones are nearer the start of their prefix, without which the blocks after them are never reached."""
         if key in self.host:
             self.host.slot_index(key)  # the same content: only its use is new
             return
         slot = self._free_slot(key)
         if slot is None:
             self.stats.dropped_blocks += 1
+            self._replace_save(block, key)
             return
+        self._saving[slot] = (len(self._queued.saves), key)
         self._queued.saves.append((block, slot))
         self._queued_slots.add(slot)
         self.stats.saved_blocks += 1
         self.stats.bytes_to_host += self.host.block_nbytes
+
+    def _replace_save(self, block: int, key: bytes) -> None:
+        """Give the host's least recently used slot to ``block`` when it is a save queued in this plan that no load
+        reads: that save is called off (its block dropped) before the runner sees it."""
+        victim = self.host.victim_slot()
+        if victim not in self._saving:
+            return
+        index, old_key = self._saving.pop(victim)
+        self.host.cancel(old_key)
+        slot = self.host.reserve_slot(key)  # the slot just freed
+        self._queued.saves[index] = (block, slot)
+        self._saving[slot] = (index, key)
 
     def reach(self, keys: Sequence[bytes]) -> int:
         """How many leading ``keys`` the host tier, then the disk tier, holds (a disk entry may still fail its
@@ -292,29 +314,33 @@ class KVOffload:
         slot = self.host.slot_index(key, read=True)
         from_disk = slot is None
         if from_disk:
-            data = self.disk.load(key) if self.disk is not None else None
-            if data is None:
+            # a slot first: a file is read (and counted a hit) only when its block can go on to the device
+            if self.disk is None or key not in self.disk or not self._slot_available():
                 return False
-            slot = self._free_slot(key)
+            data = self.disk.load(key)
+            slot = self._free_slot(key) if data is not None else None
             if slot is None:
                 return False
             self.host.buffer[slot].copy_(data)
         self._queued.loads.append((slot, block))
         self._queued_slots.add(slot)
+        self._saving.pop(slot, None)  # a save this load reads is not called off
         self.stats.restored_blocks += 1
         self.stats.disk_restored_blocks += from_disk
         self.stats.bytes_to_device += self.host.block_nbytes
         return True
 
+    def _slot_available(self) -> bool:
+        """Whether ``_free_slot`` gives a slot: one is free, or the least recently used one is in no queued copy
+        and no handed one still runs (this waits for them)."""
+        if self.host.capacity_blocks == 0:
+            return False
+        victim = self.host.victim_slot()
+        return victim is None or (victim not in self._queued_slots and self._settle())
+
     def _free_slot(self, key: bytes) -> int | None:
         """A host slot for ``key`` no copy uses; demoting its old key to disk (``HostKVTier.reserve_slot``)."""
-        victim = self.host.victim_slot()
-        if victim is not None:
-            if victim in self._queued_slots:
-                return None
-            if not self._settle():
-                return None
-        return self.host.reserve_slot(key)
+        return self.host.reserve_slot(key) if self._slot_available() else None
 
     def _settle(self) -> bool:
         """Wait until the runner has run every transfer handed to it (their slots are then free to reuse)."""

@@ -7,9 +7,10 @@ blocks back. A key (pipeline/memory/block_hashes.py) names a block's whole conte
 tiers never look at tokens.
 
 Both tiers are plain synchronous CPU stores: streams, events and deciding when a copy is done are the engine's.
-The disk tier trusts nothing it reads back: every file carries its dtype, shape, length and a checksum, and a
-file that disagrees is deleted and reported missing, so the engine recomputes the block instead of serving
-garbage. It works in a private directory of its own so another process's (or model's) files are never read.
+The disk tier trusts nothing it reads back: every file carries its dtype, shape, length and a checksum of its key
+and bytes (so another block's file in its place fails too), and a file that disagrees is deleted and reported
+missing, so the engine recomputes the block instead of serving garbage. It works in a private directory of its
+own so another process's (or model's) files are never read.
 """
 from __future__ import annotations
 
@@ -22,12 +23,23 @@ import tempfile
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    import numpy
+
 _MAGIC = b"CNVYKV\r\n"  # the \r\n catches a file mangled by newline translation
-_VERSION = 1
+_VERSION = 2
 _FIXED = struct.Struct("<8sHH32sQ16s")  # magic, version, ndim, dtype name, payload length, blake2b digest
+
+
+def _digest(key: bytes, payload: numpy.ndarray) -> bytes:
+    """The checksum a file carries: of its key too, since a file's name alone does not bind it to its key."""
+    digest = hashlib.blake2b(key, digest_size=16)
+    digest.update(payload)
+    return digest.digest()
 
 
 @dataclass(slots=True)
@@ -100,6 +112,12 @@ class HostKVTier:
                 self._stats.hits += 1
                 self._stats.bytes_out += self.block_nbytes
         return slot
+
+    def cancel(self, key: bytes) -> None:
+        """Forget ``key``, reserved for a copy the engine called off: its slot never received the block, so it is
+        free again and nothing is demoted."""
+        self._free.append(self._slots.pop(key))
+        self._stats.bytes_in -= self.block_nbytes
 
     def reserve_slot(self, key: bytes) -> int | None:
         """The slot of ``buffer`` for ``key``, for the engine to fill with an async device->host copy (a key
@@ -178,7 +196,7 @@ class DiskKVTier:
             self._drop(next(iter(self._files)))
             self._stats.evictions += 1
         payload = block.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
-        digest = hashlib.blake2b(payload, digest_size=16).digest()
+        digest = _digest(key, payload)
         header = _FIXED.pack(*self._header_prefix, digest) + self._shape_struct.pack(*self.block_shape)
         fd, tmp = tempfile.mkstemp(dir=self.path, suffix=".tmp")
         try:
@@ -216,7 +234,7 @@ class DiskKVTier:
                 ok = ok and f.readinto(payload) == self.block_nbytes and not f.read(1)
         except OSError:
             ok = False
-        if not ok or hashlib.blake2b(payload, digest_size=16).digest() != digest:
+        if not ok or _digest(key, payload) != digest:
             self._drop(key)
             self._stats.corrupt += 1
             return None

@@ -182,7 +182,9 @@ class PrefixHits:
         return blocks
 
     def version(self) -> int:
-        """Grows whenever a lookup that missed might now hit (a block keyed, or saved to the host tier)."""
-        saved = self.offload.stats.saved_blocks if self.offload is not None else 0
+        """Grows whenever a lookup that missed might now hit (a block keyed, or saved to the host tier: a drop may
+        be a later block taking an earlier one's slot)."""
+        stats = self.offload.stats if self.offload is not None else None
+        saved = stats.saved_blocks + stats.dropped_blocks if stats is not None else 0
         snapshots = self.snapshots.stats.taken if self.snapshots is not None else 0
         return self._pool.keys_added + saved + snapshots

@@ -97,6 +97,19 @@ def test_disk_tier_takes_what_the_host_evicts_and_recomputes_corrupt_files(tiny_
     assert stats["kv_offload"]["tiers"]["disk"]["corrupt"] > 0
 
 
+def test_a_host_tier_smaller_than_a_steps_evictions_keeps_prompts_first_blocks(tiny_model_dir, tmp_path):
+    """Ten host slots and a 60-token prompt evicting 16 blocks in one step: the later evictions (a prefix's first
+    blocks, the pool evicts its last ones first) take the slots of the earlier ones' queued saves, so BASE's first
+    blocks reach disk and its return is a disk hit, not a tail of blocks no lookup reaches."""
+    off, _ = run_async(scenario(config_for(tiny_model_dir, num_kv_blocks=30, max_num_seqs=2, prefix_caching=False)))
+    on, stats = run_async(scenario(tiers_config(tiny_model_dir, host_blocks=10, disk_dir=tmp_path)))
+    assert on == off
+    offload = stats["kv_offload"]
+    assert offload["dropped_blocks"] > 0 and offload["disk_restored_blocks"] > 0
+    assert offload["tiers"]["disk"]["hits"] == offload["disk_restored_blocks"]  # a file is read only to be served
+    assert stats["prefix_cache"]["hit_tokens"] >= offload["disk_restored_blocks"] * BLOCK_SIZE
+
+
 def test_tiers_with_chunked_prefill_and_concurrent_prompts(tiny_model_dir, tmp_path):
     """Restores under an 8-token step budget (a prompt's restored blocks then its chunks), and prompts sharing
     BASE at once while the pool evicts: the same tokens as without caching, no leaks."""

@@ -110,14 +110,30 @@ def test_copies_on_a_copy_stream_keep_step_order():
         assert torch.equal(early, b[:, [3, 5]])
 
 
-def test_a_slot_a_queued_copy_names_is_never_reused():
+def test_a_plan_evicting_more_than_the_host_holds_keeps_its_later_blocks():
+    """Both slots wait for this plan's copies: a third eviction takes the slot of the oldest queued save (that block
+    is dropped, no slot gets two copies), since the pool evicts a prefix's last blocks first; a slot a queued load
+    reads is never taken."""
     kv = caches()
+    before = [c.clone() for c in kv]
     tiers = offload(kv, 2)
-    tiers.save(1, key(1))
-    tiers.save(2, key(2))
-    tiers.save(3, key(3))  # both slots wait for this plan's copies: dropped, not overwritten
-    assert tiers.stats.dropped_blocks == 1 and key(3) not in tiers.host
-    assert tiers.take_transfers().saves == [(1, 0), (2, 1)]
+    for block in (1, 2, 3):
+        tiers.save(block, key(block))
+    assert tiers.stats.dropped_blocks == 1 and tiers.stats.saved_blocks == 2
+    assert key(1) not in tiers.host and key(2) in tiers.host and key(3) in tiers.host
+    assert tiers.host.stats.bytes_in == 2 * block_bytes(kv)
+    transfers = tiers.take_transfers()
+    assert transfers.saves == [(3, 0), (2, 1)]
+    run_block_transfers(transfers, kv)
+    assert tiers.restore(key(3), 6)  # reads slot 0 in the next plan
+    tiers.save(4, key(4))  # demotes key(2), whose copy has run
+    tiers.save(5, key(5))  # the only other slot is the load's: dropped
+    assert key(3) in tiers.host and key(4) in tiers.host and key(5) not in tiers.host
+    assert tiers.stats.dropped_blocks == 2
+    transfers = tiers.take_transfers()
+    assert transfers.saves == [(4, 1)] and transfers.loads == [(0, 6)]
+    run_block_transfers(transfers, kv)
+    assert all(torch.equal(c[:, 6], b[:, 3]) for c, b in zip(kv, before))
 
 
 def test_a_handed_copy_not_yet_run_blocks_reuse(monkeypatch):
@@ -248,6 +264,60 @@ def test_a_whole_prompt_hit_copies_its_last_block_from_any_tier():
     assert pool.lookup(keys) == from_host.block_ids[:4]  # the last block's copy is the sequence's own, unkeyed
     assert len(cache.take_transfers().loads) == 5
     cache.free(from_host)
+    assert pool.num_used == 0
+
+
+def test_evictions_and_swaps_past_the_host_keep_a_prefixs_first_blocks():
+    """A host of three slots: five cached blocks leaving the device in one plan (the pool evicts the last first) or a
+    preempted sequence's five blocks swapped out, it keeps their first three, which a return of the prompt reaches
+    (a tail kept without its first blocks would be reached by no lookup)."""
+    from types import SimpleNamespace
+
+    from pipeline.memory.cache_manager import CacheManager
+
+    kv = caches(12)
+    before = [c.clone() for c in kv]
+    tiers = offload(kv, 3)
+    pool = KVBlockPool(12, 4)
+    cache = CacheManager(pool, None, True, tiers)
+    request = SimpleNamespace(params=SimpleNamespace(cache_salt=None))
+
+    def sequence(tokens: list[int]) -> SimpleNamespace:
+        return SimpleNamespace(token_ids=tokens, block_ids=[], block_keys=[], num_computed=0, num_keyed=0,
+                               missed_at=-1, request=request, state_slot=None, spare_slots=[],
+                               snapshot_pos=0, restore_from=None, preemptions=0)
+
+    def computed(tokens: list[int]) -> SimpleNamespace:
+        seq = sequence(tokens)
+        assert cache.allocate_slots(seq, len(tokens))
+        seq.num_computed = len(tokens)
+        cache.register_computed(seq)
+        return seq
+
+    tokens = list(range(100, 121))  # 5 full blocks and one more token
+    keys = extend_block_hashes([], tokens, 4, 5, None)
+    first = computed(tokens)
+    held = list(first.block_ids)
+    cache.free(first)
+    other = sequence(list(range(500, 544)))  # 11 blocks: evicts the five cached ones in one plan
+    assert cache.allocate_slots(other, len(other.token_ids))
+    assert [k in tiers.host for k in keys] == [True, True, True, False, False]
+    assert tiers.stats.saved_blocks == 3 and tiers.stats.dropped_blocks == 2
+    transfers = cache.take_transfers()
+    assert sorted(block for block, _ in transfers.saves) == sorted(held[:3])
+    run_block_transfers(transfers, kv)
+    cache.free(other)
+    again = sequence(tokens)
+    assert cache.take_cached_prefix(again) == 12
+    run_block_transfers(cache.take_transfers(), kv)
+    for c, b in zip(kv, before):
+        assert torch.equal(c[:, again.block_ids], b[:, held[:3]])
+    cache.free(again)
+
+    swapped = computed(list(range(200, 221)))
+    swapped_keys = list(swapped.block_keys)
+    cache.preempt(swapped)  # its partial block and five full ones, with room for three
+    assert [k in tiers.host for k in swapped_keys] == [True, True, True, False, False]
     assert pool.num_used == 0
 
 

@@ -242,8 +242,17 @@ def corrupt_other_dtype(tmp_path, path):
     _swap_in_file_of(tmp_path, path, SHAPE, torch.float16)
 
 
+def corrupt_other_key(tmp_path, path):
+    """The same tier's well-formed file of another block (key 2's) under this name."""
+    with open(os.path.join(os.path.dirname(path), key(2).hex()), "rb") as f:
+        data = f.read()
+    with open(path, "wb") as f:
+        f.write(data)
+
+
 @pytest.mark.parametrize("corrupt", [corrupt_flip_payload_byte, corrupt_truncate, corrupt_append, corrupt_magic,
-                                     corrupt_delete, corrupt_empty, corrupt_other_shape, corrupt_other_dtype])
+                                     corrupt_delete, corrupt_empty, corrupt_other_shape, corrupt_other_dtype,
+                                     corrupt_other_key])
 def test_disk_corruption_is_detected_and_dropped(tmp_path, corrupt):
     tier = disk(tmp_path, 4)
     tier.store(key(1), block(1))
