@@ -226,7 +226,29 @@ async def serve_main(args: argparse.Namespace) -> int:
     config.max_waiting_requests = args.max_waiting_requests
     config.max_waiting_tokens = args.max_waiting_tokens
     config.chat_template = args.chat_template
+    set_grammar_bounds(config, args)
     return await run_server(config, server_settings(args), args.host, args.port, args.drain_timeout)
+
+
+def add_grammar_args(parser: argparse.ArgumentParser) -> None:
+    """Bounds on structured output's grammar compilation (pipeline/grammar/compiler.py)."""
+    defaults = EngineConfig()
+    parser.add_argument("--max-grammar-concurrency", type=int, default=defaults.max_grammar_concurrency, metavar="N",
+                        help="grammar compilations running at once, off the requests that need none (daemon threads)")
+    parser.add_argument("--max-grammar-bytes", type=int, default=defaults.max_grammar_bytes, metavar="BYTES",
+                        help="the largest grammar source (JSON schema, tool set, regex, EBNF) compiled; larger: 400")
+    parser.add_argument("--max-grammar-seconds", type=float, default=defaults.max_grammar_seconds, metavar="SECONDS",
+                        help="how long a request waits for its grammar (400 after); a schema that compiled past it "
+                             "is refused at once from then on")
+    parser.add_argument("--max-grammar-cache-bytes", type=int, default=defaults.grammar_cache_bytes, metavar="BYTES",
+                        help="memory of compiled grammars kept for reuse (least recently used evicted)")
+
+
+def set_grammar_bounds(config: EngineConfig, args: argparse.Namespace) -> None:
+    config.max_grammar_concurrency = args.max_grammar_concurrency
+    config.max_grammar_bytes = args.max_grammar_bytes
+    config.max_grammar_seconds = args.max_grammar_seconds
+    config.grammar_cache_bytes = args.max_grammar_cache_bytes
 
 
 def add_serve_parser(commands: argparse._SubParsersAction) -> None:
@@ -253,6 +275,7 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
                             "for Qwen3.5 / Qwen3-Next; none: never split)")
     serve.add_argument("--no-tool-grammar", action="store_true",
                        help="do not constrain tool calls with a grammar (parse only)")
+    add_grammar_args(serve)
     add_engine_args(serve)
 
 

@@ -61,6 +61,13 @@ class EngineConfig:
     # snapshot host tier is configured (pipeline/loading.py split_linear_attention)
     ep_split_linear_attention: bool | None = None
     wedged_step_s: float = 120.0  # a device step running longer than this makes /health fail
+    # structured output (pipeline/grammar/compiler.py): grammars compile in a bounded pool of daemon threads, off the
+    # requests that need none; a source's size, a compile's time and the compiled grammars' memory are bounded
+    max_grammar_concurrency: int = 2
+    max_grammar_bytes: int = 1 << 20  # a grammar's source (canonical schema JSON, regex, EBNF, structural tag)
+    max_grammar_seconds: float = 10.0  # a request waiting longer for its grammar gets a 400
+    grammar_cache_bytes: int = 256 << 20  # compiled grammars kept for reuse (xgrammar's memory_size_bytes), LRU
+    wedged_intake_s: float = 60.0  # intake holding one request this long makes /health fail
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
     gil_switch_interval_s: float = 0.001  # sys.setswitchinterval while serving (Python's default is 5 ms)
     cpu_threads: int | None = None  # CPU: torch intra-op threads; None: the cores this process may use
@@ -132,6 +139,11 @@ class EngineConfig:
             raise ValueError("exact_speculation applies to speculation: set speculative_method too")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("need 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.max_grammar_concurrency < 1 or self.max_grammar_bytes < 1 or self.max_grammar_seconds <= 0:
+            raise ValueError("max_grammar_concurrency and max_grammar_bytes must be at least 1 and "
+                             "max_grammar_seconds positive")
+        if self.grammar_cache_bytes < 0 or self.wedged_intake_s <= 0:
+            raise ValueError("grammar_cache_bytes must be >= 0 and wedged_intake_s positive")
 
 
 SPECULATIVE_METHODS = (None, "ngram", "mtp", "dflash", "draft")

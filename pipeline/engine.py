@@ -105,12 +105,15 @@ class Engine:
         self._grammars: GrammarCompiler | None = None
 
     def grammar_compiler(self) -> GrammarCompiler:
-        """The xgrammar compiler for this model's tokenizer, built on first use (~0.1-0.5 s)."""
+        """The grammar compiler for this model's tokenizer, made on first use (its xgrammar side is built by the
+        first compilation, on a compile thread)."""
         if self._grammars is None:
-            from pipeline.grammar.compiler import GrammarCompiler
+            from pipeline.grammar.compiler import GrammarCompiler, GrammarLimits
 
-            limits = self.loaded.limits
-            self._grammars = GrammarCompiler(self.tokenizer, limits.vocab_size, sorted(limits.eos_token_ids))
+            limits, config = self.loaded.limits, self.config
+            bounds = GrammarLimits(concurrency=config.max_grammar_concurrency, max_bytes=config.max_grammar_bytes,
+                                   max_seconds=config.max_grammar_seconds, cache_bytes=config.grammar_cache_bytes)
+            self._grammars = GrammarCompiler(self.tokenizer, limits.vocab_size, sorted(limits.eos_token_ids), bounds)
         return self._grammars
 
     @classmethod
@@ -219,9 +222,9 @@ class Engine:
             self._channels.pop(request_id, None)
             if not self._channels:
                 self._drained.set()
-            request = self._live.pop(request_id, None)
-            if request is not None and not complete:
-                request.cancel.cancel(CancelReason.CLIENT_DISCONNECTED)
+            self._live.pop(request_id, None)
+            if not complete:  # the admitted Request's flag too; intake drops a request it has not admitted yet
+                item.cancel.cancel(CancelReason.CLIENT_DISCONNECTED)
 
     def _on_admitted(self, request: Request) -> None:
         self._live[request.request_id] = request
@@ -259,7 +262,8 @@ class Engine:
             return False
 
     def health(self) -> str | None:
-        """None when healthy, else why not (stopped, draining, or a device step that hangs)."""
+        """None when healthy, else why not (stopped, draining, a device step that hangs, intake stuck on a request,
+        or every grammar compile thread held by a compilation that outran its bounds)."""
         if not self.alive:
             return f"engine stopped: {self.failure!r}" if self.failure else "engine stopped"
         if self.draining:
@@ -267,7 +271,11 @@ class Engine:
         busy_since = self.executor.busy_since
         if busy_since is not None and time.monotonic() - busy_since > self.config.wedged_step_s:
             return f"a device step has been running for {time.monotonic() - busy_since:.0f}s"
-        return None
+        now, config = time.monotonic(), self.config
+        stalled = self.intake.stalled(now, config.wedged_intake_s)
+        if stalled is None and self._grammars is not None:
+            stalled = self._grammars.wedged(now, max(config.wedged_intake_s, config.max_grammar_seconds))
+        return stalled
 
     def tokenize(self, prompt: str | None = None, *, messages: list[dict[str, Any]] | None = None,
                  add_special_tokens: bool = True, chat_template_kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -295,6 +303,7 @@ class Engine:
             "mixed_steps": self.planner.mixed_steps,
             "speculation": {"method": self.config.speculative_method, **asdict(self.decode.spec)},
             "expert_parallel": self._parallel_stats(),
+            "grammar": self._grammars.stats() if self._grammars is not None else None,
         }
 
     def _parallel_stats(self) -> dict[str, Any]:
@@ -314,6 +323,8 @@ class Engine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self._grammars is not None:
+            self._grammars.close()  # its threads never hold the process: a compile xgrammar cannot stop ends alone
         runner = self.loaded.runner
         if self._interpreter is not None:
             restore(self._interpreter)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 
 from pipeline.output_channel import OutputChannel
-from pipeline.request import FinishReason, Request, SamplingParams
+from pipeline.request import CancelFlag, FinishReason, Request, SamplingParams
 
 
 @dataclass(slots=True)
@@ -22,6 +22,7 @@ class IntakeItem:
     messages: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     on_admitted: Any = None  # callable(Request) -> None, used by the engine to index live requests
+    cancel: CancelFlag = field(default_factory=CancelFlag)  # becomes the Request's flag once it is admitted
 
 
 @dataclass(slots=True)

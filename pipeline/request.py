@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from pipeline.grammar.spec import GrammarSpec
     from pipeline.output_channel import OutputChannel
 
@@ -59,11 +61,14 @@ class CancelFlag:
     reason: CancelReason | None = None
     message: str = ""
     children: set[int] = field(default_factory=set)  # child indices cancelled individually
+    on_cancel: Callable[[], None] | None = None  # who waits on the flag rather than checks it (intake, compiling)
 
     def cancel(self, reason: CancelReason, message: str = "") -> None:
         if self.reason is None:
             self.reason = reason
             self.message = message
+            if self.on_cancel is not None:
+                self.on_cancel()
 
     def cancel_child(self, index: int) -> None:
         self.children.add(index)

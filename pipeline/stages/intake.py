@@ -4,9 +4,15 @@ It renders the chat template, tokenizes, checks every limit the client could bre
 numbers in the message), fills unset sampling fields from the model's generation_config (and
 nothing else: no hidden penalties), draws a seed when the request has none, and applies the
 admission limits before handing the request to prefill.
+
+A request whose grammar is not compiled yet waits for it in a task of its own, so the loop takes the next request at
+once: compiling one never delays requests without a grammar (or with a cached one), nor their admission. It is
+admitted when its grammar is ready, by the same rules; one whose client left meanwhile is dropped unadmitted.
 """
 from __future__ import annotations
 
+import asyncio
+import logging
 import random
 import time
 from collections.abc import Callable
@@ -24,6 +30,8 @@ from pipeline.thinking import ThinkingTags
 
 if TYPE_CHECKING:
     from pipeline.grammar.compiler import GrammarCompiler
+
+log = logging.getLogger("conveyor.intake")
 
 # generation_config.json keys that may supply request defaults (as vLLM reads them)
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
@@ -58,28 +66,53 @@ class IntakeStage(Stage[IntakeItem]):
         self.waiting_gauge = waiting_gauge
         self.prefill = prefill
         self.draining = False
+        self.busy_since: float | None = None  # when the loop took the request it is on (None: waiting for one)
+        self._compiling: set[asyncio.Task[None]] = set()  # requests waiting for their grammar
         self._arrivals = 0
         self._seeds = random.Random(seed) if seed is not None else random.SystemRandom()
 
     async def run(self) -> None:
-        while True:
-            item = await self.receive()
-            started = time.monotonic()
-            try:
-                grammar = await self.compile_grammar(item.params.grammar)
-                request = self.admit(item)
-                request.grammar = grammar
-            except (InvalidRequest, AdmissionRefused) as exc:
-                item.channel.fail(exc)
-                self.record(started, 1, 0)
-                continue
-            if item.on_admitted is not None:
-                item.on_admitted(request)
-            self.record(started, 1, 1)
-            await self.prefill.put(request)
+        try:
+            while True:
+                item = await self.receive()
+                self.busy_since = time.monotonic()
+                await self.take(item, self.busy_since)
+                self.busy_since = None
+        finally:
+            for task in self._compiling:
+                task.cancel()
+            await asyncio.gather(*self._compiling, return_exceptions=True)
 
-    async def compile_grammar(self, spec: GrammarSpec | None) -> Any:
-        """The request's compiled grammar (cached per spec; compiled in a worker thread)."""
+    async def take(self, item: IntakeItem, started: float) -> None:
+        """Validate and admit one request, or leave it waiting for its grammar in a task."""
+        try:
+            grammar = self.cached_grammar(item.params.grammar)  # first: a source over its bound is not tokenized
+            prompt_ids = self.tokenize(item)
+            params = self.resolve_params(item.params, len(prompt_ids))
+            if params.grammar is not None and grammar is None:
+                self._wait_for_grammar(item, prompt_ids, params, started)
+                return
+            request = self.admit(item, prompt_ids, params, grammar)
+        except (InvalidRequest, AdmissionRefused) as exc:
+            item.channel.fail(exc)
+            self.record(started, 1, 0)
+            return
+        await self._hand_over(item, request, started)
+
+    def stalled(self, now: float, bound_s: float) -> str | None:
+        """Why intake is not taking requests, if it has been on one for longer than bound_s."""
+        busy_since = self.busy_since
+        if busy_since is None or now - busy_since <= bound_s:
+            return None
+        return f"intake has been on one request for {now - busy_since:.0f}s ({self.inbox_depth} waiting behind it)"
+
+    def snapshot(self) -> dict[str, object]:
+        return {**super().snapshot(), "waiting_for_grammar": len(self._compiling)}
+
+    # --- grammars ------------------------------------------------------------------------------
+    def cached_grammar(self, spec: GrammarSpec | None) -> Any:
+        """The compiled grammar when none must be compiled (None: no grammar, or it needs compiling). Raises
+        InvalidRequest for a spec refused outright (too large, timed out before)."""
         if spec is None:
             return None
         if self.grammars is None:
@@ -87,13 +120,73 @@ class IntakeStage(Stage[IntakeItem]):
         from pipeline.grammar.compiler import InvalidGrammar
 
         try:
-            return await self.grammars().compile(spec)
+            return self.grammars().lookup(spec)
         except InvalidGrammar as exc:
             raise InvalidRequest(str(exc), "response_format") from exc
 
-    def admit(self, item: IntakeItem) -> Request:
-        prompt_ids = self.tokenize(item)
-        params = self.resolve_params(item.params, len(prompt_ids))
+    def _wait_for_grammar(self, item: IntakeItem, prompt_ids: list[int], params: SamplingParams,
+                          started: float) -> None:
+        limit = self.waiting_gauge.max_requests
+        if len(self._compiling) >= limit:
+            raise AdmissionRefused(f"too many waiting requests ({len(self._compiling)} for their grammar, "
+                                   f"limit {limit})")
+        task = asyncio.create_task(self._admit_compiled(item, prompt_ids, params, started),
+                                   name=f"intake-grammar-{item.request_id}")
+        self._compiling.add(task)
+        task.add_done_callback(self._compiling.discard)
+
+    async def _admit_compiled(self, item: IntakeItem, prompt_ids: list[int], params: SamplingParams,
+                              started: float) -> None:
+        """Wait for the grammar (or the client leaving, which stops the wait at once), then admit."""
+        from pipeline.grammar.compiler import InvalidGrammar
+
+        assert self.grammars is not None and params.grammar is not None
+        compiling = asyncio.ensure_future(self.grammars().compile(params.grammar))
+        withdrawn = asyncio.get_running_loop().create_future()
+        item.cancel.on_cancel = lambda: withdrawn.done() or withdrawn.set_result(None)
+        try:
+            if not item.cancel.is_set:
+                await asyncio.wait((compiling, withdrawn), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            item.cancel.on_cancel = None
+            if not compiling.done():
+                compiling.cancel()  # the compiler stops counting this waiter (a job nobody waits for never starts)
+                await asyncio.gather(compiling, return_exceptions=True)
+        try:
+            if item.cancel.is_set:
+                request = None
+            else:
+                grammar = compiling.result()
+                request = self.admit(item, prompt_ids, params, grammar)
+        except InvalidGrammar as exc:
+            item.channel.fail(InvalidRequest(str(exc), "response_format"))
+            self.record(started, 1, 0)
+            return
+        except AdmissionRefused as exc:
+            item.channel.fail(exc)
+            self.record(started, 1, 0)
+            return
+        except Exception as exc:  # noqa: BLE001 - this request fails, the stage goes on
+            log.exception("compiling the grammar of %s", item.request_id)
+            item.channel.fail(RequestFailed(f"compiling the grammar failed: {type(exc).__name__}"))
+            self.record(started, 1, 0)
+            return
+        await self._hand_over(item, request, started)
+
+    # --- admission -----------------------------------------------------------------------------
+    async def _hand_over(self, item: IntakeItem, request: Request | None, started: float) -> None:
+        if request is None:  # its client left before admission: nothing was admitted, nothing to free
+            self.record(started, 1, 0)
+            return
+        if item.on_admitted is not None:
+            item.on_admitted(request)
+        self.record(started, 1, 1)
+        await self.prefill.put(request)
+
+    def admit(self, item: IntakeItem, prompt_ids: list[int], params: SamplingParams, grammar: Any) -> Request | None:
+        """The admitted request (counted waiting), None when its client has left, or AdmissionRefused."""
+        if item.cancel.is_set:
+            return None
         if self.draining:
             raise AdmissionRefused("the server is shutting down")
         refusal = self.waiting_gauge.refusal(len(prompt_ids))
@@ -112,9 +205,11 @@ class IntakeStage(Stage[IntakeItem]):
             params=params,
             eos_token_ids=self.limits.eos_token_ids,
             max_total_tokens=max_total,
+            cancel=item.cancel,
             arrival_seq=self._arrivals,
             prompt_text=item.prompt,
             channel=item.channel,
+            grammar=grammar,
             thinking=thinking,
             prompt_opens_thinking=tags is not None and tags.prompt_opens_block(prompt_ids),
         )
