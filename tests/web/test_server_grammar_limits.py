@@ -22,7 +22,7 @@ MAX_BYTES = 4096
 @pytest.fixture(scope="module")
 def live(tiny_model_dir):
     settings = ServerSettings(served_model_names=["tiny"], tool_call_parser="hermes")
-    with LiveServer(tiny_model_dir, settings, max_grammar_bytes=MAX_BYTES, max_grammar_seconds=0.5) as server:
+    with LiveServer(tiny_model_dir, settings, max_grammar_bytes=MAX_BYTES, max_grammar_seconds=1.0) as server:
         yield server
 
 
@@ -66,6 +66,8 @@ def test_a_tool_set_over_max_grammar_bytes_is_a_400_naming_the_limit(live):
 
 
 def test_a_compile_past_max_grammar_seconds_is_a_400_and_the_server_goes_on(live):
+    status, body = post(live, "/v1/chat/completions", chat_with_schema(SCHEMA))  # xgrammar's side is built
+    assert status == 200, body
     compiler = live.engine.grammar_compiler()
     release, real = threading.Event(), compiler._compile
     slow = many_properties(3)
@@ -80,7 +82,7 @@ def test_a_compile_past_max_grammar_seconds_is_a_400_and_the_server_goes_on(live
         started = time.monotonic()
         status, body = post(live, "/v1/chat/completions", chat_with_schema(slow))
         took = time.monotonic() - started
-        check_400(status, body, "grammar compilation timed out after 0.5 s", "--max-grammar-seconds")
+        check_400(status, body, "grammar compilation timed out after 1 s", "--max-grammar-seconds")
         assert took < 5
 
         status, body = post(live, "/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": 4})
@@ -89,9 +91,9 @@ def test_a_compile_past_max_grammar_seconds_is_a_400_and_the_server_goes_on(live
         started = time.monotonic()
         status, body = post(live, "/v1/chat/completions", chat_with_schema(slow))  # refused without waiting
         check_400(status, body, "not compiled again", "--max-grammar-seconds")
-        assert time.monotonic() - started < 0.5
+        assert time.monotonic() - started < 1.0
 
-        status, body = post(live, "/v1/chat/completions", chat_with_schema(SCHEMA))  # other grammars still compile
+        status, body = post(live, "/v1/chat/completions", chat_with_schema(many_properties(2)))  # others compile
         assert status == 200, body
     finally:
         release.set()

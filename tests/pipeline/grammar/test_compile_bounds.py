@@ -119,7 +119,7 @@ def test_a_compile_past_max_seconds_times_out_and_its_spec_is_refused_at_once(to
 
     first, waited, again, late, stats, entered = run_async(main())
     assert "timed out after 0.3 s" in first and "--max-grammar-seconds" in first
-    assert 0.3 <= waited < 2.0
+    assert 0.3 <= waited < 5.0
     assert "not compiled again" in again
     assert late is not None and entered == 1
     assert stats["timeouts"] == 1 and stats["refused_specs"] == 1
