@@ -5,7 +5,8 @@ keys of sequence b at position p live at slot ``block_tables[b, p // block_size]
 Query ``[T, H, D]`` holds the step's new tokens concatenated by sequence (``meta.query_start_loc``); the new
 tokens of sequence b sit at positions ``seq_lens[b] - q_len .. seq_lens[b] - 1`` and a token at position p
 attends to cached keys ``0..p``. GQA: ``H = KVH * group``, query head h reads KV head ``h // group``.
-Softmax and accumulation run in float32; the output has the query's dtype.
+Softmax and accumulation run in float32; the output has the query's dtype. An fp8 cache is read dequantized
+(``kernels/fp8.py``: each gathered K and V times the layer's ``k_scale`` / ``v_scale``) by every path alike.
 
 Entry points (a Triton kernel with the same signature can sit beside each):
   - ``paged_attention_ref``: dispatch on ``meta.is_decode_only``;
@@ -23,6 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from kernels.fp8 import dequantize_kv_ref, is_fp8
 
 
 @dataclass(slots=True)
@@ -112,20 +115,31 @@ def paged_attention_ref(
     meta,  # AttentionMetadata
     scale: float,
     plan: PagedAttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
+    """``k_scale`` / ``v_scale``: the layer's fp8 cache scales (unused for a cache of another dtype)."""
     if meta.is_decode_only:
-        return paged_decode_attention_ref(query, kv_cache_layer, meta, scale, plan)
-    return paged_prefill_attention_ref(query, kv_cache_layer, meta, scale, plan)
+        return paged_decode_attention_ref(query, kv_cache_layer, meta, scale, plan, k_scale, v_scale)
+    return paged_prefill_attention_ref(query, kv_cache_layer, meta, scale, plan, k_scale, v_scale)
 
 
-def _attend_decode_group(query: torch.Tensor, kv_cache_layer: torch.Tensor, group: DecodeGroup, scale: float):
+def _gathered_kv(kv: torch.Tensor, dtype: torch.dtype, k_scale: float, v_scale: float) -> torch.Tensor:
+    """Gathered cache rows [2, ...] in ``dtype``: an fp8 cache's dequantized with the layer's scales."""
+    if not is_fp8(kv.dtype):
+        return kv.to(dtype)
+    return torch.stack([dequantize_kv_ref(kv[0], k_scale, dtype), dequantize_kv_ref(kv[1], v_scale, dtype)])
+
+
+def _attend_decode_group(query: torch.Tensor, kv_cache_layer: torch.Tensor, group: DecodeGroup, scale: float,
+                         k_scale: float = 1.0, v_scale: float = 1.0):
     """query [Bd, H, D], one token per sequence at its last position -> [Bd, H, D]. Inputs are upcast to
     float32, so scores, softmax and the weighted sum run in float32."""
     _, nb, bs, kvh, d = kv_cache_layer.shape
     B, H, _ = query.shape
     L = group.max_len
     kv = kv_cache_layer.view(2, nb * bs, kvh * d).index_select(1, group.gather_slots)
-    kv = kv.view(2, B, L, kvh, d).transpose(2, 3).float()  # [2, B, KVH, L, D]
+    kv = _gathered_kv(kv.view(2, B, L, kvh, d).transpose(2, 3), torch.float32, k_scale, v_scale)  # [2, B, KVH, L, D]
     out = F.scaled_dot_product_attention(
         query.unsqueeze(2).float(),  # [B, H, 1, D]
         kv[0],
@@ -143,11 +157,13 @@ def paged_decode_attention_ref(
     meta,
     scale: float,
     plan: PagedAttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D]
     """Decode-only batch: gather every sequence's keys padded to max_seq_len; one masked batched attention."""
     if plan is None or not plan.is_decode_only:
         plan = plan_paged_attention(meta, kv_cache_layer.shape[2])
-    return _attend_decode_group(query, kv_cache_layer, plan.decode, scale)
+    return _attend_decode_group(query, kv_cache_layer, plan.decode, scale, k_scale, v_scale)
 
 
 def paged_prefill_attention_ref(
@@ -156,6 +172,8 @@ def paged_prefill_attention_ref(
     meta,
     scale: float,
     plan: PagedAttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Any varlen batch (prefill chunks after a cached prefix, decode tokens mixed in).
 
@@ -172,13 +190,14 @@ def paged_prefill_attention_ref(
     group = plan.decode
     if group is not None:  # rows is set: a varlen plan names the single-token rows
         out.index_copy_(0, group.rows, _attend_decode_group(query.index_select(0, group.rows), kv_cache_layer,
-                                                             group, scale))
+                                                             group, scale, k_scale, v_scale))
     flat = kv_cache_layer.view(2, nb * bs, kvh * d)
     qsl = meta.query_start_loc_host
     for b, slots, mask in zip(plan.seq_index, plan.seq_slots, plan.attend_masks):
         q0, q1 = qsl[b], qsl[b + 1]
         S = slots.shape[0]
-        kv = flat.index_select(1, slots).view(2, S, kvh, d).transpose(1, 2).to(query.dtype)  # [2, KVH, S, D]
+        kv = _gathered_kv(flat.index_select(1, slots).view(2, S, kvh, d).transpose(1, 2), query.dtype, k_scale,
+                          v_scale)  # [2, KVH, S, D]
         o = F.scaled_dot_product_attention(
             query[q0:q1].transpose(0, 1).unsqueeze(0),  # [1, H, ql, D]
             kv[0].unsqueeze(0),

@@ -17,16 +17,17 @@ from kernels.triton_compat import tl, triton
 
 
 def write_kv_padded_ref(
-    key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
     """``write_kv_ref`` for the tokens whose slot is >= 0 (the others are padding)."""
     if slot_mapping.numel() == 0:
         return
     valid = slot_mapping >= 0
     if bool(valid.all()):
-        write_kv_ref(key, value, kv_cache_layer, slot_mapping)
+        write_kv_ref(key, value, kv_cache_layer, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_ref(key[valid], value[valid], kv_cache_layer, slot_mapping[valid])
+        write_kv_ref(key[valid], value[valid], kv_cache_layer, slot_mapping[valid], k_scale, v_scale)
 
 
 @_jit

@@ -37,6 +37,12 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              f"max-num-seqs, at most {CUDA_GRAPH_MAX_BATCH})")
     parser.add_argument("--load-format", choices=["auto", "dummy"], default=defaults.load_format,
                         help="dummy: random weights from config.json (benchmarks)")
+    parser.add_argument("--quantization", choices=["fp8"], default=None,
+                        help="fp8: round a 16/32-bit checkpoint's projections to block FP8 (128x128 e4m3) at load; "
+                             "FP8 checkpoints (fp8, compressed-tensors) load as they are without it")
+    parser.add_argument("--kv-cache-dtype", choices=["auto", "fp8", "fp8_e4m3"], default=defaults.kv_cache_dtype,
+                        help="fp8: KV blocks stored as e4m3 with per-layer scales (twice the tokens per GiB); "
+                             "auto: the model's dtype")
     parser.add_argument("--gpu-memory-utilization", type=float, default=defaults.gpu_memory_utilization)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--repetition-detection", default="1,64,32", metavar="MIN,MAX,COUNT|off",
@@ -119,6 +125,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
                         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
                         max_num_batched_tokens=args.max_num_batched_tokens,
                         cuda_graph_max_batch=args.cuda_graph_max_batch, load_format=args.load_format,
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
                         gpu_memory_utilization=args.gpu_memory_utilization, cuda_graphs=not args.enforce_eager,
                         run_ahead=not args.disable_run_ahead, prefix_caching=not args.no_prefix_caching,
                         kv_offload_host_gib=args.kv_offload_host_gib, kv_offload_dir=args.kv_offload_dir,
@@ -169,9 +176,22 @@ async def _stream(engine: Any, params: SamplingParams, **prompt: Any) -> str:
     return "".join(text)
 
 
+def refuse_checkpoint(config: EngineConfig) -> bool:
+    """A checkpoint the engine cannot load as it is (its quantization, its scales) is one line and True, found from
+    config.json and the safetensors headers before anything starts."""
+    from pipeline.models.quantized_weights import checkpoint_problem
+
+    problem = checkpoint_problem(config.model, config.load_format)
+    if problem is not None:
+        print(f"conveyor: error: {problem}", file=sys.stderr, flush=True)
+    return problem is not None
+
+
 async def generate_main(args: argparse.Namespace) -> int:
     from pipeline.engine import Engine
 
+    if refuse_checkpoint(engine_config(args)):
+        return 1
     engine = await Engine.create(engine_config(args), progress=lambda m: print(f"[conveyor] {m}", file=sys.stderr))
     params = sampling_params(args)
     try:
@@ -223,6 +243,8 @@ async def serve_main(args: argparse.Namespace) -> int:
     from web.serve import run_server
 
     config = engine_config(args)
+    if refuse_checkpoint(config):  # before the port is bound
+        return 1
     config.max_waiting_requests = args.max_waiting_requests
     config.max_waiting_tokens = args.max_waiting_tokens
     config.chat_template = args.chat_template

@@ -29,6 +29,9 @@ class EngineConfig:
     output_channel_cap_bytes: int = 1 << 20  # per-request unread output before it is aborted
     seed: int | None = None  # seeds request seeds when a request has none (tests)
     load_format: str = "auto"  # "dummy": random weights built on the device (benchmarks without weight files)
+    # "fp8": a 16/32-bit checkpoint's projections rounded to block FP8 at load (pipeline/models/quantization.py)
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"  # "fp8": K/V stored as e4m3 with per-layer scales; auto: the model's dtype
     gpu_memory_utilization: float = 0.9  # CUDA: share of device memory for weights + activations + KV pool
     cuda_graphs: bool = True  # CUDA: replay captured graphs for decode steps
     repetition_detection: RepetitionDetection | None = field(default_factory=RepetitionDetection)  # loop guard
@@ -100,6 +103,10 @@ class EngineConfig:
                 raise ValueError(f"{name} must be at least 1")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be auto or dummy, got {self.load_format!r}")
+        if self.quantization not in (None, "fp8"):
+            raise ValueError(f"quantization must be fp8 (or none), got {self.quantization!r}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         if not 0.05 <= self.gpu_memory_utilization <= 0.99:
             raise ValueError(f"gpu_memory_utilization must be in [0.05, 0.99], got {self.gpu_memory_utilization}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
@@ -147,6 +154,7 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = (None, "ngram", "mtp", "dflash", "draft")
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 MAX_SPECULATIVE_TOKENS = 15  # a verify row of K + 1 tokens stays within the decode CUDA graphs' rows of q <= 16
 
 

@@ -29,3 +29,8 @@ class EngineDead(RuntimeError):
 
 class RequestFailed(RuntimeError):
     """A request ended with an error after it was admitted (timeout, output overflow, ...)."""
+
+
+class CheckpointError(ValueError):
+    """A model's files cannot be served as they are (an unknown quantization method, a missing or mis-shaped scale);
+    the message names the field or tensor and is the server's one line at startup."""

@@ -7,6 +7,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from kernels.dispatch import use_triton
 from pipeline.config import EngineConfig
 from pipeline.dist.comm import CommStage
 from pipeline.dist.ranks import ParallelContext
@@ -14,7 +15,11 @@ from pipeline.model_family import family_chat_template
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import PagedKVSpec, StateSlotSpec
 from pipeline.models.dflash import ContextTap, DFlashDraftModel, dflash_arch, dflash_config
+from pipeline.errors import CheckpointError
 from pipeline.models.loader import iter_weights, load_generation_config, load_hf_config, resolve_model_path
+from pipeline.models.quantization import ONLINE_FP8, checkpoint_scheme
+from pipeline.models.quantized_weights import (CheckpointWeights, apply_kv_scales, checkpoint_weights,
+                                               quantize_dummy_weights)
 from pipeline.models.registry import build_model, finish_model
 from pipeline.runner.model_runner import ModelRunner
 from pipeline.spec.budget import KEPT_STATES_PER_ROW, MAX_DRAFT_ROWS
@@ -34,6 +39,8 @@ class LoadedModel:
     dtype: torch.dtype
     device: torch.device
     drafter: Drafter | None = None  # speculation's drafter (pipeline/spec/), None without
+    kv_dtype: torch.dtype | None = None  # the attention layers' KV cache (--kv-cache-dtype; None: dtype)
+    weight_format: str = ""  # the weights' quantization, where there is one ("fp8 e4m3, 128x128 blocks (fp8)")
 
 
 def cpu_has_native_bf16() -> bool:
@@ -58,6 +65,34 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in dtypes:
         raise ValueError(f"unknown dtype {name!r}; choose one of auto, {', '.join(dtypes)}")
     return dtypes[name]
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the model's dtype; fp8 stores e4m3 blocks, which the torch attention paths read
+    and the CUDA kernels do not yet."""
+    if name == "auto":
+        return dtype
+    if use_triton(device):
+        raise ValueError("--kv-cache-dtype fp8 runs on the CPU only for now: the CUDA attention and KV-write kernels "
+                         "read 16-bit caches (leave it at auto on a GPU)")
+    return torch.float8_e4m3fn
+
+
+def model_weights(config: EngineConfig, path: str, hf_config: dict, arch: ModelArchConfig, dtype: torch.dtype,
+                  device: torch.device) -> tuple[CheckpointWeights | None, Callable[[torch.nn.Module], None], str]:
+    """The weight stream (None: random weights), what runs on the loaded model before it is packed (the checkpoint's
+    KV scales, or dummy weights rounded to FP8), and the weights' quantization in words ("" for none)."""
+    if config.load_format == "dummy":
+        try:
+            fp8 = config.quantization == "fp8" or checkpoint_scheme(hf_config) is not None
+        except CheckpointError:
+            fp8 = False
+        return None, quantize_dummy_weights if fp8 else (lambda model: None), ONLINE_FP8.describe() if fp8 else ""
+    offset, count = arch.expert_shard.experts(arch.num_experts) if arch.num_experts else (0, 0)
+    local = (offset, offset + count) if arch.num_experts and count < arch.num_experts else None
+    weights = checkpoint_weights(path, hf_config, config.quantization, dtype, device, local)
+    scheme = weights.scheme or weights.online
+    return weights, lambda model: apply_kv_scales(model, weights.kv_scales), scheme.describe() if scheme else ""
 
 
 def eos_token_ids(tokenizer: Tokenizer, hf_config: dict, generation_config: dict) -> frozenset[int]:
@@ -91,6 +126,7 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     path = resolve_model_path(config.model)
     device = parallel.device if parallel is not None else torch.device(config.device)
     dtype = resolve_dtype(config.dtype, device)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype, device)
     head = parallel is None or parallel.is_head
     say(f"reading {path}")
     hf_config = load_hf_config(path)
@@ -106,10 +142,12 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     generation_config = load_generation_config(path)
     dummy = config.load_format == "dummy"
     shard = f", experts {arch.expert_shard.experts(arch.num_experts)} of rank {parallel.rank}" if parallel else ""
-    say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers{shard}) "
-        f"as {dtype} on {device}")
-    model = build_model(arch, None if dummy else iter_weights(path), dtype, device,
-                        mtp=config.speculative_method == "mtp" and head)
+    weights, after_weights, weight_format = model_weights(config, path, hf_config, arch, dtype, device)
+    quantized = f", {weight_format} dequantized" if weight_format else ""
+    say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers{shard}"
+        f"{quantized}) as {dtype} on {device}")
+    model = build_model(arch, weights, dtype, device, mtp=config.speculative_method == "mtp" and head,
+                        after_weights=after_weights)
     if parallel is not None:
         model.join_expert_group(parallel.group)
     draft_model = (load_draft_model(config, arch, dtype, device, say)
@@ -123,7 +161,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
              if config.speculative_method else 0)
     runner = ModelRunner(model, vocab_size=arch.vocab_size, block_size=config.block_size, dtype=dtype, device=device,
                          max_num_seqs=config.max_num_seqs + spare,
-                         extra_cache_specs=draft_model.cache_specs(dtype) if draft_model is not None else ())
+                         extra_cache_specs=draft_model.cache_specs(dtype) if draft_model is not None else (),
+                         kv_dtype=kv_dtype)
     runner.rows_as_decode = config.exact_speculation  # verify rows as one-token decode rows (kernels/dispatch.py)
     cpu_memory = (int(config.kv_cache_memory_gib * (1 << 30)) - runner.state_bytes
                   if device.type != "cuda" and not config.num_kv_blocks else None)
@@ -173,7 +212,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     if parallel is not None:
         parallel.set_timeout(parallel.step_timeout_s)  # every rank has loaded: serving
     say(f"ready: {num_blocks} KV blocks of {config.block_size} tokens, max model length {max_model_len}")
-    return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter)
+    return LoadedModel(path, arch, tokenizer, runner, limits, num_blocks, dtype, device, drafter, kv_dtype,
+                       weight_format)
 
 
 def check_max_model_len(requested: int | None, model_positions: int, path: object) -> None:
@@ -236,7 +276,8 @@ def load_draft_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.d
     dummy = config.load_format == "dummy"
     say(f"{'building random' if dummy else 'loading'} draft model {draft_arch.model_type} "
         f"({draft_arch.num_layers} layers)")
-    return build_model(draft_arch, None if dummy else iter_weights(path), dtype, device)
+    weights, after_weights, _ = model_weights(config, path, load_hf_config(path), draft_arch, dtype, device)
+    return build_model(draft_arch, weights, dtype, device, after_weights=after_weights)
 
 
 def load_dflash_model(config: EngineConfig, arch: ModelArchConfig, dtype: torch.dtype, device: torch.device,

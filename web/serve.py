@@ -28,9 +28,11 @@ def banner(engine: Engine, url: str, settings: ServerSettings | None = None) -> 
     lines = [
         f"model        {loaded.path}",
         f"architecture {arch.model_type}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}",
-        f"device       {loaded.device} ({str(loaded.dtype).removeprefix('torch.')})",
+        f"device       {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}"
+        + (f"; weights {loaded.weight_format}, dequantized)" if loaded.weight_format else ")"),
         *([f"CPU threads  {engine.cpu_threads.describe()}"] if engine.cpu_threads is not None else []),
-        f"KV cache     {loaded.num_blocks} blocks x {config.block_size} tokens",
+        f"KV cache     {loaded.num_blocks} blocks x {config.block_size} tokens, "
+        f"{str(loaded.kv_dtype or loaded.dtype).removeprefix('torch.')}",
         f"max length   {loaded.limits.max_model_len} tokens",
         f"batching     up to {config.max_num_seqs} sequences, {config.max_num_batched_tokens} tokens per step"
         + (f", CUDA graphs up to batch {config.cuda_graph_max_batch}" if loaded.runner.graphs is not None else ""),

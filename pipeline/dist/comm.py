@@ -51,6 +51,7 @@ def share_rows(tensors: Sequence[torch.Tensor], dim: int, indices: np.ndarray, h
         return
     index = torch.from_numpy(np.ascontiguousarray(indices, dtype=np.int64)).to(tensors[0].device)
     for tensor in tensors:
+        tensor = tensor.view(torch.uint8)  # the bytes, whatever the dtype (gloo and CPU index_copy_ lack float8)
         rows = tensor.index_select(dim, index).contiguous()
         dist.broadcast(rows, src=0, group=group)
         if not head:

@@ -101,8 +101,9 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
         if transfers.copies:
             src = _indices([a for a, _ in transfers.copies], device)
             dst = _indices([b for _, b in transfers.copies], device)
-            for c in caches:
-                c.index_copy_(1, dst, c.index_select(1, src))
+            for c in caches:  # as bytes: a block moves bit for bit whatever its dtype (CPU float8 has no index_copy_)
+                raw = c.view(torch.uint8)
+                raw.index_copy_(1, dst, raw.index_select(1, src))
         for i in range(0, len(transfers.loads), TRANSFER_CHUNK):
             part = transfers.loads[i:i + TRANSFER_CHUNK]
             blocks = _indices([b for _, b in part], device)
@@ -110,8 +111,9 @@ def run_block_transfers(transfers: BlockTransfers, caches: Sequence[torch.Tensor
             offset = 0
             for c in caches:
                 size = 2 * c[0, 0].numel() * c.element_size()
-                piece = data[:, offset:offset + size].contiguous().view(c.dtype)
-                c.index_copy_(1, blocks, piece.view(len(part), 2, *c.shape[2:]).transpose(0, 1))
+                raw = c.view(torch.uint8)
+                piece = data[:, offset:offset + size].contiguous()
+                raw.index_copy_(1, blocks, piece.view(len(part), 2, *raw.shape[2:]).transpose(0, 1))
                 offset += size
         _snapshot_host_copies(transfers, snapshots, side)
         _copy_states(transfers, states, snapshots)

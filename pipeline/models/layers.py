@@ -253,6 +253,9 @@ class PagedAttention(nn.Module):
             self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device, zero_centered_qk_norm)
         else:
             self.q_norm = self.k_norm = None
+        # an fp8 KV cache holds K / k_scale and V / v_scale (the checkpoint's k_scale / v_scale, else 1)
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     @property
     def input_proj(self) -> MergedLinear:
@@ -296,8 +299,8 @@ class PagedAttention(nn.Module):
             k = self.k_norm(qkv[:, self.q_size : qk_end].view(T, KVH, D))
             rotate(q, k, cos, sin, self.is_neox_style)
         v = qkv[:, qk_end:v_end].view(T, KVH, D)
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping)
-        out = paged_attention_ref(q, kv_cache, meta, self.scale, plan)
+        write_kv_ref(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
+        out = paged_attention_ref(q, kv_cache, meta, self.scale, plan, self.k_scale, self.v_scale)
         return self.o_proj(self._gated(out.reshape(T, self.q_size), qkv, v_end))
 
     def _gated(self, out: torch.Tensor, qkv: torch.Tensor, v_end: int) -> torch.Tensor:

@@ -117,7 +117,7 @@ _IGNORED_RE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 class LlamaForCausalLM(nn.Module):
     """``forward(input_ids [T], positions [T], ctx) -> hidden [T, hidden]`` (final norm applied);
-    ``compute_logits(hidden [S, hidden]) -> [S, vocab] float32``; ``cache_specs(kv_dtype)`` -> the caches
+    ``compute_logits(hidden [S, hidden]) -> [S, vocab] float32``; ``cache_specs(dtype, kv_dtype)`` -> the caches
     ``ctx.caches`` must hold (one paged K/V cache per layer)."""
 
     decoder_layer_cls: type = LlamaDecoderLayer  # a hook for families that only change the layer
@@ -147,9 +147,10 @@ class LlamaForCausalLM(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def cache_specs(self, kv_dtype: torch.dtype) -> list[PagedKVSpec]:
-        """One paged K/V cache per layer, in layer (= cache-index) order; the runner allocates them."""
-        spec = PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)
+    def cache_specs(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[PagedKVSpec]:
+        """One paged K/V cache per layer, in layer (= cache-index) order; the runner allocates them. ``kv_dtype``:
+        the attention layers' K/V (fp8 with --kv-cache-dtype fp8), ``dtype`` otherwise."""
+        spec = PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype or dtype)
         return [spec] * self.arch.num_layers
 
     def prepare_context(self, positions: torch.Tensor, ctx: ForwardContext) -> None:

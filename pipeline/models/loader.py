@@ -102,3 +102,36 @@ def iter_weights(path: str) -> Iterator[tuple[str, torch.Tensor]]:
         with safe_open(shard, framework="pt") as handle:
             for name in handle.keys():
                 yield name, handle.get_tensor(name)
+
+
+class SafetensorsCheckpoint:
+    """Random access by name to an HF directory's tensors: headers are read when it opens, a tensor's bytes only when
+    ``get`` asks for it, so a weight can be read with its scale from whichever shard holds it."""
+
+    def __init__(self, path: str) -> None:
+        self.shard_of: dict[str, str] = {}  # tensor name -> shard file, in shard then file order
+        self._handles: dict[str, Any] = {}
+        for shard in safetensors_files(path):
+            for name in self._handle(shard).keys():
+                self.shard_of[name] = shard
+
+    def _handle(self, shard: str) -> Any:
+        if shard not in self._handles:
+            self._handles[shard] = safe_open(shard, framework="pt")
+        return self._handles[shard]
+
+    def names(self) -> list[str]:
+        return list(self.shard_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.shard_of
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._handle(self.shard_of[name]).get_slice(name).get_shape())
+
+    def dtype_name(self, name: str) -> str:
+        """The header's dtype: "BF16", "F32", "F8_E4M3", ..."""
+        return self._handle(self.shard_of[name]).get_slice(name).get_dtype()
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handle(self.shard_of[name]).get_tensor(name)

@@ -127,20 +127,21 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
         self.mtp = MultiTokenPredictor(self.arch, param.dtype, param.device)
         self.hidden_cache_index = len(self._own_cache_specs(param.dtype)) + 1
 
-    def cache_specs(self, kv_dtype: torch.dtype) -> list[CacheSpec]:
-        """The attention layers' K/V, the GDN states; with the MTP head, its K/V and the hidden-state cache."""
-        specs = self._own_cache_specs(kv_dtype)
+    def cache_specs(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[CacheSpec]:
+        """The attention layers' K/V (in ``kv_dtype``, default ``dtype``), the GDN states; with the MTP head, its
+        K/V and the hidden-state cache, both in ``dtype`` (the head reads them as the model computed them)."""
+        specs = self._own_cache_specs(dtype, kv_dtype)
         if self.mtp is not None:
-            specs += [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype),
-                      hidden_cache_spec(self.arch.hidden_size, kv_dtype)]
+            specs += [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, dtype),
+                      hidden_cache_spec(self.arch.hidden_size, dtype)]
         return specs
 
-    def _own_cache_specs(self, kv_dtype: torch.dtype) -> list[CacheSpec]:
-        specs: list[CacheSpec] = [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype)
+    def _own_cache_specs(self, dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> list[CacheSpec]:
+        specs: list[CacheSpec] = [PagedKVSpec(self.arch.num_kv_heads, self.arch.head_dim, kv_dtype or dtype)
                                   for kind in self.arch.layer_types if kind == "full_attention"]
         for layer in self.model.layers:
             if layer.linear_attn is not None:
-                specs.extend(layer.linear_attn.state_specs(kv_dtype))
+                specs.extend(layer.linear_attn.state_specs(dtype))
         return specs
 
     @torch.no_grad()

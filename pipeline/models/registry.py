@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -43,12 +43,13 @@ def build_model(
     device: torch.device | str = "cpu",
     prepack: bool = True,
     mtp: bool = False,
+    after_weights: Callable[[nn.Module], None] | None = None,
 ) -> nn.Module:
     """Construct directly on ``device``/``dtype``, load HF-named weights, eval mode, gradients off.
 
     ``mtp``: also the checkpoint's MTP head (Qwen3-Next / Qwen3.5). On CPU the projections are then prepacked
     for oneDNN (prepack=False keeps plain weights, e.g. to inspect them); the serving path and the parity tests
-    both use the packed path."""
+    both use the packed path. ``after_weights``: run on the model once its weights are in (see ``finish_model``)."""
     cls = get_model_class(arch.model_type)
     model = cls(arch, dtype=dtype, device=device)
     if mtp:  # the checkpoint's multi-token-prediction head, for speculation (pipeline/models/mtp.py)
@@ -56,17 +57,21 @@ def build_model(
             raise ValueError(f"{arch.model_type} has no MTP head: --speculative-method mtp needs a Qwen3-Next or "
                              "Qwen3.5 model")
         model.attach_mtp()
-    return finish_model(model, weights, prepack)
+    return finish_model(model, weights, prepack, after_weights)
 
 
 def finish_model(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] | None,
-                 prepack: bool = True) -> nn.Module:
+                 prepack: bool = True, after_weights: Callable[[nn.Module], None] | None = None) -> nn.Module:
     """A constructed model made ready to serve: its weights loaded (random ones without), eval mode, gradients
-    off, and on CPU its projections prepacked for oneDNN (``prepack``). Draft models built apart take it too."""
+    off, and on CPU its projections prepacked for oneDNN (``prepack``). Draft models built apart take it too.
+    ``after_weights`` sees the whole weights before any layer keeps a share of them or is packed (the KV scales,
+    dummy weights rounded to FP8: pipeline/models/quantized_weights.py)."""
     if weights is None:
         initialize_dummy_weights(model)
     else:
         model.load_weights(weights)
+    if after_weights is not None:
+        after_weights(model)
     if hasattr(model, "after_load"):  # a model that keeps a share of its layers' heads (expert parallelism)
         model.after_load()
     model.eval()

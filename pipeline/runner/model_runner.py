@@ -54,15 +54,18 @@ class DeviceBatch:
 
 class ModelRunner:
     def __init__(self, model: torch.nn.Module, *, vocab_size: int, block_size: int, dtype: torch.dtype,
-                 device: torch.device, max_num_seqs: int = 0, extra_cache_specs: Sequence[CacheSpec] = ()) -> None:
+                 device: torch.device, max_num_seqs: int = 0, extra_cache_specs: Sequence[CacheSpec] = (),
+                 kv_dtype: torch.dtype | None = None) -> None:
         """``max_num_seqs``: sequences that can hold a recurrent state slot at once (hybrid models).
-        ``extra_cache_specs``: caches after the model's, in the same blocks (a draft model's, pipeline/spec/)."""
+        ``extra_cache_specs``: caches after the model's, in the same blocks (a draft model's, pipeline/spec/).
+        ``kv_dtype``: the model's attention K/V (--kv-cache-dtype; None: ``dtype``)."""
         self.model = model
         self.vocab_size = vocab_size
         self.block_size = block_size
         self.device = device
         self.dtype = dtype
-        self.cache_specs = model.cache_specs(dtype) + list(extra_cache_specs)
+        self.kv_dtype = kv_dtype or dtype
+        self.cache_specs = model.cache_specs(dtype, self.kv_dtype) + list(extra_cache_specs)
         self.num_state_slots = max_num_seqs + 1 if bytes_per_state_slot(self.cache_specs) else 0  # + the null slot
         self.caches: list[torch.Tensor] = []
         self.snapshots: list[torch.Tensor] = []  # per recurrent cache: [snapshots, ...] (allocate_snapshots)
