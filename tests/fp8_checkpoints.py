@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 E4M3_MAX = 448.0
-_PROJECTION = re.compile(r"_proj\.weight$")
+_PROJECTION = re.compile(r"_proj(_qkvz|_qkv|_z)?\.weight$")
 _KEPT = re.compile(r"(in_proj_a|in_proj_b|in_proj_ba)\.weight$")
 NOT_CONVERTED = ["lm_head", "model.embed_tokens", "mlp.gate", "mlp.shared_expert_gate", "linear_attn.in_proj_a",
                  "linear_attn.in_proj_b", "linear_attn.conv1d"]
@@ -118,18 +118,34 @@ def fake_block_fp8(tensor: torch.Tensor, block: int = 128) -> torch.Tensor:
     return _block_dequantize(q, scale, block)
 
 
-def dequantized_reference(directory: Path, dequantized: dict[str, torch.Tensor], scratch: Path):
-    """transformers' model (float32, eager) of the quantized checkpoint in ``directory`` with each quantized weight
-    replaced by its dequantized value: written to ``scratch`` as a plain checkpoint and loaded from there (so
-    transformers stacks the experts as it does for any checkpoint)."""
-    from transformers import AutoModelForCausalLM
+def online_fp8_weights(directory: Path) -> dict[str, torch.Tensor]:
+    """What --quantization fp8 should make of ``directory``'s plain checkpoint: each projection but the MTP head's
+    through 128 x 128 block FP8 (float32 scales), dequantized; the rest as it is."""
+    return {name: fake_block_fp8(tensor) for name, tensor in _tensors(Path(directory)).items()
+            if _quantized(name, tensor) and not name.startswith("mtp.")}
 
-    directory, scratch = Path(directory), Path(scratch)
-    scratch.mkdir(parents=True, exist_ok=True)
+
+def dequantized_checkpoint(directory: Path, dequantized: dict[str, torch.Tensor], target: Path) -> Path:
+    """The quantized checkpoint in ``directory`` written to ``target`` as a plain float32 one holding each quantized
+    weight's dequantized value (its tokenizer and other files copied): the model an FP8 load must equal."""
+    directory, target = Path(directory), Path(target)
+    target.mkdir(parents=True, exist_ok=True)
     plain = {name: dequantized.get(name, tensor) for name, tensor in _tensors(directory).items()
              if not name.endswith(("weight_scale_inv", "weight_scale", "k_scale", "v_scale"))}
-    save_file({name: tensor.float().contiguous() for name, tensor in plain.items()}, scratch / "model.safetensors")
+    save_file({name: tensor.float().contiguous() for name, tensor in plain.items()}, target / "model.safetensors")
+    for item in directory.iterdir():
+        if item.is_file() and item.name not in ("model.safetensors", "config.json"):
+            (target / item.name).write_bytes(item.read_bytes())
     config = json.loads((directory / "config.json").read_text())
-    config.pop("quantization_config")
-    (scratch / "config.json").write_text(json.dumps(config))
-    return AutoModelForCausalLM.from_pretrained(scratch, dtype=torch.float32, attn_implementation="eager").eval()
+    config.pop("quantization_config", None)
+    (target / "config.json").write_text(json.dumps(config))
+    return target
+
+
+def dequantized_reference(directory: Path, dequantized: dict[str, torch.Tensor], scratch: Path):
+    """transformers' model (float32, eager) of ``dequantized_checkpoint`` (loaded from ``scratch``, so transformers
+    stacks the experts as it does for any checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    path = dequantized_checkpoint(directory, dequantized, scratch)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="eager").eval()
