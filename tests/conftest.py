@@ -38,12 +38,33 @@ def run_async(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    from tests.isa_sensitive import is_isa_sensitive, unmatched
+
+    for item in items:
+        if is_isa_sensitive(item.nodeid):
+            item.add_marker(pytest.mark.isa)
+    stale = unmatched([item.nodeid for item in items])
+    if stale:
+        raise pytest.UsageError(f"tests/isa_sensitive.py names tests that do not exist: {stale}")
     if torch.cuda.is_available():
         return
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+def pytest_report_header(config: pytest.Config) -> str:
+    """Which vector paths the CPU libraries take (`make test-avx2` pins them to AVX2)."""
+    import numpy
+
+    pins = " ".join(f"{name}={os.environ[name]}" for name in AVX2_PINS if name in os.environ)
+    return (f"cpu: torch {torch.backends.cpu.get_cpu_capability()}, numpy {numpy.__version__}"
+            + (f"; pinned: {pins}" if pins else ""))
+
+
+AVX2_PINS = ("ATEN_CPU_CAPABILITY", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA", "NPY_DISABLE_CPU_FEATURES",
+             "OPENBLAS_CORETYPE")
 
 
 @pytest.fixture(scope="module")
