@@ -235,7 +235,9 @@ def server_settings(args: argparse.Namespace) -> ServerSettings:
                               request_timeout_s=args.request_timeout, max_body_bytes=args.max_body_bytes,
                               tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser,
                               enforce_tool_grammar=not args.no_tool_grammar,
-                              responses_store_size=args.responses_store_size)
+                              responses_store_size=args.responses_store_size,
+                              header_timeout_s=args.header_timeout, body_timeout_s=args.body_timeout,
+                              write_timeout_s=args.write_timeout, max_header_bytes=args.max_header_bytes)
     return settings.with_model_defaults(model_family_defaults(args.model))
 
 
@@ -249,6 +251,7 @@ async def serve_main(args: argparse.Namespace) -> int:
     config.max_waiting_tokens = args.max_waiting_tokens
     config.chat_template = args.chat_template
     set_grammar_bounds(config, args)
+    config.output_channel_cap_bytes = args.max_output_buffer_bytes
     return await run_server(config, server_settings(args), args.host, args.port, args.drain_timeout)
 
 
@@ -298,7 +301,40 @@ def add_serve_parser(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--no-tool-grammar", action="store_true",
                        help="do not constrain tool calls with a grammar (parse only)")
     add_grammar_args(serve)
+    add_connection_args(serve)
     add_engine_args(serve)
+
+
+def add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Every connection's deadlines and limits (web/connections.py)."""
+    parser.add_argument("--header-timeout", type=float, default=10.0, metavar="SECONDS",
+                        help="a request's line and headers must arrive within this long of connecting or of the "
+                             "previous response, else the connection closes (so does an idle keep-alive one)")
+    parser.add_argument("--body-timeout", type=float, default=60.0, metavar="SECONDS",
+                        help="a request's body must arrive within this long of its headers (else 408)")
+    parser.add_argument("--write-timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="response bytes a client leaves unread this long cut its connection and cancel its "
+                             "request (a stream whose client stopped reading)")
+    parser.add_argument("--max-header-bytes", type=int, default=8192, metavar="BYTES",
+                        help="the longest request line or header; longer ones (or over 128 headers) get 431")
+    parser.add_argument("--max-output-buffer-bytes", type=int, default=EngineConfig().output_channel_cap_bytes,
+                        metavar="BYTES", help="generated text a request's client has not taken yet; past it the "
+                                              "request ends with an error")
+
+
+def check_flags(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A bad value is a usage error (exit 2, one line under the usage line), never a traceback from startup: the
+    numeric flags' ranges (pipeline/flag_ranges.py), then the engine config's own rules."""
+    from pipeline.flag_ranges import flag_range_problem
+
+    problem = flag_range_problem(vars(args))
+    if problem is None and getattr(args, "config_json", None) is None:
+        try:
+            engine_config(args).validate()
+        except (ValueError, argparse.ArgumentTypeError) as exc:
+            problem = str(exc)
+    if problem is not None:
+        parser.error(problem)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,6 +351,7 @@ def main(argv: list[str] | None = None) -> int:
     worker.add_argument("--config-json", default=None, help=argparse.SUPPRESS)  # how the head starts local workers
     add_engine_args(worker)
     args = parser.parse_args(argv)
+    check_flags(commands.choices[args.command], args)
     prefer_passive_wait()  # before anything loads torch
     if args.command == "worker":
         from pipeline.dist.ranks import config_from_json, worker_main

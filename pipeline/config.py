@@ -151,6 +151,9 @@ class EngineConfig:
                              "max_grammar_seconds positive")
         if self.grammar_cache_bytes < 0 or self.wedged_intake_s <= 0:
             raise ValueError("grammar_cache_bytes must be >= 0 and wedged_intake_s positive")
+        if self.output_channel_cap_bytes < 1 or self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
+            raise ValueError("output_channel_cap_bytes must be at least 1, max_waiting_requests and "
+                             "max_waiting_tokens >= 0")
 
 
 SPECULATIVE_METHODS = (None, "ngram", "mtp", "dflash", "draft")

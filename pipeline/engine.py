@@ -97,6 +97,7 @@ class Engine:
         self._drained = asyncio.Event()
         self._drained.set()
         self.draining = False
+        self.stopping = False  # the drain ran out of time: what was in flight is cancelled (cancel_in_flight)
         self._tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
         self._interpreter: InterpreterSettings | None = None  # what create() replaced (shutdown restores it)
@@ -252,6 +253,14 @@ class Engine:
         """Stop admitting: new requests get AdmissionRefused; in-flight ones go on."""
         self.draining = True
         self.intake.draining = True
+
+    def cancel_in_flight(self) -> None:
+        """The drain ran out of time: cancel every request in flight. Each admitted sample ends within one step with
+        finish_reason abort ("length" on the wire, invariant 2), so its handler still writes its last events; one
+        not admitted yet is refused (the engine is draining)."""
+        self.stopping = True
+        for request_id in list(self._channels):
+            self.abort(request_id, CancelReason.SHUTDOWN)
 
     async def wait_drained(self, timeout_s: float) -> bool:
         """True when every in-flight request finished within the timeout."""

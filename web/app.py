@@ -5,6 +5,7 @@ holds it once ready, and the generation handlers live in web/generation.py.
 """
 from __future__ import annotations
 
+import asyncio
 import fnmatch
 import logging
 import time
@@ -25,6 +26,7 @@ log = logging.getLogger("conveyor.web")
 # the API routes behind --api-key: everything under /v1, and the agent APIs' aliases without it
 AUTHENTICATED_PATHS = ("/v1", "/responses", "/messages")
 NO_REASONING_PARSER = "none"  # --reasoning-parser none: keep <think> blocks in the content
+SHUTTING_DOWN = "server_shutting_down"  # the error code of a request the drain cut (web/generation.py)
 
 
 @dataclass(slots=True)
@@ -39,6 +41,15 @@ class ServerSettings:
     # None: the model family's (off for most); "none": off (with_model_defaults turns it into None)
     enforce_tool_grammar: bool = True  # constrain tool calls to the offered tools' schemas
     responses_store_size: int = 256  # stored Responses API responses (previous_response_id), least recent dropped
+    # connection deadlines and limits (web/connections.py): a request head within header_timeout_s of connecting or
+    # of the previous response, its body within body_timeout_s (else 408); response bytes a client leaves unread
+    # for write_timeout_s cut the connection, once the kernel holds send_buffer_bytes of them; a request line or
+    # header over max_header_bytes is 431
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 60.0
+    write_timeout_s: float = 30.0
+    send_buffer_bytes: int = 64 << 10
+    max_header_bytes: int = 8192
 
     def with_model_defaults(self, defaults: FamilyDefaults) -> ServerSettings:
         """The parsers to serve with: an explicit choice wins, an unset one takes the model family's default, and
@@ -85,8 +96,12 @@ def error_response(error: APIError, retry_after_s: int, path: str = "") -> web.R
     """The error in the shape of the API the path belongs to: Anthropic's on the Messages routes, else OpenAI's."""
     headers = {"Retry-After": str(retry_after_s)} if error.status == 503 else None
     if is_messages_path(path):
-        return json_response(anthropic_error_body(error), anthropic_status(error), headers)
-    return json_response(error.body(), error.status, headers)
+        response = json_response(anthropic_error_body(error), anthropic_status(error), headers)
+    else:
+        response = json_response(error.body(), error.status, headers)
+    if error.status == 408:  # the rest of the body is not waited for
+        response.force_close()
+    return response
 
 
 _HTTP_ERRORS = {404: ("not_found_error", "route not found"), 405: ("invalid_request_error", "method not allowed"),
@@ -110,7 +125,7 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         error = api_error_from_exception(exc)
         if error.status >= 500 and error.status != 503:
             log.exception("request %s %s failed", request.method, request.path)
-        if error.status == 503:
+        if error.status == 503 and error.code != SHUTTING_DOWN:  # a request cut by shutdown was admitted
             state.metrics.admission_rejected(admission_reason(exc))
         return error_response(error, state.settings.retry_after_s, request.path)
 
@@ -127,7 +142,13 @@ async def auth_middleware(request: web.Request, handler: Any) -> web.StreamRespo
 
 
 async def read_json(request: web.Request) -> Any:
-    raw = await request.read()  # raises 413 past client_max_size
+    timeout_s = request.app[STATE].settings.body_timeout_s
+    try:
+        async with asyncio.timeout(timeout_s):
+            raw = await request.read()  # raises 413 past client_max_size
+    except TimeoutError:
+        raise APIError(408, f"the request body did not arrive within {timeout_s:g}s", "invalid_request_error",
+                       code="request_timeout") from None
     try:
         return orjson.loads(raw)
     except orjson.JSONDecodeError as exc:

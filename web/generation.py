@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogprob
-from web.app import STATE, ServerState, json_response, read_json
+from web.app import SHUTTING_DOWN, STATE, ServerState, json_response, read_json
 from web.chat_output import ChatPiece, wire_tool_call, wire_tool_call_delta
 from web.chat_tools import chat_output_parsers
 from web.output_parsing import ChoiceParsers
@@ -116,7 +116,7 @@ class Endpoint:
         return sse_event(APIError(500, message, "server_error").body())
 
     def stream_error(self, error: APIError, tracker: Tracker) -> bytes:
-        """The last events of a stream the server cut short (a timeout): nothing follows them."""
+        """The last events of a stream the server cut short (a timeout, a drain that ran out): nothing follows them."""
         return sse_event(error.body()) + SSE_DONE
 
     def event(self, delta: OutputDelta, choice: Choice) -> bytes:
@@ -312,8 +312,9 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
         error = APIError(504, f"the request timed out after {timeout_s:g}s", "timeout")
         if body is None:
             raise error from None
-        await body.write(endpoint.stream_error(error, tracker))
-        completed = connected = True
+        completed = True
+        # a client that does not take these bytes is cut by the write watchdog (web/connections.py)
+        connected = await _write_last(body, endpoint.stream_error(error, tracker))
     except ConnectionResetError:
         pass  # the client went away mid-stream; closing the stream below cancels the request
     finally:
@@ -325,10 +326,33 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
         if connected:
             await body.finish()
         return body.response
+    if cut_by_shutdown(state, tracker):
+        raise shutting_down_error()
     failed = [c.error for c in tracker.choices.values() if c.finish_reason is FinishReason.ERROR]
     if failed:
         raise APIError(500, failed[0] or "the request failed", "server_error")
     return json_response(endpoint.response(tracker))
+
+
+async def _write_last(body: SSEBody, data: bytes) -> bool:
+    """Write a stream's last events; False when the client is gone."""
+    try:
+        await body.write(data)
+        return True
+    except ConnectionResetError:
+        return False
+
+
+def cut_by_shutdown(state: ServerState, tracker: Tracker) -> bool:
+    """The drain ran out of time and cancelled this request (Engine.cancel_in_flight) before it finished."""
+    engine = state.engine
+    return engine is not None and engine.stopping and any(
+        c.finish_reason is FinishReason.ABORT for c in tracker.choices.values())
+
+
+def shutting_down_error() -> APIError:
+    return APIError(503, "the server is shutting down: the request was cut before it finished", "service_unavailable",
+                    code=SHUTTING_DOWN)
 
 
 def _collect(state: ServerState, delta: OutputDelta, tracker: Tracker) -> None:
@@ -359,4 +383,7 @@ async def _stream(body: SSEBody, first: OutputDelta, stream: AsyncIterator[Outpu
     await body.write(events(first))
     while (delta := await anext(stream, None)) is not None:  # one merged delta per read: a slow client falls behind
         await body.write(events(delta))
-    await body.write(endpoint.closing(tracker))
+    if cut_by_shutdown(endpoint.state, tracker):  # after the choices' last chunks (finish_reason "length")
+        await body.write(endpoint.stream_error(shutting_down_error(), tracker))
+    else:
+        await body.write(endpoint.closing(tracker))

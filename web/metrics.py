@@ -82,10 +82,10 @@ class EngineStatsCollector(Collector):
     def collect(self) -> Iterable[Metric]:
         try:
             stats = self._engine_stats()
+            return list(self._families(stats)) if stats else []  # empty while the model loads: no engine yet
         except Exception:  # a dead or stopping engine must not break /metrics for the request series
             log.warning("engine stats unavailable for /metrics", exc_info=True)
             return []
-        return list(self._families(stats))
 
     def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
         family = GaugeMetricFamily(f"conveyor_{name}", doc, labels=["model_name"])

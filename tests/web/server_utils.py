@@ -16,6 +16,7 @@ from aiohttp import web
 from pipeline.engine import Engine
 from tests.engine_utils import config_for
 from web.app import ServerSettings, ServerState, build_app
+from web.connections import make_runner
 from web.metrics import ServerMetrics
 
 
@@ -26,6 +27,7 @@ class LiveServer:
         self.url = ""
         self.engine: Engine | None = None  # owned by the server thread; tests only poke test hooks on it
         self.state: ServerState | None = None  # likewise (tests read counters on it)
+        self.runner: web.AppRunner | None = None  # likewise (tests count its open connections)
         self._ready = threading.Event()
         self._error: BaseException | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -59,7 +61,7 @@ class LiveServer:
         state = self.state = ServerState(self.settings,
                                          ServerMetrics(lambda: state.engine.stats() if state.engine else {}, "tiny"))
         state.engine = self.engine = await Engine.create(self.config)
-        runner = web.AppRunner(build_app(state), handler_cancellation=True, access_log=None)
+        runner = self.runner = make_runner(build_app(state), self.settings)
         await runner.setup()
         site = web.TCPSite(runner, "127.0.0.1", 0)
         await site.start()
