@@ -47,16 +47,6 @@ class Fp8Scheme:
             return 1, shape[-1]
         return shape[-2], shape[-1]
 
-    def keeps_unquantized(self, module: str) -> bool:
-        """Whether the checkpoint names ``module`` (e.g. "model.layers.0.mlp.gate") among those it left unquantized."""
-        for entry in self.unquantized:
-            if entry.startswith("re:"):
-                if re.match(entry[3:], module):
-                    return True
-            elif module == entry or module.endswith("." + entry) or module.startswith(entry + "."):
-                return True
-        return False
-
     def describe(self) -> str:
         grid = f"{self.block[0]}x{self.block[1]} blocks" if self.strategy == "block" else f"per {self.strategy}"
         source = "--quantization fp8" if self.method == "online" else self.method

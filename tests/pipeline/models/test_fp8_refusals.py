@@ -112,3 +112,24 @@ def test_cli_exits_with_one_line_before_binding(fp8_dir, tmp_path, command):
     lines = [line for line in done.stderr.splitlines() if line.strip()]
     assert lines == [f"conveyor: error: {WEIGHT} is float8 but the checkpoint has no {SCALE}"], done.stderr
     assert done.stdout == ""
+
+
+def test_schemes_read_from_config():
+    from pipeline.models.quantization import checkpoint_scheme
+
+    per_tensor = checkpoint_scheme({"quantization_config": {"quant_method": "fp8", "activation_scheme": "dynamic"}})
+    assert (per_tensor.strategy, per_tensor.scale_suffix, per_tensor.block_for((6, 10))) == ("tensor", "weight_scale",
+                                                                                            (6, 10))
+    group = {"weights": {"num_bits": 8, "type": "float", "strategy": "block", "block_structure": [128, 128],
+                         "symmetric": True, "dynamic": False}, "input_activations": {"dynamic": True}}
+    block = checkpoint_scheme({"quantization_config": {"quant_method": "compressed-tensors",
+                                                       "format": "float-quantized", "config_groups": {"g": group}}})
+    assert (block.strategy, block.block, block.scale_suffix) == ("block", (128, 128), "weight_scale")
+    nested = checkpoint_scheme({"model_type": "qwen3_5_moe", "text_config": {"quantization_config": {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "modules_to_not_convert": ["lm_head"]}}})
+    assert nested.block == (128, 128) and nested.unquantized == ("lm_head",)
+    channel = {**group, "weights": {**group["weights"], "strategy": "channel"}}
+    with pytest.raises(CheckpointError, match="different weight schemes"):
+        checkpoint_scheme({"quantization_config": {"quant_method": "compressed-tensors",
+                                                   "config_groups": {"a": group, "b": channel}}})
+    assert checkpoint_scheme({"model_type": "llama"}) is None
