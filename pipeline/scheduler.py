@@ -70,7 +70,7 @@ class RunningRow:
     arrival: tuple[int, int]
     num_tokens: int  # tokens it feeds (1; later 1 + its drafts)
     blocks_needed: int  # blocks to add for them and its lookahead
-    blocks_held: int  # what preempting it gives back
+    blocks_held: int  # what preempting it gives back: blocks it holds alone (a shared prefix block stays)
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +84,11 @@ class WaitingPrompt:
     blocks_held: int
     num_samples: int  # seats it takes when it starts (n for a fresh parent)
     seated: bool  # started before: holds its seats (a preempted sequence keeps them)
+    blocks_released: int | None = None  # what preempting it gives back (None: blocks_held, none of them shared)
+
+    @property
+    def gives_back(self) -> int:
+        return self.blocks_held if self.blocks_released is None else self.blocks_released
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,7 +125,7 @@ def plan_step(running: list[RunningRow], waiting: list[WaitingPrompt], limits: S
     same step."""
     free = limits.free_blocks
     holders: dict[int, tuple[tuple[int, int], int, bool]] = {  # seq_id -> (arrival, blocks held, running)
-        w.seq_id: (w.arrival, w.blocks_held, False) for w in waiting if w.blocks_held}
+        w.seq_id: (w.arrival, w.gives_back, False) for w in waiting if w.blocks_held}
     holders.update((r.seq_id, (r.arrival, r.blocks_held, True)) for r in running if r.blocks_held)
     preempted: list[int] = []
 
@@ -132,6 +137,8 @@ def plan_step(running: list[RunningRow], waiting: list[WaitingPrompt], limits: S
                 break
             if is_running and not allow_running:
                 return None
+            if not held:  # every block it holds is shared: preempting it frees nothing
+                continue
             victims.append(seq_id)
             freed += held
         return victims if freed >= deficit else None

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
 class RowLane(Protocol):
     """The decode stage as the planner sees it."""
 
-    def offer_rows(self) -> list[RunningRow]: ...
+    def offer_rows(self, exact_release: bool = False) -> list[RunningRow]: ...
 
     def preempt_now(self, seq_id: int) -> Sequence: ...
 
@@ -38,7 +38,7 @@ class RowLane(Protocol):
 class PromptLane(Protocol):
     """The prefill stage as the planner sees it."""
 
-    def offer_prompts(self) -> list[WaitingPrompt]: ...
+    def offer_prompts(self, exact_release: bool = False) -> list[WaitingPrompt]: ...
 
     def preempt_now(self, seq_id: int) -> None: ...
 
@@ -89,7 +89,12 @@ class StepPlanner:
         prompts = self.prefill.offer_prompts()
         limits = StepLimits(self.token_budget, self.cache.num_free, self.cache.block_size, self.seats.available,
                             max(1, self.cache.capacity // 100), rows_in_flight)
-        return plan_step(rows, prompts, limits), rows
+        decision = plan_step(rows, prompts, limits)
+        if decision.preempt:  # a victim gives back only the blocks it holds alone: plan again with those counts
+            rows = self.decode.offer_rows(exact_release=True)
+            prompts = self.prefill.offer_prompts(exact_release=True)
+            decision = plan_step(rows, prompts, limits)
+        return decision, rows
 
     def compose(self, rows_in_flight: bool) -> ComposedStep | object | None:
         """Plan, apply and launch one step. None: nothing fits (wait for memory); WAIT_FOR_STEP: the

@@ -188,6 +188,12 @@ class CacheManager:
         total = seq.num_computed + num_new_tokens + num_lookahead
         return max(0, -(-total // size) - len(seq.block_ids))
 
+    def blocks_released(self, seq: Sequence) -> int:
+        """Blocks that freeing the sequence returns to the pool: those it holds alone (a prefix block it shares with
+        another holder stays allocated)."""
+        refcount = self._pool.refcount
+        return sum(1 for block in seq.block_ids if refcount(block) == 1)
+
     def allocate_slots(self, seq: Sequence, num_new_tokens: int, num_lookahead: int = 0) -> bool:
         """Append exactly blocks_needed(...) blocks to seq.block_ids. All or nothing: False, with
         nothing allocated, when they do not fit (the caller preempts or waits)."""

@@ -180,10 +180,13 @@ class DecodeStage(DeviceStage):
             return 0
         return -1 if _last_token_in_flight(seq) else 1
 
-    def offer_rows(self) -> list[RunningRow]:
+    def offer_rows(self, exact_release: bool = False) -> list[RunningRow]:
         """Every running sequence's next row: its pending tokens, plus the one in flight (a lookahead:
-        the step samples it on the device and the next step feeds it from there)."""
+        the step samples it on the device and the next step feeds it from there). What preempting a row gives back
+        is its block count, or with ``exact_release`` the blocks it holds alone (counted only when the planner is
+        about to preempt: a shared prefix block stays with its other holders)."""
         cache = self.cache
+        held = cache.blocks_released if exact_release else lambda seq: len(seq.block_ids)
         rows: list[RunningRow] = []
         for seq in self.running:
             ahead = self._ahead(seq)
@@ -191,7 +194,7 @@ class DecodeStage(DeviceStage):
                 continue
             drafts = self._drafts.get(seq.seq_id, ()) if self._drafts else ()
             rows.append(RunningRow(seq.seq_id, seq.arrival, seq.num_pending + len(drafts),
-                                   cache.blocks_needed(seq, seq.num_pending + len(drafts), ahead), len(seq.block_ids)))
+                                   cache.blocks_needed(seq, seq.num_pending + len(drafts), ahead), held(seq)))
         return rows
 
     async def _draft(self) -> None:

@@ -73,7 +73,9 @@ class PrefillStage(DeviceStage):
             await self._wait_for_wake_or_messages()
 
     # --- what the planner asks -------------------------------------------------------------------
-    def offer_prompts(self) -> list[WaitingPrompt]:
+    def offer_prompts(self, exact_release: bool = False) -> list[WaitingPrompt]:
+        """The waiting prompts; with ``exact_release`` each also says how many of its blocks it holds alone (what
+        preempting it gives back)."""
         if self.grant is not None:
             return []  # its chunks are in flight: the next ones are planned once they are read
         started = self.started
@@ -83,7 +85,8 @@ class PrefillStage(DeviceStage):
         # a hybrid model's chunk stops at its prompt's last full block, where its state is snapshotted
         return [WaitingPrompt(seq.seq_id, seq.arrival, seq.num_computed,
                               min(seq.num_pending, self.cache.prompt_stop(seq) - seq.num_computed),
-                              len(seq.block_ids), seq.num_samples, seq.seq_id in started) for seq in self.waiting]
+                              len(seq.block_ids), seq.num_samples, seq.seq_id in started,
+                              self.cache.blocks_released(seq) if exact_release else None) for seq in self.waiting]
 
     def preempt_now(self, seq_id: int) -> None:
         """Give a later arrival's blocks back (it stays waiting, to be recomputed)."""

@@ -83,6 +83,33 @@ def test_preemption_with_a_tiny_pool_recomputes_the_same_tokens(tiny_model_dir):
     assert got == expected
 
 
+def test_preempting_sequences_that_share_a_cached_prefix_block(tiny_model_dir):
+    """Prompts sharing their first blocks through the prefix cache, in a pool too small for all of them: a victim
+    gives back only the blocks it holds alone (a shared block stays), so the planner must not count the shared ones
+    as freed; it did, and the step it planned then failed to allocate and stopped the engine."""
+    shared = prompts(1, seed=9)[0][:12] + [7, 7, 7, 7]  # three full blocks of 4 every prompt starts with
+    batch = [shared + p[:6] for p in prompts(8, seed=6)]
+
+    async def main():
+        roomy = await Engine.create(config_for(tiny_model_dir))
+        try:
+            expected = await run_all(roomy, batch, greedy(40))
+        finally:
+            await roomy.shutdown()
+        tight = await Engine.create(config_for(tiny_model_dir, num_kv_blocks=48, max_num_batched_tokens=32))
+        try:
+            got = await run_all(tight, batch, greedy(40))
+            await settle(tight)
+            assert_no_leaks(tight)
+            return expected, got, tight.stats()["preemptions"], tight.health()
+        finally:
+            await tight.shutdown()
+
+    expected, got, preemptions, health = run_async(main())
+    assert health is None and preemptions > 0
+    assert got == expected
+
+
 def test_cancel_mid_generation_frees_every_block(tiny_model_dir):
     async def main():
         engine = await Engine.create(config_for(tiny_model_dir))

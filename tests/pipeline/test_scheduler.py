@@ -70,6 +70,17 @@ def test_a_row_takes_blocks_from_a_later_prompt_before_a_later_row():
     assert decision.rows == (1, 2) and decision.preempt == (3,)
 
 
+def test_a_victim_gives_back_only_the_blocks_it_holds_alone():
+    """A prompt holding 3 blocks, 2 of them shared prefix blocks, frees 1: the row needing 2 takes it and the later
+    row too, never counting the shared ones; one whose blocks are all shared frees nothing and is left alone."""
+    shared = WaitingPrompt(3, (3, 0), 12, 4, 3, 1, True, blocks_released=1)
+    decision = plan_step([row(1, needed=2), row(2, held=1)], [shared], limits(free=0, in_flight=False))
+    assert decision.preempt == (3, 2) and decision.rows == (1,)
+    all_shared = WaitingPrompt(3, (3, 0), 8, 4, 2, 1, True, blocks_released=0)
+    decision = plan_step([row(1, needed=1), row(2, held=1)], [all_shared], limits(free=0, in_flight=False))
+    assert decision.preempt == (2,) and decision.rows == (1,)
+
+
 def test_with_rows_in_flight_no_row_is_preempted_the_step_is_read_first():
     decision = plan_step([row(1, needed=1), row(2, needed=1)], [], limits(free=1, in_flight=True))
     assert decision.wait_for_step and decision.rows == () and decision.preempt == ()
