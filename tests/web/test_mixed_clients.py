@@ -73,10 +73,43 @@ async def check_disconnects(first: bytes) -> None:
     assert first.startswith(b"data: {")
 
 
+def tool_with(properties: int) -> dict:
+    schema = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(properties)}}
+    return {"type": "function", "function": {"name": "f", "description": "d", "parameters": schema}}
+
+
+async def forced_tool(session: aiohttp.ClientSession, url: str, properties: int) -> tuple[int, dict]:
+    body = {**CHAT, "max_tokens": 8, "tools": [tool_with(properties)], "tool_choice": "required"}
+    async with session.post(url + "/v1/chat/completions", json=body) as response:
+        return response.status, await response.json()
+
+
+async def huge_schema(session: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
+    return await forced_tool(session, url, 5000)  # ~120 KB of schema, over MAX_GRAMMAR_BYTES
+
+
+async def check_huge_schema(seen: tuple[int, dict]) -> None:
+    status, body = seen
+    assert status == 400 and "--max-grammar-bytes" in body["error"]["message"]
+
+
+async def slow_schema(session: aiohttp.ClientSession, url: str) -> tuple[int, dict]:
+    return await forced_tool(session, url, 600)  # optional properties: compiles for over MAX_GRAMMAR_SECONDS
+
+
+async def check_slow_schema(seen: tuple[int, dict]) -> None:
+    status, body = seen
+    assert status == 400 and "--max-grammar-seconds" in body["error"]["message"]
+
+
+MAX_GRAMMAR_BYTES = 64 << 10
+MAX_GRAMMAR_SECONDS = 0.2
 BEHAVIOURS = [
-    Behaviour("normal", 24, normal, check_normal),
-    Behaviour("stalled reader", 20, stalled, check_stalled),
-    Behaviour("disconnects mid-stream", 20, disconnects, check_disconnects),
+    Behaviour("normal", 22, normal, check_normal),
+    Behaviour("stalled reader", 18, stalled, check_stalled),
+    Behaviour("disconnects mid-stream", 18, disconnects, check_disconnects),
+    Behaviour("huge tool schema", 4, huge_schema, check_huge_schema),
+    Behaviour("slow-compiling tool schema", 2, slow_schema, check_slow_schema),
 ]
 
 
@@ -84,7 +117,8 @@ def test_64_streams_of_mixed_clients_end_well_and_free_everything(smollm_gguf_pa
     settings = ServerSettings(served_model_names=["smol"], write_timeout_s=WRITE_TIMEOUT_S, send_buffer_bytes=4096)
     # one compute thread: on a shared CPU a second one waits for a core more than it computes
     with LiveServer(smollm_gguf_path, settings, block_size=16, num_kv_blocks=2048, max_num_seqs=64,
-                    max_num_batched_tokens=512, cpu_threads=1) as live:
+                    max_num_batched_tokens=512, cpu_threads=1, max_grammar_bytes=MAX_GRAMMAR_BYTES,
+                    max_grammar_seconds=MAX_GRAMMAR_SECONDS) as live:
         async def main() -> None:
             connector = aiohttp.TCPConnector(limit=0)
             async with aiohttp.ClientSession(connector=connector) as session:
