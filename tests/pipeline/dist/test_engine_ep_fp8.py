@@ -10,7 +10,7 @@ from pipeline.models.loader import load_hf_config
 from pipeline.models.quantized_weights import checkpoint_weights
 from tests.conftest import run_async
 from tests.fp8_checkpoints import dequantized_checkpoint, to_block_fp8
-from tests.pipeline.dist.test_engine_ep import run_engine
+from tests.pipeline.dist.test_engine_ep import run_engine, tiers_workload
 
 pytestmark = pytest.mark.usefixtures("single_torch_thread")
 
@@ -37,3 +37,13 @@ def test_two_ranks_give_one_ranks_tokens(fp8_moe):
     assert two == one
     assert stats["expert_parallel"]["size"] == 2 and stats["prefix_cache"]["hit_tokens"] > 0
     assert one == run_async(run_engine(plain_dir))[0]
+
+
+def test_two_ranks_with_fp8_kv_and_tiers(fp8_moe, tmp_path):
+    """fp8 KV blocks the head restores from its tiers reach the worker as bytes (gloo has no float8)."""
+    fp8_dir, _ = fp8_moe
+    off, _ = run_async(tiers_workload(fp8_dir, prefix_caching=False, kv_cache_dtype="fp8"))
+    tiers = dict(kv_offload_host_gib=1 / 1024, kv_offload_dir=str(tmp_path), kv_offload_disk_gib=64 / 1024)
+    two, stats = run_async(tiers_workload(fp8_dir, ep_size=2, kv_cache_dtype="fp8", **tiers))
+    assert two == off
+    assert stats["kv_offload"]["restored_blocks"] > 0
