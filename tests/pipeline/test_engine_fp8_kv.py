@@ -138,3 +138,14 @@ def test_resuming_from_host_and_disk_equals_recomputing(tiny_model_dir, tmp_path
     offload = stats["kv_offload"]
     assert offload["restored_blocks"] > 0 and offload["disk_restored_blocks"] > 0
     assert offload["bytes_to_device"] == offload["restored_blocks"] * per_block
+
+
+def test_fp8_kv_is_refused_where_the_cuda_kernels_run(monkeypatch):
+    from kernels import dispatch
+    from pipeline.loading import resolve_kv_dtype
+
+    monkeypatch.setattr(dispatch, "triton_available", lambda: True)
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on the CPU only for now"):
+        resolve_kv_dtype("fp8", torch.bfloat16, torch.device("cuda"))
+    assert resolve_kv_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    assert resolve_kv_dtype("fp8_e4m3", torch.float32, torch.device("cpu")) == torch.float8_e4m3fn
