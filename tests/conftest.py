@@ -7,7 +7,11 @@ from __future__ import annotations
 
 import os
 
-import torch
+# OpenMP reads its wait policy when torch loads it: threads that wait sleep, so the tests and the server processes
+# they start do not spin against each other on a small machine (pipeline/cpu_threads.py).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
