@@ -99,7 +99,9 @@ def error_response(error: APIError, retry_after_s: int, path: str = "") -> web.R
         response = json_response(anthropic_error_body(error), anthropic_status(error), headers)
     else:
         response = json_response(error.body(), error.status, headers)
-    if error.status == 408:  # the rest of the body is not waited for
+    # 408: the rest of the body is not waited for; 504: a client that timed out may not be reading at all, and its
+    # connection must not outlive the request (a kept-alive one would wait for the header timeout)
+    if error.status in (408, 504):
         response.force_close()
     return response
 

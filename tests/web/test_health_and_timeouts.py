@@ -54,14 +54,15 @@ def test_request_timeout_ends_requests_with_a_clear_error(tiny_model_dir):
             body = {"model": "tiny", "prompt": "x", "max_tokens": 900, "ignore_eos": True}
             async with aiohttp.ClientSession() as session:
                 async with session.post(live.url + "/v1/completions", json=body) as response:
-                    plain = response.status, await response.json()
+                    plain = response.status, await response.json(), response.headers.get("Connection")
                 async with session.post(live.url + "/v1/completions", json={**body, "stream": True}) as response:
                     streamed = response.status, await response.read()
             return plain, streamed
 
-        (status, payload), (stream_status, raw) = asyncio.run(main())
+        (status, payload, connection), (stream_status, raw) = asyncio.run(main())
         live.wait_idle()
     assert status == 504 and "timed out" in payload["error"]["message"]
+    assert connection == "close"  # a timed-out client may not be reading: its connection is not kept alive
     events = [e for e in raw.split(b"\n\n") if e]
     assert stream_status == 200 and events[-1] == b"data: [DONE]"
     assert "timed out" in orjson.loads(events[-2][6:])["error"]["message"]
