@@ -24,15 +24,20 @@ build-ext: $(STAMP)
 serve: $(STAMP)
 	$(VENV)/bin/conveyor serve
 
+# One pytest worker a core, up to four (tests/conftest.py gives each worker its share of the cores); a file's tests
+# stay on one worker, so its module fixtures (servers, models) are built once.
+TEST_WORKERS ?= $(shell python3 -c 'import os; print(max(1, min(4, len(os.sched_getaffinity(0)))))')
+PYTEST := $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP)
-	$(PY) -m pytest tests
+	$(PYTEST) tests
 
 # The tests whose result can depend on the CPU's instruction set (tests/isa_sensitive.py), again with torch's ATen
 # kernels, MKL, oneDNN, numpy and OpenBLAS held to AVX2: an AVX-512 machine sees what an AVX2-only one would.
 AVX2_PINS := ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2 \
 	NPY_DISABLE_CPU_FEATURES="X86_V4 AVX512_ICL AVX512_SPR" OPENBLAS_CORETYPE=Haswell
 test-avx2: $(STAMP)
-	$(AVX2_PINS) $(PY) -m pytest -m isa tests
+	$(AVX2_PINS) $(PYTEST) -m isa tests
 
 bench: $(STAMP)
 	$(PY) bench/cpu_decode.py

@@ -16,6 +16,14 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker computes on its share of the cores: workers that each took every core would wait for
+# one another at every parallel region.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    from pipeline.cpu_threads import usable_cores
+
+    torch.set_num_threads(max(1, usable_cores() // _WORKERS))
+
 import asyncio  # noqa: E402
 import json  # noqa: E402
 from collections.abc import Callable, Coroutine  # noqa: E402

@@ -56,12 +56,24 @@ async def outputs(model_dir, prompts: list[list[int]], params: list[SamplingPara
         await engine.shutdown()
 
 
+_PLAIN: dict[str, list] = {}
+
+
+def plain_outputs(model_dir, prompts, params, sequential: bool = False, **overrides) -> list:
+    """Plain decoding's outputs, run once per target and request set: the drafters that share a target compare with
+    the same run (an engine without speculation does not depend on which drafter the test is for)."""
+    key = repr((str(model_dir), prompts, params, sequential, sorted(overrides.items())))
+    if key not in _PLAIN:
+        _PLAIN[key], _ = run_async(outputs(model_dir, prompts, params, sequential, **overrides))
+    return _PLAIN[key]
+
+
 def compare(setups, drafter: str, prompts, params, sequential: bool = False, unconstrained: bool = False,
             **overrides) -> tuple[list, dict]:
     """Plain decoding against speculation with ``drafter``. The oracle's drafts are the target's unconstrained
     greedy picks: where nothing else decides the tokens (``unconstrained``) every one is accepted."""
     model_dir, spec = setups[drafter]
-    plain, _ = run_async(outputs(model_dir, prompts, params, sequential, **overrides))
+    plain = plain_outputs(model_dir, prompts, params, sequential, **overrides)
     got, stats = run_async(outputs(model_dir, prompts, params, sequential, **overrides, **spec))
     assert got == plain
     counted = stats["speculation"]
@@ -103,7 +115,7 @@ def test_repetition_and_presence_penalties(setups, drafter):
 def test_stop_strings_stop_ids_min_tokens_and_logit_bias(setups, drafter):
     model_dir, _ = setups[drafter]
     prompts = random_prompts(4, 3)
-    plain, _ = run_async(outputs(model_dir, prompts, [SamplingParams(max_tokens=60, temperature=0.0)] * 4))
+    plain = plain_outputs(model_dir, prompts, [SamplingParams(max_tokens=60, temperature=0.0)] * 4)
     from pipeline.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_pretrained(str(model_dir))
