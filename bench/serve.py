@@ -120,6 +120,7 @@ def main() -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--server-args", default="", help="extra arguments for `conveyor serve`")
     parser.add_argument("--max-concurrency", type=int, default=64)
+    parser.add_argument("--min-concurrency", type=int, default=1, help="the ladder's first level (doubling from it)")
     parser.add_argument("--prompt-tokens", type=int, default=128)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--requests-per-level", type=int, default=0, help="default: 2 x concurrency, at least 8")
@@ -141,7 +142,7 @@ def main() -> None:
     try:
         asyncio.run(wait_ready(url, process))
         levels = []
-        concurrency = 1
+        concurrency = args.min_concurrency
         while concurrency <= args.max_concurrency:
             requests = args.requests_per_level or max(8, 2 * concurrency)
             levels.append(asyncio.run(level(url, concurrency, requests, args.prompt_tokens, args.output_tokens,

@@ -13,11 +13,14 @@ from contextlib import contextmanager
 from contextvars import ContextVar
 
 import torch
+import torch.nn.functional as F
 
 from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.triton_embedding import embedding_ref, embedding_triton
 from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
+from kernels.triton_fp8_gemm import dequant_linear, w8a16_gemm_triton
+from kernels.triton_fp8_gemv import fp8_gemv_norm_triton, fp8_gemv_ref, fp8_gemv_triton
 from kernels.triton_gemv import SKINNY_MAX_M, NormedProjection, gemv_norm_triton, gemv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
 from kernels.triton_qkv_prologue import qkv_prologue_ref, qkv_prologue_triton
@@ -89,34 +92,80 @@ def apply_rotary_(
 
 def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Decode-sized bf16/fp16 projections on the GPU: our weight-streaming kernel beat cuBLAS there
-    (kernels/triton_gemv.py; H100, every Qwen3-8B projection shape at M = 1..16)."""
-    return (use_triton(x.device) and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_M
-            and x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype and weight.is_contiguous())
+    (kernels/triton_gemv.py; H100, every Qwen3-8B projection shape at M = 1..16). An FP8 weight
+    (float8_e4m3fn, with its scales) takes the FP8 GEMV (kernels/triton_fp8_gemv.py) for any activation dtype."""
+    if not (use_triton(x.device) and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_M and weight.is_contiguous()):
+        return False
+    if weight.dtype == torch.float8_e4m3fn:
+        return x.dtype in (torch.bfloat16, torch.float16, torch.float32)
+    return x.dtype in (torch.bfloat16, torch.float16) and weight.dtype == x.dtype
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-                  out_dtype: torch.dtype | None = None) -> torch.Tensor:
+                  out_dtype: torch.dtype | None = None, scale: torch.Tensor | None = None,
+                  block: tuple[int, int] | None = None, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """``scale`` / ``block`` (and 16-bit ``tail`` rows): an FP8 weight's (kernels/fp8.py)."""
+    if scale is not None:
+        assert block is not None
+        return fp8_gemv_triton(x, weight, scale, block, bias, tail=tail, row_loop=decode_rows_on(),
+                               out_dtype=out_dtype)
     return gemv_triton(x, weight, bias, row_loop=decode_rows_on(), out_dtype=out_dtype)
 
 
 def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                weight: torch.Tensor, bias: torch.Tensor | None, write_normed: bool) -> NormedProjection:
-    """The residual-add RMSNorm inside a skinny projection (where ``skinny_linear_applies``)."""
+                weight: torch.Tensor, bias: torch.Tensor | None, write_normed: bool,
+                scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                tail: torch.Tensor | None = None) -> NormedProjection:
+    """The residual-add RMSNorm inside a skinny projection (where ``skinny_linear_applies``); ``scale`` / ``block``
+    / ``tail`` as ``skinny_linear``'s."""
+    if scale is not None:
+        assert block is not None
+        return fp8_gemv_norm_triton(x, residual, norm_weight, eps, weight, scale, block, bias, write_normed,
+                                    tail=tail, row_loop=decode_rows_on())
     return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed, row_loop=decode_rows_on())
+
+
+FP8_PREFILL = "w8a16"  # FP8 projections above decode size on the GPU: "w8a16" (the Triton GEMM dequantizing tiles in
+# registers) or "dequant" (a 16-bit copy of the weight, then cuBLAS); kernels/triton_fp8_gemm.py, timed by
+# bench/fp8_kernels.py. fp32 activations always take "dequant" (cuBLAS fp32).
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+               bias: torch.Tensor | None = None, tail: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ [dequantize(W); tail]^T (+ bias)`` for an FP8 weight W [NQ, K] with its scale grid and optional 16-bit
+    ``tail`` rows: the FP8 GEMV at decode sizes and the prefill GEMM (``FP8_PREFILL``) above on the GPU, the torch
+    reference (``fp8_gemv_ref``) elsewhere."""
+    if skinny_linear_applies(x, weight):
+        return skinny_linear(x, weight, bias, None, scale, block, tail)
+    if not use_triton(x.device):
+        return fp8_gemv_ref(x, weight, scale, block, bias, tail)
+    lead, k = x.shape[:-1], x.shape[-1]
+    x = x.reshape(-1, k)
+    nq = weight.shape[0]
+    n = nq + (0 if tail is None else tail.shape[0])
+    y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
+    project = w8a16_gemm_triton if FP8_PREFILL == "w8a16" and x.dtype != torch.float32 else dequant_linear
+    project(x, weight, scale, block, None if bias is None else bias[:nq], out=y[:, :nq])
+    if tail is not None:
+        y[:, nq:] = F.linear(x, tail, None if bias is None else bias[nq:])
+    return y.reshape(*lead, n)
 
 
 def qkv_prologue(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_norm: torch.Tensor | None,
                  k_norm: torch.Tensor | None, eps: float, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool,
-                 kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+                 kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor, rows: torch.Tensor | None = None,
+                 k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """q/k norm, rope and the KV write in one launch; see ``kernels/triton_qkv_prologue.py``. ``rows``: each
-    token's row of cos/sin, tables then (None: cos/sin hold a row a token)."""
+    token's row of cos/sin, tables then (None: cos/sin hold a row a token). ``k_scale`` / ``v_scale``: an fp8
+    cache's, the layer's."""
     if use_triton(q.device):
         qkv_prologue_triton(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping,
-                            rows)
+                            rows, k_scale, v_scale)
     else:
         if rows is not None:
             cos, sin = cos.index_select(0, rows), sin.index_select(0, rows)
-        qkv_prologue_ref(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping)
+        qkv_prologue_ref(q, k, v, q_norm, k_norm, eps, cos, sin, is_neox_style, kv_cache_layer, slot_mapping,
+                         k_scale, v_scale)
 
 
 def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -127,10 +176,12 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def write_kv(
-    key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor
+    key: torch.Tensor, value: torch.Tensor, kv_cache_layer: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: float = 1.0, v_scale: float = 1.0,
 ) -> None:
-    """Write K/V at their slots, skipping slots < 0; see ``kernels/triton_kv_cache.py``."""
+    """Write K/V at their slots, skipping slots < 0 (an fp8 cache: quantized with the layer's scales); see
+    ``kernels/triton_kv_cache.py``."""
     if use_triton(kv_cache_layer.device):
-        write_kv_triton(key, value, kv_cache_layer, slot_mapping)
+        write_kv_triton(key, value, kv_cache_layer, slot_mapping, k_scale, v_scale)
     else:
-        write_kv_padded_ref(key, value, kv_cache_layer, slot_mapping)
+        write_kv_padded_ref(key, value, kv_cache_layer, slot_mapping, k_scale, v_scale)

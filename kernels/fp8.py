@@ -6,6 +6,10 @@ tensor's edge may be partial: a ``[R, C]`` weight has a ``[ceil(R / rows), ceil(
 scale is a block of ``(1, C)``, a tensor scale one block of ``(R, C)``, so one representation covers the block,
 channel and tensor strategies. Leading dimensions (stacked experts) each have their own grid.
 
+``Fp8Weight`` is one such weight as stored (a checkpoint's e4m3 bytes and scales, kept as they are): the loader hands
+it on, the CUDA path keeps it in the model and the FP8 kernels read it (``fp8_linear_ref`` and the MoE reference are
+their oracles); ``take_rows`` / ``take_columns`` cut it without changing a value.
+
 The KV cache holds ``x / scale`` rounded to e4m3 with one scale per layer for K and one for V.
 
 Invariants: quantizing clamps to +-FP8_E4M3_MAX before the cast (the cast of a larger value is NaN, e4m3fn has
@@ -15,7 +19,10 @@ to the requested dtype, so an fp32 result is exact.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 FP8_E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -61,6 +68,83 @@ def quantize_fp8_block_ref(weight: torch.Tensor, block: tuple[int, int] = BLOCK_
     scale = torch.where(amax > 0, amax / FP8_E4M3_MAX, torch.ones_like(amax))
     q = (w / expand_scale(scale, tuple(w.shape), block)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)
     return q.to(torch.float8_e4m3fn), scale
+
+
+@dataclass(slots=True)
+class Fp8Weight:
+    """One float8 weight and its scales as stored: ``q`` float8_e4m3fn [..., rows, cols], ``scale`` float32
+    [..., ceil(rows / block[0]), ceil(cols / block[1])]. The CPU path dequantizes it at load; the CUDA path keeps it."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    block: tuple[int, int]
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize_fp8_ref(self.q, self.scale, self.block, dtype)
+
+    def per_row(self) -> Fp8Weight:
+        """The same values with one scale row a weight row (block (1, cols)): exact, any rows can then be cut."""
+        if self.block[0] == 1:
+            return self
+        rows = self.q.shape[-2]
+        return Fp8Weight(self.q, self.scale.repeat_interleave(self.block[0], dim=-2)[..., :rows, :].contiguous(),
+                         (1, self.block[1]))
+
+    def take_rows(self, rows: torch.Tensor) -> Fp8Weight:
+        """Rows ``rows`` (1-D indexes into the first dimension of a 2-D weight), in that order. The scales stay in
+        blocks when the rows are whole blocks in order (the last one may be the weight's partial edge block), else
+        they become one per row: the values are the stored ones either way."""
+        rows = rows.to(device=self.q.device, dtype=torch.int64)
+        br, total = self.block[0], self.q.shape[-2]
+        if br > 1 and rows_are_blocks(rows, br, total):
+            return Fp8Weight(self.q.index_select(0, rows), self.scale.index_select(0, rows[::br] // br), self.block)
+        full = self.per_row()
+        return Fp8Weight(self.q.index_select(0, rows), full.scale.index_select(0, rows), full.block)
+
+    def take_columns(self, start: int, end: int) -> Fp8Weight | None:
+        """Columns [start, end) of a 2-D weight, or None where they cut through a scale column (no exact form)."""
+        bc, cols = self.block[1], self.q.shape[-1]
+        if bc >= cols:
+            return Fp8Weight(self.q[:, start:end].contiguous(), self.scale.clone(), (self.block[0], end - start))
+        if start % bc or (end % bc and end != cols):
+            return None
+        return Fp8Weight(self.q[:, start:end].contiguous(), self.scale[:, start // bc:-(-end // bc)].contiguous(),
+                         self.block)
+
+
+def rows_are_blocks(rows: torch.Tensor, block_rows: int, total: int) -> bool:
+    """Whether ``rows`` are whole ``block_rows``-row blocks of a ``total``-row weight, each in order (a last partial
+    group must be the weight's own partial edge block)."""
+    n = rows.numel()
+    if n == 0:
+        return False
+    starts = rows[::block_rows]
+    if bool((starts % block_rows).any()):
+        return False
+    expected = (starts[:, None] + torch.arange(block_rows, device=rows.device)[None, :]).reshape(-1)[:n]
+    if not torch.equal(rows, expected):
+        return False
+    tail = n % block_rows
+    return tail == 0 or int(starts[-1]) + tail == total
+
+
+def fp8_linear_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The FP8 kernels' oracle: ``x @ dequantize(q)^T (+ bias)`` in float32, rounded once to x's dtype."""
+    b = None if bias is None else bias.float()
+    return F.linear(x.float(), dequantize_fp8_ref(q, scale, block), b).to(x.dtype)
+
+
+def scale_tile_limit(block_cols: int, cols: int) -> int:
+    """The widest power-of-two K tile that never spans two scale columns: the largest power of two dividing the
+    block's width, or unbounded (``cols``'s next power of two) when one scale column covers every column."""
+    if block_cols >= cols:
+        return 1 << max(0, (cols - 1).bit_length())
+    return block_cols & -block_cols
 
 
 def fake_quantize_fp8_block_ref(weight: torch.Tensor, block: tuple[int, int] = BLOCK_128) -> torch.Tensor:

@@ -17,6 +17,10 @@ hold it as their last local expert: ``num_local_experts`` counts it and ``s = ex
 on the rank that computes it (``pipeline/models/moe.py`` uses ``s = E``, local only on the rank holding expert
 ``E - 1``). The expert compute does not tell it from a routed expert, and ``DECODE_SLOTS`` counts its slots too.
 
+Either weight may be an FP8 stack (``kernels.fp8.Fp8Weight``: float8 ``[E, rows, cols]`` with a scale grid per
+expert), as the CUDA path keeps FP8 checkpoints' experts; the result is then that of the dequantized weights
+(``fused_moe_ref`` dequantizes each expert it runs, in fp32).
+
 ``fused_moe`` runs the Triton kernels where ``dispatch.use_triton`` says so, else ``fused_moe_ref``: for a few
 token slots (decode) one program per slot reads its expert's rows directly (``kernels/triton_moe_decode.py``), for
 more the slots are grouped by expert (``group_by_expert``, host-sync free) and run as grouped GEMMs
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+from kernels.fp8 import Fp8Weight, dequantize_fp8_ref
 
 
 def route_topk_ref(router_logits: torch.Tensor, top_k: int, renormalize: bool,
@@ -66,9 +72,41 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool,
 KERNEL_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                        topk_ids: torch.Tensor, num_local_experts: int | None) -> tuple[int, int, int, int, int]:
-    """The Triton paths' contract on shapes, dtypes and layout -> (T, H, local experts, I, k)."""
+def expert_weights(w: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor | None, tuple[int, int] | None]:
+    """(weights, scale, block) of an expert stack: a plain one has no scale and no block."""
+    if isinstance(w, Fp8Weight):
+        return w.q, w.scale, w.block
+    return w, None, None
+
+
+def fp8_scale_args(scale: torch.Tensor | None, block: tuple[int, int] | None) -> dict:
+    """The expert kernels' FP8 keywords (scale pointer, expert and row strides, block; none for 16-bit weights)."""
+    if scale is None or block is None:
+        return {}
+    return {"s_ptr": scale, "s_e": scale.stride(0), "s_r": scale.stride(1), "scale_rows": block[0],
+            "scale_cols": block[1], "scale_ncols": scale.shape[-1], "W_FP8": True}
+
+
+def _check_fp8_stack(name: str, w: Fp8Weight) -> None:
+    e, rows, cols = w.q.shape
+    grid = (e, -(-rows // w.block[0]), -(-cols // w.block[1]))
+    if w.q.dtype != torch.float8_e4m3fn or w.scale.dtype != torch.float32 or tuple(w.scale.shape) != grid:
+        raise ValueError(f"{name}: need float8_e4m3fn weights and float32 scales {list(grid)}, got {w.q.dtype} and "
+                         f"{w.scale.dtype} {list(w.scale.shape)}")
+    if w.scale.stride(-1) != 1:
+        raise ValueError(f"{name}: the scales must be row-major")
+
+
+def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight,
+                        topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                        num_local_experts: int | None) -> tuple[int, int, int, int, int]:
+    """The Triton paths' contract on shapes, dtypes and layout -> (T, H, local experts, I, k). An FP8 stack needs
+    its float32 scale grid per expert; a plain one x's dtype."""
+    fp8 = {name for name, w in (("w13", w13), ("w2", w2)) if isinstance(w, Fp8Weight)}
+    for name, w in (("w13", w13), ("w2", w2)):
+        if isinstance(w, Fp8Weight) and w.q.dim() == 3:
+            _check_fp8_stack(name, w)
+    w13, w2 = expert_weights(w13)[0], expert_weights(w2)[0]
     if x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
         raise ValueError(f"need x [T, H], w13 [E, 2I, H], w2 [E, H, I]; got {tuple(x.shape)}, "
                          f"{tuple(w13.shape)}, {tuple(w2.shape)}")
@@ -82,14 +120,22 @@ def check_kernel_inputs(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
     if topk_ids.dim() != 2 or topk_ids.shape[0] != t or topk_weights.shape != topk_ids.shape:
         raise ValueError(f"need topk_weights/topk_ids [T, k], got {tuple(topk_weights.shape)}, "
                          f"{tuple(topk_ids.shape)}")
-    if x.dtype not in KERNEL_DTYPES or w13.dtype != x.dtype or w2.dtype != x.dtype:
-        raise ValueError(f"x, w13 and w2 must share a dtype in {KERNEL_DTYPES}")
+    if x.dtype not in KERNEL_DTYPES or any(w.dtype != x.dtype for name, w in (("w13", w13), ("w2", w2))
+                                           if name not in fp8):
+        raise ValueError(f"x, w13 and w2 must share a dtype in {KERNEL_DTYPES} (or the weights be FP8 stacks)")
     if not (w13.is_contiguous() and w2.is_contiguous()):
         raise ValueError("w13 and w2 must be contiguous")
     return t, h, n_local, inter, topk_ids.shape[1]
 
 
-def _local_experts(w13: torch.Tensor, num_local_experts: int | None) -> int:
+def _expert_matrix(w: torch.Tensor | Fp8Weight, e: int) -> torch.Tensor:
+    """Expert ``e``'s weight in fp32 (an FP8 stack's dequantized)."""
+    if isinstance(w, Fp8Weight):
+        return dequantize_fp8_ref(w.q[e], w.scale[e], w.block)
+    return w[e].float()
+
+
+def _local_experts(w13: torch.Tensor | Fp8Weight, num_local_experts: int | None) -> int:
     n = w13.shape[0] if num_local_experts is None else num_local_experts
     if n != w13.shape[0]:
         raise ValueError(f"num_local_experts = {n} but w13 holds {w13.shape[0]} experts")
@@ -97,14 +143,15 @@ def _local_experts(w13: torch.Tensor, num_local_experts: int | None) -> int:
 
 
 def fused_moe_ref(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_offset: int = 0, num_local_experts: int | None = None,
+    x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_offset: int = 0, num_local_experts: int | None = None,
 ) -> torch.Tensor:
-    """The oracle: per expert that received tokens, gather its tokens, run the gated MLP in fp32, scale by the
-    routing weights and add into an fp32 ``[T, H]`` accumulator; cast to x's dtype once at the end."""
+    """The oracle: per expert that received tokens, gather its tokens, run the gated MLP in fp32 (FP8 stacks
+    dequantized), scale by the routing weights and add into an fp32 ``[T, H]`` accumulator; cast to x's dtype once
+    at the end."""
     t, h = x.shape
     n_local = _local_experts(w13, num_local_experts)
-    inter = w2.shape[2]
+    inter = w2.shape[-1]
     k = topk_ids.shape[1]
     flat_ids = topk_ids.reshape(-1).to(torch.int64) - expert_offset
     flat_w = topk_weights.reshape(-1).float()
@@ -116,9 +163,9 @@ def fused_moe_ref(
         sel = (flat_ids == e).nonzero().squeeze(1)
         tok = tokens.index_select(0, sel)
         xs = x.index_select(0, tok).float()
-        gate_up = xs @ w13[e].float().t()
+        gate_up = xs @ _expert_matrix(w13, e).t()
         act = F.silu(gate_up[:, :inter]) * gate_up[:, inter:]
-        y = (act @ w2[e].float().t()) * flat_w.index_select(0, sel)[:, None]
+        y = (act @ _expert_matrix(w2, e).t()) * flat_w.index_select(0, sel)[:, None]
         out.index_add_(0, tok, y)
     return out.to(x.dtype)
 
@@ -171,8 +218,8 @@ DECODE_SLOTS = 128  # fused_moe takes the grouping-free decode kernels up to thi
 
 
 def fused_moe(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_offset: int = 0, num_local_experts: int | None = None,
+    x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_offset: int = 0, num_local_experts: int | None = None,
 ) -> torch.Tensor:
     """The MoE expert compute: Triton kernels where ``dispatch.use_triton(x.device)`` (the GEMV-like decode kernels
     of ``kernels/triton_moe_decode.py`` when ``T * k <= DECODE_SLOTS``, else the grouped GEMMs of

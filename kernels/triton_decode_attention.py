@@ -13,6 +13,10 @@ new tokens a sequence): each token is one decode "pseudo-row" whose context ends
 the bitwise result plain decoding gives that token as a one-token row under the same plan (same splits, tiles and
 reduce), and greedy output with speculation equals greedy output without it. The prefill kernel, which would
 otherwise serve these rows, sums in another order.
+
+An fp8 cache is read as in the prefill kernel (``KV_FP8``: tiles in the query's dtype, ``k_scale`` in the score
+factor, ``v_scale`` on each split's output), in both the plain and the rows launch, so verify rows keep plain
+decoding's bits with an fp8 cache too.
 """
 
 from __future__ import annotations
@@ -24,8 +28,9 @@ import torch
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
-from kernels.triton_paged_attention import (LOG2E, TritonAttentionPlan, attend_tile, block_pow2, check_query,
-                                            dtype_choices, num_sms_of, output_gate, split_reduce_kernel)
+from kernels.triton_fp8_kv import is_fp8_kv, read_scales
+from kernels.triton_paged_attention import (TritonAttentionPlan, attend_tile, block_pow2, check_query, dtype_choices,
+                                            num_sms_of, output_gate, score_scale, split_reduce_kernel)
 
 MIN_SPLIT_TOKENS = 256  # a decode split below this many keys costs more in partial writes + reduce than it saves
 MAX_SPLITS = 128  # H200, Qwen3.5-35B-A3B B1 after 32k tokens: 333.4 tok/s with 64, 350.9 with 128 (2 KV heads)
@@ -64,13 +69,14 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, num_sm
 @_jit(do_not_specialize=['num_splits', 'stride_bt'])
 def _decode_split_kernel(
     q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, out_ptr, part_acc_ptr, part_lse_ptr, gate_ptr,
-    qk_scale, num_splits,
+    qk_scale, v_scale, num_splits,
     stride_qb, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ob, stride_oh, stride_gb, stride_gh,
     row_seq_ptr, new_from_ptr,  # ROWS only (last: the plain kernel's other arguments keep their places)
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
     EARLY: tl.constexpr = True, ROWS: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
+    KV_FP8: tl.constexpr = False,
 ):
     """Program (b, kvh, split): one split of row b's keys for the query heads of KV head kvh.
 
@@ -79,7 +85,8 @@ def _decode_split_kernel(
     the step, ``seq_lens_ptr`` holds each token's own context length (its position + 1), ``row_seq_ptr`` its
     sequence (the block-table row) and ``new_from_ptr`` the first position the step writes in that sequence; every
     key from there on is this step's, read only after the wait. Nothing else differs: the same tiles and
-    operations, so a token's output is bitwise the one a one-token decode row at its position gets."""
+    operations, so a token's output is bitwise the one a one-token decode row at its position gets. ``KV_FP8``: the
+    cache holds e4m3; ``qk_scale`` carries k_scale and each split's output is scaled by ``v_scale``."""
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
@@ -127,10 +134,10 @@ def _decode_split_kernel(
     q = tl.load(q_ptr + b * stride_qb + heads[:, None] * stride_qh + dims[None, :], mask=q_mask & live, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
+    elif not KV_FP8:  # an fp8 cache's tiles take the query's dtype instead
         q = q.to(k_ptr.dtype.element_ty)
+    k = k.to(q.dtype)  # fp32, or e4m3 values exactly, or a no-op (attend_tile converts the later tiles alike)
+    v = v.to(q.dtype)
 
     acc = tl.zeros([G_PAD, D_PAD], dtype=tl.float32)
     m_i = tl.full([G_PAD], float("-inf"), dtype=tl.float32)
@@ -145,10 +152,12 @@ def _decode_split_kernel(
     for i in range(1, tl.cdiv(end - start, BLOCK_N)):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, start + i * BLOCK_N, end, rows, dims, dim_ok,
-            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, False, DOT_FP32, PRECISION,
+            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, False, PRECISION,
         )
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     out = acc / l_safe[:, None]
+    if KV_FP8:  # p @ v summed v / v_scale
+        out = out * v_scale
     if DIRECT:
         if GATED:
             out = output_gate(out, gate_ptr + b * stride_gb + heads[:, None] * stride_gh + dims[None, :], q_mask,
@@ -231,7 +240,8 @@ def decode_rows(meta, num_tokens: int) -> DecodeRows:
 
 def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tables: torch.Tensor,
                    seq_lens: torch.Tensor, scale: float, plan: TritonAttentionPlan, splits: int,
-                   gate: torch.Tensor | None, rows: DecodeRows | None, kvh: int, group: int) -> torch.Tensor:
+                   gate: torch.Tensor | None, rows: DecodeRows | None, kvh: int, group: int,
+                   k_scale: float = 1.0, v_scale: float = 1.0) -> torch.Tensor:
     """The split kernel over (rows of ``query``, KV heads, ``splits``), then the reduce when ``splits`` > 1: one
     launch path for plain decode (``rows`` None, row b = sequence b) and for verify rows (row b = token b)."""
     if gate is not None and (gate.shape != query.shape or gate.stride(-1) != 1):
@@ -243,18 +253,20 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
     direct = splits == 1
     part_acc = query.new_empty(0 if direct else R * H * splits * d_pad, dtype=torch.float32)
     part_lse = query.new_empty(0 if direct else R * H * splits, dtype=torch.float32)
-    fp32, precision = dtype_choices(kv_cache_layer)
+    fp32, precision = dtype_choices(kv_cache_layer, query)
+    k_scale, v_scale = read_scales(kv_cache_layer, k_scale, v_scale)
     k, v = kv_cache_layer[0], kv_cache_layer[1]
     g, g_strides = (gate, (gate.stride(0), gate.stride(1))) if gate is not None else (out, (0, 0))
     row_seq, new_from = (rows.seq, rows.new_from) if rows is not None else (seq_lens, seq_lens)  # unused: plain
     _decode_split_kernel[(R, kvh, splits)](
-        query, k, v, block_tables, seq_lens, out, part_acc, part_lse, g, scale * LOG2E, splits,
+        query, k, v, block_tables, seq_lens, out, part_acc, part_lse, g, score_scale(scale, k_scale), v_scale, splits,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), block_tables.stride(0),
         out.stride(0), out.stride(1), *g_strides, row_seq, new_from,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
         num_stages=2, EARLY=EARLY_LOADS, ROWS=rows is not None,
-        SKIP_EMPTY=not direct and REDUCE_USED_FROM_LEN and SKIP_EMPTY_SPLITS, **pdl_launch(query),
+        SKIP_EMPTY=not direct and REDUCE_USED_FROM_LEN and SKIP_EMPTY_SPLITS, KV_FP8=is_fp8_kv(kv_cache_layer),
+        **pdl_launch(query),
     )
     if not direct:
         s_pad = block_pow2(splits, 2)
@@ -279,6 +291,8 @@ def paged_decode_attention_triton(
     scale: float,
     plan: TritonAttentionPlan | None = None,
     gate: torch.Tensor | None = None,  # [B, H, D], last dim contiguous
+    k_scale: float = 1.0,  # an fp8 cache's scales (the layer's; unused for other caches)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [B, H, D]
     """Decode-only batch, split-KV (flash-decoding) with a reduce kernel when there is more than one split.
     ``gate``: the output is ``out * sigmoid(gate)`` (``output_gate``), applied where the output is stored."""
@@ -286,7 +300,7 @@ def paged_decode_attention_triton(
     plan = plan if isinstance(plan, TritonAttentionPlan) else TritonAttentionPlan()
     splits = plan.num_splits or decode_num_splits(query.shape[0], kvh, meta.max_seq_len, num_sms_of(query.device))
     return _decode_launch(query, kv_cache_layer, meta.block_tables, meta.seq_lens, scale, plan, splits, gate, None,
-                          kvh, group)
+                          kvh, group, k_scale, v_scale)
 
 
 def paged_rows_attention_triton(
@@ -297,6 +311,8 @@ def paged_rows_attention_triton(
     plan: TritonAttentionPlan | None,
     gate: torch.Tensor | None = None,  # [T, H, D], last dim contiguous
     rows: DecodeRows | None = None,
+    k_scale: float = 1.0,  # an fp8 cache's scales (the layer's; unused for other caches)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Every token of a varlen step (speculative verify rows) as one decode row: token t of sequence b at position
     p attends to keys 0..p of b exactly as ``paged_decode_attention_triton`` attends for a one-token row with
@@ -314,4 +330,4 @@ def paged_rows_attention_triton(
     splits = plan.num_splits or decode_num_splits(meta.seq_lens.shape[0], kvh, meta.max_seq_len,
                                                   num_sms_of(query.device))
     return _decode_launch(query, kv_cache_layer, meta.block_tables, rows.seq_len, scale, plan, splits, gate, rows,
-                          kvh, group)
+                          kvh, group, k_scale, v_scale)

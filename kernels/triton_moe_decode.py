@@ -13,6 +13,11 @@ row:
    along I (the contiguous dim of w2) times the slot's routing weight, summed in fp32 and stored once in x's
    dtype: the combine is fused, so no ``[T*k, H]`` buffer, sum or cast kernel follows.
 
+FP8 experts (``Fp8Weight`` stacks, a scale grid per expert; kernels/fp8.py): each weight tile is converted in
+registers and scaled by its rows' scales for that K tile before its products, so a weight is read as one byte; BLOCK_K
+then divides the scale block's width (at most 128 for 128-wide blocks; the gate/up loop takes several such tiles a
+step, the down tile more rows, so the programs keep their bytes in flight).
+
 No ``tl.dot`` (one row per program), so the interpreter runs it in any dtype. Grids depend only on T, k, H, I and
 the block sizes, and nothing reads back to the host: CUDA-graph capturable. The intermediate stays fp32, so in
 16-bit this path can differ from ``fused_moe_triton`` (which rounds ``h`` to x's dtype) by a few ulps.
@@ -24,7 +29,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.moe import check_kernel_inputs
+from kernels.fp8 import Fp8Weight, scale_tile_limit
+from kernels.moe import check_kernel_inputs, expert_weights, fp8_scale_args
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
@@ -72,9 +78,14 @@ def _decode_gate_up_kernel(
     TOP_K, H, I, x_s0, expert_offset, n_local,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAGES: tl.constexpr = 1, PDL: tl.constexpr = False,
     LATE_TRIGGER: tl.constexpr = False,
+    s_ptr=None, s_e=0, s_r=0, scale_rows=1, scale_cols=1, scale_ncols=1, W_FP8: tl.constexpr = False,
+    K_SUB: tl.constexpr = 1,
 ):
     """h[slot, n] = silu(x[tok] . w13[e, n]) * (x[tok] . w13[e, I + n]) for this program's BLOCK_N columns.
-    ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait)."""
+    ``LATE_TRIGGER``: the down kernel launches once the routing is done (it reads the routing before its wait).
+    ``W_FP8``: w13 is float8 with scales ``s_ptr`` [E, rows, scale_ncols] (strides ``s_e``, ``s_r``) per block of
+    ``scale_rows`` x ``scale_cols``. A loop step takes K_SUB tiles of BLOCK_K (FP8: BLOCK_K within a scale column,
+    the step as wide as the 16-bit tile)."""
     pdl_wait(PDL, LATE_TRIGGER)  # dependent launch: kernels/triton_compat.py
     slot = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -89,18 +100,27 @@ def _decode_gate_up_kernel(
         x_ptrs = x_ptr + tok * x_s0 + offs_k
         g_ptrs = w13_ptr + e * 2 * I * H + rows[:, None] * H + offs_k[None, :]
         u_ptrs = g_ptrs + tl.cast(I, tl.int64) * H
+        if W_FP8:
+            sg_ptrs = s_ptr + e * s_e + (rows // scale_rows) * s_r
+            su_ptrs = s_ptr + e * s_e + ((rows + I) // scale_rows) * s_r
         acc_g = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         acc_u = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
-        for k0 in tl.range(0, H, BLOCK_K, num_stages=STAGES):
-            k_mask = k0 + offs_k < H
-            xt = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-            gt = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            ut = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
-            acc_g += gt * xt[None, :]
-            acc_u += ut * xt[None, :]
-            x_ptrs += BLOCK_K
-            g_ptrs += BLOCK_K
-            u_ptrs += BLOCK_K
+        for k0 in tl.range(0, H, BLOCK_K * K_SUB, num_stages=STAGES):
+            for j in tl.static_range(K_SUB):
+                kk = k0 + j * BLOCK_K
+                k_mask = kk + offs_k < H
+                xt = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
+                gt = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+                ut = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+                if W_FP8:  # the rows' scales for this K tile (clamped: a tile past H is zeros)
+                    col = tl.minimum(kk // scale_cols, scale_ncols - 1)
+                    gt = gt * tl.load(sg_ptrs + col)[:, None]
+                    ut = ut * tl.load(su_ptrs + col)[:, None]
+                acc_g += gt * xt[None, :]
+                acc_u += ut * xt[None, :]
+                x_ptrs += BLOCK_K
+                g_ptrs += BLOCK_K
+                u_ptrs += BLOCK_K
         g = tl.sum(acc_g, axis=1)
         u = tl.sum(acc_u, axis=1)
         # silu(g) = g * sigmoid(g); sigmoid from exp(-|g|) <= 1 so nothing overflows
@@ -117,11 +137,13 @@ def _decode_down_kernel(
     TOP_K, H, I, y_s0, expert_offset, n_local,
     K_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr = False,
     EARLY: tl.constexpr = False,
+    s_ptr=None, s_e=0, s_r=0, scale_rows=1, scale_cols=1, scale_ncols=1, W_FP8: tl.constexpr = False,
 ):
     """y[tok, n] = sum_j topk_weight[tok, j] * (h[tok * k + j] . w2[e_j, n]) for this program's BLOCK_N columns:
     the down projection and the combine in one pass. The token's k experts are loaded side by side as one
     [K_PAD, BLOCK_N, BLOCK_K] tile per step (not one expert after another), so a program has k experts' bytes in
-    flight; the sum over experts happens once, in a fixed order (deterministic)."""
+    flight; the sum over experts happens once, in a fixed order (deterministic). ``W_FP8``: w2 float8 with scales as
+    in ``_decode_gate_up_kernel``."""
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     tok = tl.program_id(0).to(tl.int64)
@@ -140,6 +162,9 @@ def _decode_down_kernel(
     w_ptrs = w2_ptr + (e * H * I)[:, None, None] + (rows * I)[None, :, None] + offs_k[None, None, :]
     k_mask = offs_k < I
     w0 = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0)
+    if W_FP8:  # [K_PAD, BLOCK_N] scales of the slots' experts' rows; a weight, so readable before the wait
+        s_ptrs = s_ptr + (e * s_e)[:, None] + ((rows // scale_rows) * s_r)[None, :]
+        w0 = w0.to(tl.float32) * tl.load(s_ptrs)[:, :, None]
     if EARLY:
         pdl_wait(PDL)
     a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
@@ -151,6 +176,8 @@ def _decode_down_kernel(
         k_mask = k0 + offs_k < I
         a_k = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
         w_k = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
+        if W_FP8:
+            w_k = w_k * tl.load(s_ptrs + k0 // scale_cols)[:, :, None]
         acc += w_k * a_k[:, None, :]
     y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
     tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
@@ -168,19 +195,28 @@ def _check_config(config: tuple[int, ...], stages: bool = False) -> tuple[int, .
 
 
 def fused_moe_decode_triton(
-    x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-    expert_offset: int = 0, num_local_experts: int | None = None, *,
+    x: torch.Tensor, w13: torch.Tensor | Fp8Weight, w2: torch.Tensor | Fp8Weight, topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor, expert_offset: int = 0, num_local_experts: int | None = None, *,
     gate_up_config: tuple[int, ...] | None = None, down_config: tuple[int, int, int] | None = None,
+    gate_up_k_sub: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``kernels.moe.fused_moe_ref``; meant for small ``T * k`` (decode). ``gate_up_config``
     ``(BLOCK_N over I, BLOCK_K over H, num_warps[, stages])`` and ``down_config`` ``(BLOCK_N over H, BLOCK_K over I,
-    num_warps)`` override the table (``decode_config``; blocks and warps powers of two)."""
+    num_warps)`` override the table (``decode_config``; blocks and warps powers of two). ``w13`` / ``w2`` may be
+    FP8 stacks (``Fp8Weight``): a config's BLOCK_K is then capped to stay in one scale column, the gate/up loop step
+    kept as wide by taking several K tiles a step (``gate_up_k_sub`` overrides how many), the down tile by more
+    rows."""
     t, h, n_local, inter, top_k = check_kernel_inputs(x, w13, w2, topk_weights, topk_ids, num_local_experts)
     if t == 0 or h == 0 or top_k == 0:
         return torch.zeros(t, h, dtype=x.dtype, device=x.device)
+    (w13, s13, b13), (w2, s2, b2) = expert_weights(w13), expert_weights(w2)
     default_gate_up, default_down = decode_config(t, top_k)
-    bn1, bk1, warps1, stages1 = _check_config(gate_up_config or default_gate_up, stages=True)
-    bn2, bk2, warps2 = _check_config(down_config or default_down)
+    gate_up, sub1 = _stepped(_check_config(gate_up_config or default_gate_up, stages=True), s13, b13, h)
+    bn1, bk1, warps1, stages1 = gate_up
+    sub1 = gate_up_k_sub or sub1
+    if sub1 < 1:
+        raise ValueError(f"gate_up_k_sub must be >= 1, got {sub1}")
+    bn2, bk2, warps2 = _capped(_check_config(down_config or default_down), s2, b2, inter)
     x = x if x.stride(1) == 1 else x.contiguous()
     n_slots = t * top_k
     ids = topk_ids.reshape(-1).contiguous()
@@ -192,9 +228,38 @@ def fused_moe_decode_triton(
     _decode_gate_up_kernel[(n_slots, triton.cdiv(inter, bn1))](
         x, w13, ids, act, top_k, h, inter, x.stride(0), expert_offset, n_local,
         BLOCK_N=bn1, BLOCK_K=bk1, STAGES=stages1, num_warps=warps1, LATE_TRIGGER=early, **pdl,
+        **fp8_scale_args(s13, b13), **({"K_SUB": sub1} if sub1 > 1 else {}),
     )
     _decode_down_kernel[(t, triton.cdiv(h, bn2))](
         act, w2, ids, tw, y, top_k, h, inter, y.stride(0), expert_offset, n_local,
         K_PAD=triton.next_power_of_2(top_k), BLOCK_N=bn2, BLOCK_K=bk2, num_warps=warps2, EARLY=early, **pdl,
+        **fp8_scale_args(s2, b2),
     )
     return y
+
+
+def _stepped(config: tuple[int, ...], scale: torch.Tensor | None, block: tuple[int, int] | None,
+             k: int) -> tuple[tuple[int, ...], int]:
+    """A gate/up config for FP8 weights and its K tiles a step: BLOCK_K at most ``scale_tile_limit``, the
+    loop step as wide as the table's tile (the same programs, half the bytes each against 16 bits)."""
+    if scale is None or block is None:
+        return config, 1
+    bn, bk, *rest = config
+    limit = scale_tile_limit(block[1], k)
+    sub = 1
+    while bk > limit and bk > 1:
+        bk, sub = bk // 2, sub * 2
+    return (bn, bk, *rest), sub
+
+
+def _capped(config: tuple[int, ...], scale: torch.Tensor | None, block: tuple[int, int] | None,
+            k: int) -> tuple[int, ...]:
+    """A down config for FP8 weights: BLOCK_K at most ``scale_tile_limit``, BLOCK_N raised by the same factor (the
+    tile keeps its elements; its bytes halve against 16 bits)."""
+    if scale is None or block is None:
+        return config
+    bn, bk, *rest = config
+    limit = scale_tile_limit(block[1], k)
+    while bk > limit and bk > 1:
+        bk, bn = bk // 2, bn * 2
+    return (bn, bk, *rest)

@@ -15,6 +15,10 @@ program serves all ``group`` query heads of one KV head, so every K/V tile is lo
 
 ``plan`` may be a ``TritonAttentionPlan`` (forced split count / tile sizes, e.g. in tests); anything else (such as
 the torch reference's plan) is ignored, since the launch choices are a little host arithmetic.
+
+An fp8 (e4m3) cache is read as the torch reference reads it, ``q * scale`` with the layer's ``k_scale`` / ``v_scale``
+(``kernels/triton_fp8_kv.py``): tiles are converted to the query's dtype exactly, ``k_scale`` is folded into the score
+scale and ``v_scale`` multiplies each program's output (``KV_FP8``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from kernels.triton_compat import INTERPRET  # interpreter: tl.dot on 16-bit inputs is wrong, use fp32
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import pdl_wait, tl
+from kernels.triton_fp8_kv import is_fp8_kv, read_scales
 
 
 LOG2E = 1.4426950408889634
@@ -59,10 +64,17 @@ def num_sms_of(device: torch.device) -> int:
     return 132  # H100 SXM: the target the heuristic is written for
 
 
-def dtype_choices(cache: torch.Tensor) -> tuple[bool, str]:
-    """(compute tl.dot in fp32, input precision): fp32 under the interpreter and for fp32 caches (ieee, not tf32)."""
-    fp32 = INTERPRET or cache.dtype == torch.float32
+def dtype_choices(cache: torch.Tensor, query: torch.Tensor) -> tuple[bool, str]:
+    """(compute tl.dot in fp32, input precision): fp32 under the interpreter and where the tiles are fp32 (ieee, not
+    tf32): an fp32 cache, or an fp8 cache under fp32 queries (fp8 tiles are converted to the query's dtype)."""
+    fp32 = INTERPRET or (query.dtype if is_fp8_kv(cache) else cache.dtype) == torch.float32
     return fp32, "ieee" if fp32 else "tf32"
+
+
+def score_scale(scale: float, k_scale: float) -> float:
+    """The kernels' score factor: softmax ``scale`` in the base-2 domain, times an fp8 cache's ``k_scale``
+    (``q . (k * k_scale) = (q . k) * k_scale``; 1 for other caches, so their factor keeps its bits)."""
+    return scale * LOG2E * k_scale
 
 
 @_jit
@@ -70,9 +82,11 @@ def attend_tile(
     q, acc, m_i, l_i, k_base, v_base, bt_row, n0, kv_end, pos, dims, dim_ok,
     stride_kb, stride_kt, qk_scale,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BOUNDED: tl.constexpr, CAUSAL: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr,
+    PRECISION: tl.constexpr,
 ):
-    """One online-softmax step over keys n0..n0+BLOCK_N-1 (masked to < kv_end and/or <= pos per row)."""
+    """One online-softmax step over keys n0..n0+BLOCK_N-1 (masked to < kv_end and/or <= pos per row). K and V tiles
+    are converted to q's dtype: fp32 where the dot runs in fp32, an fp8 cache's e4m3 values exactly, a no-op
+    otherwise (q already has the cache's dtype)."""
     offs_n = n0 + tl.arange(0, BLOCK_N)
     n_ok = offs_n < kv_end
     if BOUNDED:
@@ -82,9 +96,7 @@ def attend_tile(
         blk = tl.load(bt_row + offs_n // BLOCK_SIZE)
         kv_mask = dim_ok[None, :]
     kv_off = blk.to(tl.int64) * stride_kb + (offs_n % BLOCK_SIZE) * stride_kt
-    k = tl.load(k_base + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    if DOT_FP32:
-        k = k.to(tl.float32)
+    k = tl.load(k_base + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale  # [M, BLOCK_N], log2 domain
     if BOUNDED:
         s = tl.where(n_ok[None, :], s, float("-inf"))
@@ -97,9 +109,7 @@ def attend_tile(
     alpha = tl.exp2(m_i - m_ref)
     p = tl.exp2(s - m_ref[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    v = tl.load(v_base + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0)
-    if DOT_FP32:
-        v = v.to(tl.float32)
+    v = tl.load(v_base + kv_off[:, None] + dims[None, :], mask=kv_mask, other=0.0).to(q.dtype)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
@@ -130,14 +140,15 @@ def find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q: tl.constexpr):
 
 @_jit(do_not_specialize=['num_seqs', 'stride_bt'])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_lse_ptr, qk_scale, num_seqs,
-    num_splits, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
+    q_ptr, k_ptr, v_ptr, bt_ptr, seq_lens_ptr, qsl_ptr, out_ptr, part_acc_ptr, part_lse_ptr, qk_scale, v_scale,
+    num_seqs, num_splits, stride_qt, stride_qh, stride_kb, stride_kt, stride_kh, stride_bt, stride_ot, stride_oh,
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr = False,
+    DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr = False, KV_FP8: tl.constexpr = False,
 ):
     """SPLIT: program (tile, KV head, split) takes the split's keys only (the sequence's length cut in num_splits
-    parts of whole key tiles) and writes a normalized partial and its log-sum-exp, as the decode splits do."""
+    parts of whole key tiles) and writes a normalized partial and its log-sum-exp, as the decode splits do.
+    KV_FP8: the cache holds e4m3 (``qk_scale`` carries k_scale; the output is scaled by ``v_scale``)."""
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
     b = find_sequence(qsl_ptr, num_seqs, tile, BLOCK_Q)
@@ -160,7 +171,7 @@ def _prefill_kernel(
     q = tl.load(q_ptr + q_off, mask=q_mask, other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
-    else:
+    elif not KV_FP8:  # an fp8 cache's tiles take the query's dtype instead
         q = q.to(k_ptr.dtype.element_ty)
     pos = ctx + tok
 
@@ -182,13 +193,15 @@ def _prefill_kernel(
     for i in range(lo, tl.minimum(full, hi)):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, i * BLOCK_N, kv_end, pos, dims, dim_ok,
-            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, False, False, DOT_FP32, PRECISION,
+            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, False, False, PRECISION,
         )
     for i in range(tl.maximum(full, lo), hi):
         acc, m_i, l_i = attend_tile(
             q, acc, m_i, l_i, k_base, v_base, bt_row, i * BLOCK_N, kv_end, pos, dims, dim_ok,
-            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, True, DOT_FP32, PRECISION,
+            stride_kb, stride_kt, qk_scale, BLOCK_SIZE, BLOCK_N, True, True, PRECISION,
         )
+    if KV_FP8:  # p @ v summed v / v_scale
+        acc = acc * v_scale
     if SPLIT:  # [T, H, splits] row-major, as split_reduce reads them (empty partials: lse -inf, weight 0)
         l_safe = tl.where(l_i > 0, l_i, 1.0)
         part = ((q_begin + tok) * (tl.num_programs(1) * GROUP) + heads) * num_splits + split
@@ -255,12 +268,16 @@ def paged_prefill_attention_triton(
     meta,
     scale: float,
     plan: TritonAttentionPlan | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
-    """Any varlen batch: causal attention of each sequence's new tokens over its cached keys 0..p."""
+    """Any varlen batch: causal attention of each sequence's new tokens over its cached keys 0..p. ``k_scale`` /
+    ``v_scale``: an fp8 cache's (the layer's; unused for other caches)."""
     query, kvh, group, d = check_query(query, kv_cache_layer)
     plan = plan if isinstance(plan, TritonAttentionPlan) else None
     T, B = query.shape[0], meta.num_seqs
-    fp32, precision = dtype_choices(kv_cache_layer)
+    k_scale, v_scale = read_scales(kv_cache_layer, k_scale, v_scale)
+    fp32, precision = dtype_choices(kv_cache_layer, query)
     block_m, block_n, warps = prefill_tile_sizes(d, group, plan, fp32)
     block_q = block_m // group
     out = torch.empty_like(query)
@@ -272,12 +289,13 @@ def paged_prefill_attention_triton(
     part_lse = query.new_empty(T * query.shape[1] * splits if splits > 1 else 0, dtype=torch.float32)
     _prefill_kernel[(tiles, kvh, splits)](
         query, k, v, meta.block_tables, meta.seq_lens, meta.query_start_loc, out, part_acc, part_lse,
-        scale * LOG2E, B, splits,
+        score_scale(scale, k_scale), v_scale, B, splits,
         query.stride(0), query.stride(1), k.stride(0), k.stride(1), k.stride(2), meta.block_tables.stride(0),
         out.stride(0), out.stride(1),
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_M=block_m, BLOCK_Q=block_q, BLOCK_N=block_n, DOT_FP32=fp32, PRECISION=precision, SPLIT=splits > 1,
-        num_warps=warps, num_stages=(plan and plan.prefill_stages) or (3 if d <= 128 or not fp32 else 2),
+        KV_FP8=is_fp8_kv(kv_cache_layer), num_warps=warps,
+        num_stages=(plan and plan.prefill_stages) or prefill_stages(d, fp32, is_fp8_kv(kv_cache_layer)),
     )
     if splits > 1:
         s_pad = block_pow2(max(splits, PREFILL_MAX_SPLITS), 2)  # one compiled variant whatever the count
@@ -285,6 +303,12 @@ def paged_prefill_attention_triton(
             part_acc, part_lse, out, out, splits, out.stride(0), out.stride(1), 0, 0,
             HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad, GATED=False, num_warps=8 if s_pad * d_pad > 16384 else 4)
     return out
+
+
+def prefill_stages(head_dim: int, fp32: bool, fp8_kv: bool) -> int:
+    """Software-pipeline stages of the prefill key loop: 3, but 2 for head_dim 256 where the tiles are fp32 or come
+    from an fp8 cache (each converted K/V tile takes shared memory beside the staged fp8 ones)."""
+    return 3 if head_dim <= 128 or not (fp32 or fp8_kv) else 2
 
 
 PREFILL_SPLIT_KEYS = 1024  # a prefill KV split below this many keys costs more in partials + reduce than it saves
@@ -317,16 +341,19 @@ def paged_attention_triton(
     scale: float,
     plan: TritonAttentionPlan | None = None,
     gate: torch.Tensor | None = None,  # [T, H, D]: Qwen3-Next's output gate
+    k_scale: float = 1.0,  # an fp8 cache's scales (the layer's; unused for other caches)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:  # [T, H, D]
     """Attention over the paged cache; with ``gate``, ``out * sigmoid(gate)`` rounded as torch does (fused into
     the decode kernels' stores; after the prefill kernel, in torch)."""
     if meta.is_decode_only:
         from kernels.triton_decode_attention import paged_decode_attention_triton  # that module builds on this one
 
-        return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan, gate)
+        return paged_decode_attention_triton(query, kv_cache_layer, meta, scale, plan, gate, k_scale, v_scale)
     if isinstance(plan, TritonAttentionPlan) and plan.decode_rows is not None:
         from kernels.triton_decode_attention import paged_rows_attention_triton
 
-        return paged_rows_attention_triton(query, kv_cache_layer, meta, scale, plan, gate, rows=plan.decode_rows)
-    out = paged_prefill_attention_triton(query, kv_cache_layer, meta, scale, plan)
+        return paged_rows_attention_triton(query, kv_cache_layer, meta, scale, plan, gate, rows=plan.decode_rows,
+                                           k_scale=k_scale, v_scale=v_scale)
+    out = paged_prefill_attention_triton(query, kv_cache_layer, meta, scale, plan, k_scale, v_scale)
     return out if gate is None else out * torch.sigmoid(gate)

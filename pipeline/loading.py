@@ -67,14 +67,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return dtypes[name]
 
 
+FP8_KV_MIN_CAPABILITY = (8, 9)  # Triton compiles the e4m3 type from sm_89 (Ada, Hopper) on
+
+
 def resolve_kv_dtype(name: str, dtype: torch.dtype, device: torch.device) -> torch.dtype:
-    """--kv-cache-dtype: auto keeps the model's dtype; fp8 stores e4m3 blocks, which the torch attention paths read
-    and the CUDA kernels do not yet."""
+    """--kv-cache-dtype: auto keeps the model's dtype; fp8 stores e4m3 blocks, which the torch attention paths and
+    the CUDA kernels read and write (kernels/triton_fp8_kv.py). The kernels cannot compile for an older GPU: refused
+    there in one line before anything loads."""
     if name == "auto":
         return dtype
     if use_triton(device):
-        raise ValueError("--kv-cache-dtype fp8 runs on the CPU only for now: the CUDA attention and KV-write kernels "
-                         "read 16-bit caches (leave it at auto on a GPU)")
+        capability = torch.cuda.get_device_capability(device)
+        if capability < FP8_KV_MIN_CAPABILITY:
+            raise ValueError(f"--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later: the Triton "
+                             f"attention and KV-write kernels read and write e4m3, which Triton compiles from sm_89 "
+                             f"on; this GPU is sm_{capability[0]}{capability[1]} (leave it at auto)")
     return torch.float8_e4m3fn
 
 
@@ -143,7 +150,8 @@ def load_model(config: EngineConfig, progress: Callable[[str], None] | None = No
     dummy = config.load_format == "dummy"
     shard = f", experts {arch.expert_shard.experts(arch.num_experts)} of rank {parallel.rank}" if parallel else ""
     weights, after_weights, weight_format = model_weights(config, path, hf_config, arch, dtype, device)
-    quantized = f", {weight_format} dequantized" if weight_format else ""
+    kept = use_triton(device)  # the GPU keeps FP8 weights as FP8 (pipeline/models/fp8_storage.py)
+    quantized = f", {weight_format} {'kept in fp8' if kept else 'dequantized'}" if weight_format else ""
     say(f"{'building random' if dummy else 'loading'} {arch.model_type} weights ({arch.num_layers} layers{shard}"
         f"{quantized}) as {dtype} on {device}")
     model = build_model(arch, weights, dtype, device, mtp=config.speculative_method == "mtp" and head,

@@ -203,9 +203,10 @@ def run_paged(
     tables, nb = allocate_blocks(
         [len(p) + max_new_tokens for p in prompts], block_size, num_blocks, shuffle_blocks, seed
     )
-    dtype = kv_dtype or model.model.embed_tokens.weight.dtype
+    dtype = model.model.embed_tokens.weight.dtype
     n = len(prompts)
-    caches = allocate_caches(model.cache_specs(dtype), nb, block_size, num_state_slots=n + 2)
+    specs = model.cache_specs(dtype) if kv_dtype is None else model.cache_specs(dtype, kv_dtype)  # K/V only
+    caches = allocate_caches(specs, nb, block_size, num_state_slots=n + 2)
     # recurrent state slots: 1..n+1 shuffled (slot 0 is the null slot), so no sequence sits in slot order
     state_slot = (torch.randperm(n + 1, generator=torch.Generator().manual_seed(seed + 1)) + 1).tolist()
     plans = [_chunk_sizes(chunks, len(p)) for p in prompts]

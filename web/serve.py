@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
+from kernels.dispatch import use_triton
 from pipeline.config import EngineConfig
 from pipeline.engine import Engine
 from web.app import ServerSettings, ServerState, build_app
@@ -31,7 +32,8 @@ def banner(engine: Engine, url: str, settings: ServerSettings | None = None) -> 
         f"model        {loaded.path}",
         f"architecture {arch.model_type}, {arch.num_layers} layers, hidden {arch.hidden_size}, vocab {arch.vocab_size}",
         f"device       {loaded.device} ({str(loaded.dtype).removeprefix('torch.')}"
-        + (f"; weights {loaded.weight_format}, dequantized)" if loaded.weight_format else ")"),
+        + (f"; weights {loaded.weight_format}, {'kept in fp8' if use_triton(loaded.device) else 'dequantized'})"
+           if loaded.weight_format else ")"),
         *([f"CPU threads  {engine.cpu_threads.describe()}"] if engine.cpu_threads is not None else []),
         f"KV cache     {loaded.num_blocks} blocks x {config.block_size} tokens, "
         f"{str(loaded.kv_dtype or loaded.dtype).removeprefix('torch.')}",

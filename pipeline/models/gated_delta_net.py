@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from kernels import gdn
+from kernels.fp8 import Fp8Weight
 from pipeline.dist.group import ExpertGroup
 from pipeline.models.forward_context import ForwardContext, StateSlotSpec
 from pipeline.models.layers import Linear, MergedLinear
@@ -87,12 +88,12 @@ class GatedDeltaNet(nn.Module):
         rows = torch.cat([torch.arange(key)[ks], key + torch.arange(key)[ks], 2 * key + torch.arange(value)[vs],
                           conv + torch.arange(value)[vs], conv + value + torch.arange(hv)[heads],
                           conv + value + hv + torch.arange(hv)[heads]]).to(self.in_proj.weight.device)
-        self.in_proj.weight = nn.Parameter(self.in_proj.weight.index_select(0, rows), requires_grad=False)
+        self.in_proj.keep_rows(rows)
         channels = rows[:2 * k_local * dk + v_local * dv]
         self.conv1d.weight = nn.Parameter(self.conv1d.weight.index_select(0, channels), requires_grad=False)
         self.dt_bias = nn.Parameter(self.dt_bias[heads].clone(), requires_grad=False)
         self.A_log = nn.Parameter(self.A_log[heads].clone(), requires_grad=False)
-        self.out_proj.weight = nn.Parameter(self.out_proj.weight[:, vs].contiguous(), requires_grad=False)
+        self.out_proj.keep_columns(vs.start, vs.stop)
         self.num_k_heads, self.num_v_heads = k_local, v_local
         self.key_dim, self.value_dim = k_local * dk, v_local * dv
         self.conv_dim = 2 * self.key_dim + self.value_dim
@@ -141,6 +142,10 @@ def split_qwen3_next_projections(name: str, tensor: torch.Tensor, num_k_heads: i
     prefix = name[: -len("in_proj_qkvz.weight")] if name.endswith("in_proj_qkvz.weight") else name[
         : -len("in_proj_ba.weight")]
     hidden = tensor.shape[-1]
+    if isinstance(tensor, Fp8Weight):  # the same regrouping of the rows, the scales cut with them (exactly)
+        rows = torch.arange(tensor.shape[0], device=tensor.q.device)[:, None]
+        return [(n, tensor.take_rows(index.reshape(-1))) for n, index in
+                split_qwen3_next_projections(name, rows, num_k_heads, num_v_heads, head_k_dim, head_v_dim)]
     if name.endswith("in_proj_qkvz.weight"):
         grouped = tensor.view(num_k_heads, 2 * head_k_dim + 2 * r * head_v_dim, hidden)
         q, k, v, z = grouped.split([head_k_dim, head_k_dim, r * head_v_dim, r * head_v_dim], dim=1)

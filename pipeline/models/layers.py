@@ -14,6 +14,7 @@ from kernels.kv_cache import write_kv_ref
 from kernels.paged_attention import paged_attention_ref
 from kernels.triton_norm import rms_norm_ref
 from kernels.triton_paged_attention import paged_attention_triton
+from pipeline.models import fp8_storage
 from pipeline.models.forward_context import ForwardContext
 from pipeline.models.rope import apply_rotary_emb_
 
@@ -36,9 +37,15 @@ def _probe_onednn_linear():
 _ONEDNN_LINEAR = _probe_onednn_linear()
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+           tail: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear, routed to oneDNN for contiguous 2-D float32 inputs on CPU (inference only: no autograd),
-    and to the skinny Triton kernel for decode-sized batches on the GPU."""
+    and to the skinny Triton kernel for decode-sized batches on the GPU. With ``scale`` (and ``block``), ``weight``
+    is FP8 (kernels/fp8.py; ``tail``: 16-bit rows after it) and the FP8 kernels run (``dispatch.fp8_linear``)."""
+    if scale is not None:
+        assert block is not None
+        return dispatch.fp8_linear(x, weight, scale, block, bias, tail)
     if dispatch.skinny_linear_applies(x, weight):
         return dispatch.skinny_linear(x, weight, bias)
     if (
@@ -114,7 +121,11 @@ class RMSNorm(nn.Module):
 
 
 class MergedLinear(nn.Module):
-    """One ``[sum(out_sizes), in]`` weight that stands for several HF projections (loaded shard by shard)."""
+    """One ``[sum(out_sizes), in]`` weight that stands for several HF projections (loaded shard by shard).
+
+    On the GPU an FP8 checkpoint's projection stays FP8 (pipeline/models/fp8_storage.py): ``weight`` is then
+    float8_e4m3fn ``[NQ, in]`` for the first shards, ``weight_scale`` its float32 scale grid in blocks of
+    ``scale_block``, and ``tail`` the rows of the later shards a checkpoint keeps in 16 bits (or None)."""
 
     def __init__(self, in_features: int, out_sizes: list[int], bias: bool, dtype=None, device=None) -> None:
         super().__init__()
@@ -124,6 +135,10 @@ class MergedLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(total, in_features, dtype=dtype, device=device))
         self.bias = nn.Parameter(torch.empty(total, dtype=dtype, device=device)) if bias else None
         self.packed: torch.Tensor | None = None  # set by prepack(); then `weight` is gone
+        self.register_buffer("weight_scale", None)  # FP8 storage only (class docstring)
+        self.register_buffer("tail", None)
+        self.scale_block: tuple[int, int] | None = None
+        self.compute_dtype = self.weight.dtype  # the 16-bit weight's dtype (kept when it is FP8)
 
     def shard_range(self, shard: int) -> tuple[int, int]:
         start = sum(self.out_sizes[:shard])
@@ -132,7 +147,25 @@ class MergedLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return packed_linear(x, self.packed, self.bias)
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.weight_scale, self.scale_block, self.tail)
+
+    @torch.no_grad()
+    def load_weight(self, shard: int | None, name: str, tensor: torch.Tensor) -> None:
+        """Fill shard ``shard`` (None: the whole weight) from the HF tensor ``name``: a 16-bit tensor or an
+        ``Fp8Weight`` (kernels/fp8.py), which FP8 storage keeps as it is and a 16-bit weight dequantizes.
+        Raises ValueError on a shape mismatch."""
+        fp8_storage.load_linear_shard(self, shard, name, tensor)
+
+    @torch.no_grad()
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Keep the output rows ``rows``, in that order (the caller sets ``out_sizes``)."""
+        fp8_storage.keep_rows(self, rows)
+
+    @torch.no_grad()
+    def keep_columns(self, start: int, end: int) -> None:
+        """Keep the input columns [start, end)."""
+        fp8_storage.keep_columns(self, start, end)
+        self.in_features = end - start
 
     def prepack(self) -> None:
         """Swap the weight for its oneDNN-packed copy (after loading; frees the plain weight)."""
@@ -157,7 +190,8 @@ def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, 
     ``dispatch.rows_as_decode`` every row of a skinny batch takes the one-row path (each row alone)."""
     if (NORM_IN_PROJECTION and (x.shape[0] == 1 or dispatch.decode_rows_on()) and proj.packed is None
             and dispatch.skinny_linear_applies(x, proj.weight)):
-        out = dispatch.norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, keep_normed)
+        out = dispatch.norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, keep_normed,
+                                   scale=proj.weight_scale, block=proj.scale_block, tail=proj.tail)
         return out.y, out.residual, out.normed
     if residual is None:
         residual, normed = x, norm(x)
@@ -283,9 +317,9 @@ class PagedAttention(nn.Module):
             norms = (None, None, 0.0) if self.q_norm is None else (
                 self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
             dispatch.qkv_prologue(q, k, v, *norms, rope.cos_table, rope.sin_table, self.is_neox_style, kv_cache,
-                                  meta.slot_mapping, rows=rope.positions)
+                                  meta.slot_mapping, rows=rope.positions, k_scale=self.k_scale, v_scale=self.v_scale)
             gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
-            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate)
+            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate, self.k_scale, self.v_scale)
             return self.o_proj(out.reshape(T, self.q_size))
         rotate = _rotate_ref
         cos, sin = rope.gathered()

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from kernels.dispatch import MAX_DECODE_ROW_TOKENS, decode_rows_on, use_triton
+from kernels.fp8 import Fp8Weight
 from kernels.paged_attention import plan_paged_attention
 from kernels.triton_decode_attention import decode_rows
 from kernels.triton_paged_attention import TritonAttentionPlan
@@ -227,15 +228,20 @@ class LlamaForCausalLM(nn.Module):
                 continue
             pname, shard = target
             param = params[pname]
+            module_name, _, leaf = pname.rpartition(".")
+            module = self.get_submodule(module_name) if shard is not None or leaf == "weight" else None
+            if isinstance(module, MergedLinear) and leaf == "weight":  # 16-bit or FP8 storage (fp8_storage.py)
+                module.load_weight(shard, name, tensor)
+                loaded.add(name)
+                continue
             if shard is None:
                 dst = param.data
             else:
-                module = self.get_submodule(pname.rpartition(".")[0])
                 start, end = module.shard_range(shard)
                 dst = param.data[start:end]
             if tuple(tensor.shape) != tuple(dst.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-            dst.copy_(tensor)
+            dst.copy_(tensor.dequantize(dst.dtype) if isinstance(tensor, Fp8Weight) else tensor)
             loaded.add(name)
         if unknown:
             shown = ", ".join(unknown[:10]) + (f" ... (+{len(unknown) - 10} more)" if len(unknown) > 10 else "")

@@ -22,6 +22,10 @@ block holding the last routed expert (``expert_offset + num_local_experts == num
 GPU). Folded, it is that block's local expert ``num_local_experts`` (its id, ``num_experts``, is local to no other
 block); separate, that block's forward adds it. The other blocks hold no shared-expert weights (they skip those
 names), but their router keeps the gate row, so every rank's ``route`` gives the same slots.
+
+On the GPU an FP8 checkpoint's experts stay FP8 (pipeline/models/fp8_storage.py): ``w13`` / ``w2`` are then
+float8_e4m3fn stacks with float32 scale grids ``w13_scale`` / ``w2_scale`` per expert (blocks ``w13_block`` /
+``w2_block``), filled expert by expert as the 16-bit stacks are.
 """
 
 from __future__ import annotations
@@ -31,7 +35,9 @@ import re
 import torch
 from torch import nn
 
+from kernels.fp8 import Fp8Weight
 from kernels.moe import fused_moe, route_topk
+from pipeline.models import fp8_storage
 from pipeline.models.layers import GatedMLP, Linear, MergedLinear
 from pipeline.dist.group import ExpertGroup
 
@@ -98,6 +104,11 @@ class SparseMoeBlock(nn.Module):
             torch.empty(self.num_stacked, 2 * moe_intermediate_size, hidden_size, dtype=dtype, device=device))
         self.w2 = nn.Parameter(
             torch.empty(self.num_stacked, hidden_size, moe_intermediate_size, dtype=dtype, device=device))
+        self.register_buffer("w13_scale", None)  # FP8 stacks only (module docstring)
+        self.register_buffer("w2_scale", None)
+        self.w13_block: tuple[int, int] | None = None
+        self.w2_block: tuple[int, int] | None = None
+        self.compute_dtype = self.w13.dtype  # the 16-bit stacks' dtype (kept when they are FP8)
         if self.holds_shared and not self.fold_shared:
             self.shared_expert = GatedMLP(
                 hidden_size, shared_expert_intermediate_size, False, hidden_act, dtype, device)
@@ -127,7 +138,8 @@ class SparseMoeBlock(nn.Module):
         """This block's share of the routed output [T, H]: only its local experts contribute (tokens routed
         elsewhere get zeros here), so the full output is the sum of every holder's partial. The folded shared
         expert is local expert ``num_local_experts`` of the block that holds it."""
-        return fused_moe(x, self.w13, self.w2, topk_weights, topk_ids, self.expert_offset, self.num_stacked)
+        return fused_moe(x, fp8_storage.expert_stack(self, "w13"), fp8_storage.expert_stack(self, "w2"), topk_weights,
+                         topk_ids, self.expert_offset, self.num_stacked)
 
     def combine(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the partial outputs over the expert-parallel group (``expert_group``, set by the model on every rank
@@ -179,67 +191,78 @@ class SparseMoeBlock(nn.Module):
                 raise KeyError(f"{name}: expert {e} out of range [0, {self.num_experts})")
             if not lo <= e < hi:
                 return False
-            if part == "gate_proj":
-                dst = self.w13.data[e - lo, :I]
-            elif part == "up_proj":
-                dst = self.w13.data[e - lo, I:]
-            else:
-                dst = self.w2.data[e - lo]
-            self._copy(name, dst, tensor)
+            which, start = {"gate_proj": ("w13", 0), "up_proj": ("w13", I), "down_proj": ("w2", 0)}[part]
+            fp8_storage.load_expert_rows(self, which, e - lo, start, name, tensor)
             self._loaded.add(name)
             return True
         m = _STACKED_RE.match(name)
         if m:
             E = self.num_experts
             if m.group(1) == "gate_up_proj":
-                direct, transposed, dst, parts = (E, 2 * I, H), (E, H, 2 * I), self.w13.data, ("gate_proj", "up_proj")
+                which, direct, transposed, parts = "w13", (E, 2 * I, H), (E, H, 2 * I), ("gate_proj", "up_proj")
             else:
-                direct, transposed, dst, parts = (E, H, I), (E, I, H), self.w2.data, ("down_proj",)
+                which, direct, transposed, parts = "w2", (E, H, I), (E, I, H), ("down_proj",)
             shape = tuple(tensor.shape)
+            if shape == direct and isinstance(tensor, Fp8Weight):  # the FP8 stack's own experts, scales with them
+                experts = Fp8Weight(tensor.q[lo:hi], tensor.scale[lo:hi], tensor.block)
+                fp8_storage.load_expert_rows(self, which, slice(0, hi - lo), 0, name, experts)
+                self._loaded |= {f"experts.{e}.{p}.weight" for e in range(lo, hi) for p in parts}
+                return True
+            if isinstance(tensor, Fp8Weight):
+                tensor = tensor.dequantize(self.compute_dtype)
             if shape == direct:  # preferred when both match (2I == H / I == H): the layout this transformers saves
                 src = tensor[lo:hi]
             elif shape == transposed:
                 src = tensor[lo:hi].transpose(1, 2)
             else:
                 raise ValueError(f"{name}: checkpoint shape {shape} is neither {direct} nor {transposed}")
-            dst[: hi - lo].copy_(src)  # a folded shared expert, after the routed ones, is left alone
+            # a folded shared expert, after the routed ones, is left alone
+            fp8_storage.load_expert_rows(self, which, slice(0, hi - lo), 0, name, src)
             self._loaded |= {f"experts.{e}.{p}.weight" for e in range(lo, hi) for p in parts}
             return True
         if name == "gate.weight":
             dst = self.gate.weight.data[: self.num_experts]
             self.gate.weight.data[self.router_rows:].zero_()  # the router's alignment rows (never read)
         elif self.has_shared_expert and (name == "shared_expert_gate.weight" or name in _SHARED_NAMES):
-            dst = self._shared_destination(name)
-            if dst is None:
+            if not self._load_shared(name, tensor):
                 return False
+            self._loaded.add(name)
+            return True
         else:
             raise KeyError(f"unknown MoE weight name {name!r}")
         self._copy(name, dst, tensor)
         self._loaded.add(name)
         return True
 
-    def _shared_destination(self, name: str) -> torch.Tensor | None:
-        """Where a shared-expert tensor goes: folded, the router's last row and expert ``num_local_experts`` of
-        ``w13`` / ``w2``; else the separate modules. None where this block does not take it (module docstring)."""
+    def _load_shared(self, name: str, tensor: torch.Tensor | Fp8Weight) -> bool:
+        """A shared-expert tensor into its place: folded, the router's last row and expert ``num_local_experts`` of
+        ``w13`` / ``w2``; else the separate modules. False where this block does not take it (module docstring)."""
         if name == "shared_expert_gate.weight":
             if self.fold_shared:
-                return self.gate.weight.data[self.num_experts:self.router_rows]
-            return self.shared_expert_gate.weight.data if self.holds_shared else None
+                self._copy(name, self.gate.weight.data[self.num_experts:self.router_rows], tensor)
+            elif self.holds_shared:
+                self.shared_expert_gate.load_weight(None, name, tensor)
+            else:
+                return False
+            return True
         if not self.holds_shared:
-            return None
+            return False
+        part = name.split(".")[1]
         if self.fold_shared:
-            gate_up, down = self.w13.data[self.num_local_experts], self.w2.data[self.num_local_experts]
+            which, start = {"gate_proj": ("w13", 0), "up_proj": ("w13", self.intermediate_size),
+                            "down_proj": ("w2", 0)}[part]
+            fp8_storage.load_expert_rows(self, which, self.num_local_experts, start, name, tensor)
+        elif part == "down_proj":
+            self.shared_expert.down_proj.load_weight(None, name, tensor)
         else:
-            gate_up, down = self.shared_expert.gate_up_proj.weight.data, self.shared_expert.down_proj.weight.data
-        inter = gate_up.shape[0] // 2
-        return {"shared_expert.gate_proj.weight": gate_up[:inter], "shared_expert.up_proj.weight": gate_up[inter:],
-                "shared_expert.down_proj.weight": down}[name]
+            self.shared_expert.gate_up_proj.load_weight(0 if part == "gate_proj" else 1, name, tensor)
+        return True
 
     @staticmethod
-    def _copy(name: str, dst: torch.Tensor, tensor: torch.Tensor) -> None:
+    def _copy(name: str, dst: torch.Tensor, tensor: torch.Tensor | Fp8Weight) -> None:
         if tuple(tensor.shape) != tuple(dst.shape):
             raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != expected {tuple(dst.shape)}")
-        dst.copy_(tensor)
+        dst.copy_(tensor.dequantize(dst.dtype) if isinstance(tensor, Fp8Weight) else tensor)
 
     def extra_repr(self) -> str:
         shared = ("folded" if self.fold_shared else "separate") if self.has_shared_expert else "none"

@@ -10,8 +10,8 @@
   what stays (module names or ``re:`` patterns).
 
 Both read as one `Fp8Scheme`: a weight's scales cover blocks of its last two dimensions (a channel scale is a block
-of one row, a tensor scale one block of the whole), so `Fp8Weight` is the one form a quantized tensor takes. Anything
-else is refused with a `CheckpointError` naming the field.
+of one row, a tensor scale one block of the whole), so `Fp8Weight` (kernels/fp8.py) is the one form a quantized
+tensor takes. Anything else is refused with a `CheckpointError` naming the field.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from kernels.fp8 import BLOCK_128, dequantize_fp8_ref, scale_grid
+from kernels.fp8 import BLOCK_128, Fp8Weight, scale_grid  # noqa: F401 (Fp8Weight: the loader's form)
 from pipeline.errors import CheckpointError
 
 SUPPORTED_METHODS = ("fp8", "compressed-tensors")
@@ -54,19 +54,6 @@ class Fp8Scheme:
 
 
 ONLINE_FP8 = Fp8Scheme("online", "block", BLOCK_128, "weight_scale_inv")
-
-
-@dataclass(slots=True)
-class Fp8Weight:
-    """One float8 weight and its scales as stored. This is the form a device path that keeps FP8 weights (FP8 GEMMs
-    reading ``q`` and the block scales) takes from the loader; the CPU path calls ``dequantize`` at load."""
-
-    q: torch.Tensor  # float8_e4m3fn [..., rows, cols]
-    scale: torch.Tensor  # float32 [..., ceil(rows / block[0]), ceil(cols / block[1])]
-    block: tuple[int, int]
-
-    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
-        return dequantize_fp8_ref(self.q, self.scale, self.block, dtype)
 
 
 def scale_shape_fits(scale_shape: tuple[int, ...], weight_shape: tuple[int, ...], block: tuple[int, int]) -> bool:

@@ -1,7 +1,10 @@
 """The checkpoint's tensors as a model loads them, whatever their quantization: each FP8 weight is read with its scale
 and dequantized (``Fp8Weight``), the attention layers' ``k_scale`` / ``v_scale`` are set aside for an fp8 KV cache,
 ``--quantization fp8`` rounds the projections of a 16/32-bit checkpoint through block FP8, and under expert
-parallelism a rank reads only its own experts' weights and scales. The models see plain HF-named tensors.
+parallelism a rank reads only its own experts' weights and scales. The models see plain HF-named tensors, except on
+the GPU (``keep_fp8``): there each FP8 weight comes as its ``Fp8Weight`` (the checkpoint's bytes and scales, or
+``--quantization fp8``'s), and ``prepare`` first gives the model's quantized projections and expert stacks FP8
+storage to take them (pipeline/models/fp8_storage.py), so the weights stay one byte each.
 
 Every problem is a `CheckpointError` naming the tensor: an FP8 weight without its scale, a scale without its weight or
 of the wrong shape, FP8 tensors in a checkpoint whose config.json declares no quantization. `check_checkpoint` runs the
@@ -16,12 +19,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from kernels.fp8 import fake_quantize_fp8_block_ref, is_fp8, quantize_fp8_block_ref
+from kernels.dispatch import use_triton
+from kernels.fp8 import BLOCK_128, fake_quantize_fp8_block_ref, is_fp8, quantize_fp8_block_ref, scale_grid
 from pipeline.errors import CheckpointError
 from pipeline.models.gguf_file import is_gguf_path
 from pipeline.models.loader import SafetensorsCheckpoint, iter_weights, load_hf_config
-from pipeline.models.quantization import (Fp8Scheme, Fp8Weight, checkpoint_scheme, online_scheme, quantized_online,
-                                          scale_shape_fits)
+from pipeline.models.quantization import (ONLINE_FP8, Fp8Scheme, Fp8Weight, checkpoint_scheme, online_scheme,
+                                          quantized_online, scale_shape_fits)
 
 _KV_SCALE = re.compile(r"^(.*\.self_attn)\.(k_scale|v_scale|kv_scale)$")
 _UNUSED_SUFFIXES = (".input_scale", ".self_attn.q_scale", ".self_attn.prob_scale")  # activations: not quantized here
@@ -41,6 +45,17 @@ class CheckpointWeights:
     device: torch.device
     experts: tuple[int, int] | None = None  # expert parallelism: the routed experts [lo, hi) this rank reads
     kv_scales: dict[str, float] = field(default_factory=dict)
+    keep_fp8: bool = False  # FP8 weights come as Fp8Weight, for FP8 storage (the GPU), instead of dequantized
+
+    @property
+    def fp8_scheme(self) -> Fp8Scheme | None:
+        """The scheme of the FP8 weights this stream yields as ``Fp8Weight`` (None: it yields none)."""
+        return (self.scheme or self.online) if self.keep_fp8 else None
+
+    def prepare(self, model: nn.Module) -> None:
+        """Before the model loads from this stream: FP8 storage for its quantized modules (``keep_fp8`` only)."""
+        if self.fp8_scheme is not None:
+            prepare_fp8_storage(model, self.fp8_scheme)
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         if is_gguf_path(self.path):  # GGUF tensors come dequantized from their own formats
@@ -56,8 +71,9 @@ class CheckpointWeights:
                 scale_name = check_fp8_weight(reader, name, self.scheme)
                 assert self.scheme is not None
                 block = self.scheme.block_for(tuple(tensor.shape))
-                weight = Fp8Weight(tensor.to(self.device), reader.get(scale_name).to(self.device).float(), block)
-                yield name, weight.dequantize(self.dtype)
+                scale = reader.get(scale_name).to(self.device).float().reshape(scale_grid(tuple(tensor.shape), block))
+                weight = Fp8Weight(tensor.to(self.device), scale, block)
+                yield name, weight if self.keep_fp8 else weight.dequantize(self.dtype)
             else:
                 yield name, self._online(name, tensor)
 
@@ -83,13 +99,15 @@ class CheckpointWeights:
             return tensor
         assert self.online.block is not None
         q, scale = quantize_fp8_block_ref(tensor.to(self.device), self.online.block)
-        return Fp8Weight(q, scale, self.online.block).dequantize(self.dtype)
+        weight = Fp8Weight(q, scale, self.online.block)
+        return weight if self.keep_fp8 else weight.dequantize(self.dtype)
 
 
 def checkpoint_weights(path: str, hf_config: dict, quantization: str | None, dtype: torch.dtype,
                        device: torch.device, experts: tuple[int, int] | None = None) -> CheckpointWeights:
     scheme = checkpoint_scheme(hf_config)
-    return CheckpointWeights(path, scheme, online_scheme(quantization, scheme), dtype, device, experts)
+    return CheckpointWeights(path, scheme, online_scheme(quantization, scheme), dtype, device, experts,
+                             keep_fp8=use_triton(device))
 
 
 def check_fp8_weight(reader: SafetensorsCheckpoint, name: str, scheme: Fp8Scheme | None) -> str:
@@ -195,14 +213,69 @@ _DUMMY_PROJECTION = re.compile(r"\.(self_attn\.(qkv_proj|o_proj)|(mlp|shared_exp
                                r"|linear_attn\.(in_proj|out_proj))$")
 
 
+def _fp8_modules(model: nn.Module) -> Iterator[tuple[str, nn.Module, int | None]]:
+    """The modules whose weights FP8 checkpoints quantize (the ones ``quantized_online`` picks), with the number of
+    leading shards quantized (the Gated DeltaNet in_proj: qkv and z, not b and a); None for an expert block."""
+    from pipeline.models.layers import MergedLinear
+    from pipeline.models.moe import SparseMoeBlock
+
+    for name, module in model.named_modules():
+        if name.startswith("mtp."):
+            continue
+        if isinstance(module, MergedLinear) and _DUMMY_PROJECTION.search(name):
+            yield name, module, 2 if name.endswith("linear_attn.in_proj") else len(module.out_sizes)
+        elif isinstance(module, SparseMoeBlock):
+            yield name, module, None
+
+
+def prepare_fp8_storage(model: nn.Module, scheme: Fp8Scheme) -> None:
+    """FP8 storage (pipeline/models/fp8_storage.py) in ``scheme``'s blocks for every module ``_fp8_modules`` names,
+    before loading. A module the checkpoint keeps in 16 bits after all falls back to 16 bits as it loads."""
+    from pipeline.models import fp8_storage
+
+    for _, module, shards in _fp8_modules(model):
+        if shards is None:
+            fp8_storage.moe_to_fp8(module, scheme)
+        else:
+            fp8_storage.linear_to_fp8(module, shards, scheme)
+
+
+@torch.no_grad()
+def _quantize_dummy_to_storage(model: nn.Module) -> None:
+    """The GPU's --load-format dummy with FP8: each random projection quantized (128 x 128 blocks, shard by shard)
+    into FP8 storage, as a checkpoint's FP8 weights load."""
+    from pipeline.models import fp8_storage
+
+    for name, module, shards in _fp8_modules(model):
+        if shards is None:
+            dense = {which: getattr(module, which).data for which in ("w13", "w2")}
+            fp8_storage.moe_to_fp8(module, ONLINE_FP8)
+            inter = module.intermediate_size
+            for which, start, part in (("w13", 0, dense["w13"][:, :inter]), ("w13", inter, dense["w13"][:, inter:]),
+                                       ("w2", 0, dense["w2"])):
+                q, scale = quantize_fp8_block_ref(part, BLOCK_128)
+                fp8_storage.load_expert_rows(module, which, slice(None), start, name, Fp8Weight(q, scale, BLOCK_128))
+            continue
+        dense = module.weight.data
+        fp8_storage.linear_to_fp8(module, shards, ONLINE_FP8)
+        for shard in range(shards):
+            start, end = module.shard_range(shard)
+            q, scale = quantize_fp8_block_ref(dense[start:end], BLOCK_128)
+            module.load_weight(shard, name, Fp8Weight(q, scale, BLOCK_128))
+
+
 @torch.no_grad()
 def quantize_dummy_weights(model: nn.Module) -> None:
     """--load-format dummy with --quantization fp8: the random projections rounded through block FP8 in place, each
     HF projection (a shard of a fused one, an expert's gate or up half) on its own blocks, the same ones
-    ``quantized_online`` picks from a checkpoint (the Gated DeltaNet in_proj: its qkv and z shards, not b and a)."""
+    ``quantized_online`` picks from a checkpoint (the Gated DeltaNet in_proj: its qkv and z shards, not b and a).
+    On the GPU they become FP8 storage holding those blocks instead."""
     from pipeline.models.layers import MergedLinear
     from pipeline.models.moe import SparseMoeBlock
 
+    if use_triton(next(model.parameters()).device):
+        _quantize_dummy_to_storage(model)
+        return
     for name, module in model.named_modules():
         if name.startswith("mtp."):
             continue

@@ -20,6 +20,7 @@ from collections.abc import Iterable, Iterator
 import torch
 from torch import nn
 
+from kernels.fp8 import Fp8Weight
 from pipeline.dist.group import ExpertGroup
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import CacheSpec, ForwardContext, PagedKVSpec
@@ -175,6 +176,10 @@ class Qwen3NextForCausalLM(Qwen3MoeForCausalLM):
                 yield from split_qwen3_next_projections(name, tensor, arch.linear_num_key_heads,
                                                         arch.linear_num_value_heads, arch.linear_key_head_dim,
                                                         arch.linear_value_head_dim)
+            elif name.endswith("self_attn.q_proj.weight") and arch.attn_output_gate and isinstance(tensor, Fp8Weight):
+                heads = torch.arange(2 * arch.q_size, device=tensor.q.device).view(arch.num_heads, 2, arch.head_dim)
+                yield name, tensor.take_rows(heads[:, 0].reshape(-1))  # the scales cut with the rows (exactly)
+                yield name.replace("q_proj", "q_gate"), tensor.take_rows(heads[:, 1].reshape(-1))
             elif name.endswith(("self_attn.q_proj.weight", "self_attn.q_proj.bias")) and arch.attn_output_gate:
                 heads = tensor.view(arch.num_heads, 2, arch.head_dim, *tensor.shape[1:])
                 yield name, heads[:, 0].reshape(arch.q_size, *tensor.shape[1:])

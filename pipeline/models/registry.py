@@ -9,6 +9,7 @@ from torch import nn
 
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.llama import LlamaForCausalLM
+from pipeline.models.quantized_weights import CheckpointWeights
 from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM
 from pipeline.models.qwen3_next import Qwen3NextForCausalLM
 
@@ -69,6 +70,8 @@ def finish_model(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor]] |
     if weights is None:
         initialize_dummy_weights(model)
     else:
+        if isinstance(weights, CheckpointWeights):  # FP8 storage first where the stream keeps FP8 weights (GPU)
+            weights.prepare(model)
         model.load_weights(weights)
     if after_weights is not None:
         after_weights(model)

@@ -140,12 +140,54 @@ def test_resuming_from_host_and_disk_equals_recomputing(tiny_model_dir, tmp_path
     assert offload["bytes_to_device"] == offload["restored_blocks"] * per_block
 
 
-def test_fp8_kv_is_refused_where_the_cuda_kernels_run(monkeypatch):
+def test_fp8_kv_is_refused_only_where_the_cuda_kernels_cannot_compile(monkeypatch):
+    """The Triton kernels read and write e4m3 from compute capability 8.9 on: an older GPU is refused in one line
+    (unless the torch path runs there), a newer one and the CPU get the fp8 cache."""
     from kernels import dispatch
     from pipeline.loading import resolve_kv_dtype
 
     monkeypatch.setattr(dispatch, "triton_available", lambda: True)
-    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 runs on the CPU only for now"):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    with pytest.raises(ValueError, match="--kv-cache-dtype fp8 needs a GPU of compute capability 8.9 or later") as err:
         resolve_kv_dtype("fp8", torch.bfloat16, torch.device("cuda"))
+    assert "sm_80" in str(err.value) and "\n" not in str(err.value)
     assert resolve_kv_dtype("auto", torch.bfloat16, torch.device("cuda")) == torch.bfloat16
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert resolve_kv_dtype("fp8", torch.bfloat16, torch.device("cuda")) == torch.float8_e4m3fn
     assert resolve_kv_dtype("fp8_e4m3", torch.float32, torch.device("cpu")) == torch.float8_e4m3fn
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setenv("CONVEYOR_DISABLE_TRITON", "1")  # the torch path reads fp8 on any GPU
+    assert resolve_kv_dtype("fp8", torch.bfloat16, torch.device("cuda")) == torch.float8_e4m3fn
+
+
+def with_kv_scales(monkeypatch, k_scale: float, v_scale: float) -> None:
+    """Every attention layer gets these scales at load, as from a checkpoint's ``k_scale`` / ``v_scale``."""
+    import pipeline.loading as loading
+    from pipeline.models.layers import PagedAttention
+
+    def apply(model, _checkpoint_scales) -> None:
+        for module in model.modules():
+            if isinstance(module, PagedAttention):
+                module.k_scale, module.v_scale = k_scale, v_scale
+
+    monkeypatch.setattr(loading, "apply_kv_scales", apply)
+
+
+@pytest.mark.gpu
+def test_gpu_fp8_kv_graphs_eager_speculation_and_the_torch_path(model_dir, monkeypatch):
+    """On CUDA the Triton kernels write and read the fp8 cache (layer scales 0.03 / 0.01): in bf16, greedy tokens
+    with CUDA graphs equal eager; in fp32, the kernels' tokens through the graphs equal the torch path's on the same
+    device (CONVEYOR_DISABLE_TRITON, eager: its padded KV write syncs), and speculation (verify rows through the
+    graphs) equals plain decoding."""
+    with_kv_scales(monkeypatch, 0.03, 0.01)
+    cuda = dict(device="cuda", num_kv_blocks=256, **FP8)
+    graphs, _ = run_async(run(model_dir, dtype="bfloat16", cuda_graphs=True, **cuda))
+    eager, _ = run_async(run(model_dir, dtype="bfloat16", cuda_graphs=False, **cuda))
+    assert graphs == eager
+    kernels, _ = run_async(run(model_dir, cuda_graphs=True, **cuda))
+    expected = {tuple(p): out for p, out in zip(PROMPTS, kernels)}
+    spec, stats = run_async(run(model_dir, ReplayDrafter(expected, 0.3), cuda_graphs=True, **SPEC, **cuda))
+    assert spec == kernels and stats["speculation"]["accepted_tokens"] > 0
+    monkeypatch.setenv("CONVEYOR_DISABLE_TRITON", "1")
+    torch_path, _ = run_async(run(model_dir, cuda_graphs=False, **cuda))
+    assert kernels == torch_path
