@@ -19,7 +19,7 @@ from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.triton_embedding import embedding_ref, embedding_triton
 from kernels.triton_kv_cache import write_kv_padded_ref, write_kv_triton
-from kernels.triton_fp8_gemm import dequant_linear, w8a16_gemm_triton
+from kernels.triton_fp8_gemm import dequant_linear
 from kernels.triton_fp8_gemv import fp8_gemv_norm_triton, fp8_gemv_ref, fp8_gemv_triton
 from kernels.triton_gemv import SKINNY_MAX_M, NormedProjection, gemv_norm_triton, gemv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
@@ -125,15 +125,10 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
     return gemv_norm_triton(x, residual, norm_weight, eps, weight, bias, write_normed, row_loop=decode_rows_on())
 
 
-FP8_PREFILL = "w8a16"  # FP8 projections above decode size on the GPU: "w8a16" (the Triton GEMM dequantizing tiles in
-# registers) or "dequant" (a 16-bit copy of the weight, then cuBLAS); kernels/triton_fp8_gemm.py, timed by
-# bench/fp8_kernels.py. fp32 activations always take "dequant" (cuBLAS fp32).
-
-
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, tail: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ [dequantize(W); tail]^T (+ bias)`` for an FP8 weight W [NQ, K] with its scale grid and optional 16-bit
-    ``tail`` rows: the FP8 GEMV at decode sizes and the prefill GEMM (``FP8_PREFILL``) above on the GPU, the torch
+    ``tail`` rows: the FP8 GEMV at decode sizes and dequantize-then-cuBLAS (``dequant_linear``) above on the GPU, the torch
     reference (``fp8_gemv_ref``) elsewhere."""
     if skinny_linear_applies(x, weight):
         return skinny_linear(x, weight, bias, None, scale, block, tail)
@@ -144,8 +139,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block
     nq = weight.shape[0]
     n = nq + (0 if tail is None else tail.shape[0])
     y = torch.empty(x.shape[0], n, dtype=x.dtype, device=x.device)
-    project = w8a16_gemm_triton if FP8_PREFILL == "w8a16" and x.dtype != torch.float32 else dequant_linear
-    project(x, weight, scale, block, None if bias is None else bias[:nq], out=y[:, :nq])
+    dequant_linear(x, weight, scale, block, None if bias is None else bias[:nq], out=y[:, :nq])
     if tail is not None:
         y[:, nq:] = F.linear(x, tail, None if bias is None else bias[nq:])
     return y.reshape(*lead, n)
