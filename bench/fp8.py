@@ -69,10 +69,11 @@ def engine_config(model_dir: str, quantization: str | None, **kw) -> EngineConfi
                                   max_num_seqs=256, max_num_batched_tokens=8192, quantization=quantization), **kw})
 
 
-async def b1_off(a: argparse.Namespace, model_dir: str, shape: dict, quantization: str | None, copy_gbps: float
-                 ) -> dict:
+async def b1_off(a: argparse.Namespace, model_dir: str, shape: dict, quantization: str | None, copy_gbps: float,
+                 out: dict) -> None:
+    """Fills ``out`` as it goes: a section that fails keeps the ones before it."""
     engine = await Engine.create(engine_config(model_dir, quantization), progress=lambda m: log(f"  engine: {m}"))
-    out: dict = {"weights": quantization or "bf16", "kv_blocks": engine.cache.capacity}
+    out.update(weights=quantization or "bf16", kv_blocks=engine.cache.capacity)
     try:
         model = engine.loaded.runner.model
         nbytes = decode_bytes_per_token(model) + 2 * state_bytes_per_seq(shape)
@@ -90,7 +91,7 @@ async def b1_off(a: argparse.Namespace, model_dir: str, shape: dict, quantizatio
         if "off" not in a.skip:
             nreq, plen, n = (8, 64, 8) if a.quick else (256, 512, 128)
             await asyncio.gather(*[run_one(engine, p, 8) for p in prompts(min(nreq, 32), plen, 2)])
-            off = await off_run(engine, {}, nreq, plen, n, seed=3)
+            off = await off_run(engine, {"shape": shape}, nreq, plen, n, seed=3)
             out["off"] = {k: off[k] for k in ("requests", "prompt_tokens", "output_tokens", "wall_s", "output_tok_s",
                                               "total_tok_s", "ttft_s", "device_steps", "mixed_steps", "preemptions")}
             log(f"  OFF {off['output_tok_s']:.0f} output tok/s ({quantization or 'bf16'})")
@@ -98,7 +99,6 @@ async def b1_off(a: argparse.Namespace, model_dir: str, shape: dict, quantizatio
         await engine.shutdown()
         del engine
         free_device()
-    return out
 
 
 async def b1_long_kv(a: argparse.Namespace, model_dir: str, kv_dtype: str) -> dict:
@@ -192,8 +192,8 @@ def main() -> None:
 
 
 def b1_off_entry(a: argparse.Namespace, entry: dict, model_dir: str, shape: dict, fmt: str, copy_gbps: float) -> None:
-    entry.setdefault("detail", {})[fmt] = asyncio.run(b1_off(a, model_dir, shape, None if fmt == "bf16" else "fp8",
-                                                             copy_gbps))
+    out = entry.setdefault("detail", {}).setdefault(fmt, {})
+    asyncio.run(b1_off(a, model_dir, shape, None if fmt == "bf16" else "fp8", copy_gbps, out))
 
 
 def summarize(entry: dict) -> None:

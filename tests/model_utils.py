@@ -204,9 +204,10 @@ def run_paged(
         [len(p) + max_new_tokens for p in prompts], block_size, num_blocks, shuffle_blocks, seed
     )
     dtype = model.model.embed_tokens.weight.dtype
+    device = model.model.embed_tokens.weight.device  # the model's: a CUDA model runs its steps there
     n = len(prompts)
     specs = model.cache_specs(dtype) if kv_dtype is None else model.cache_specs(dtype, kv_dtype)  # K/V only
-    caches = allocate_caches(specs, nb, block_size, num_state_slots=n + 2)
+    caches = allocate_caches(specs, nb, block_size, device, num_state_slots=n + 2)
     # recurrent state slots: 1..n+1 shuffled (slot 0 is the null slot), so no sequence sits in slot order
     state_slot = (torch.randperm(n + 1, generator=torch.Generator().manual_seed(seed + 1)) + 1).tolist()
     plans = [_chunk_sizes(chunks, len(p)) for p in prompts]
@@ -241,11 +242,12 @@ def run_paged(
                 pos += list(range(start, start + q))
                 qlens.append(q)
                 slens.append(start + q)
-            meta = build_attention_metadata(qlens, slens, [tables[b] for b in active], block_size)
+            meta = build_attention_metadata(qlens, slens, [tables[b] for b in active], block_size, device=device)
             kinds.append("decode" if not any(prefilling) else ("prefill" if all(prefilling) else "mixed"))
             ctx = ForwardContext(meta, caches, state_slots=torch.tensor([state_slot[b] for b in active],
-                                                                        dtype=torch.int32))
-            hidden = model(torch.tensor(ids, dtype=torch.long), torch.tensor(pos, dtype=torch.long), ctx)
+                                                                        dtype=torch.int32, device=device))
+            hidden = model(torch.tensor(ids, dtype=torch.long, device=device),
+                           torch.tensor(pos, dtype=torch.long, device=device), ctx)
             qsl = meta.query_start_loc_host
             for i, b in enumerate(active):
                 if prefilling[i]:
