@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from kernels.fp8 import dequantize_fp8_ref, scale_tile_limit
 from kernels.triton_compat import INTERPRET, pdl_launch, pdl_wait, tl, triton
 from kernels.triton_compat import jit as _jit
-from kernels.triton_e4m3 import e4m3_half_shift, e4m3_to_f32_shifted
 from kernels.triton_gemv import (SKINNY_MAX_M, NormedProjection, _accumulate_tile, _load_weight_tile, _num_sms,
                                  _splitk_reduce_kernel)
 from kernels.triton_norm import rms_norm_ref
@@ -136,9 +135,9 @@ def _fp8_sub_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, s_base, scale_cols, s
                                              tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), squares,
                                              NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
             acc += part * s[:, None]
-        else:  # the tile times 2^-60 (kernels/triton_e4m3.py); the program's sum is scaled back once
-            acc, squares = _accumulate_tile(e4m3_to_f32_shifted(w) * (s * e4m3_half_shift())[:, None], k, K, offs_k,
-                                            x_base, r_base, nw_ptr, acc, squares, NORM, HAS_RES, False, False, EVEN_K)
+        else:
+            acc, squares = _accumulate_tile(w.to(tl.float32) * s[:, None], k, K, offs_k, x_base, r_base, nw_ptr,
+                                            acc, squares, NORM, HAS_RES, False, False, EVEN_K)
     return acc, squares
 
 
@@ -202,8 +201,6 @@ def _fp8_gemv_program(
         out = acc
     else:
         out = tl.sum(acc, axis=2)
-        if IS_FP8:
-            out = out * e4m3_half_shift()
     cols = col0 + offs_n
     out_mask = (offs_n < n_rows)[:, None] & (offs_m < M)[None, :]
     if SPLIT:

@@ -31,7 +31,6 @@ import torch
 
 from kernels.fp8 import Fp8Weight, scale_tile_limit
 from kernels.moe import check_kernel_inputs, expert_weights, fp8_scale_args
-from kernels.triton_e4m3 import e4m3_half_shift, e4m3_to_f32_shifted
 from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
@@ -111,15 +110,12 @@ def _decode_gate_up_kernel(
                 kk = k0 + j * BLOCK_K
                 k_mask = kk + offs_k < H
                 xt = tl.load(x_ptrs, mask=k_mask, other=0.0).to(tl.float32)
-                gt = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0)
-                ut = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0)
-                if W_FP8:  # the rows' scales for this K tile (clamped: a tile past H is zeros); times 2^-60
-                    col = tl.minimum(kk // scale_cols, scale_ncols - 1)  # (kernels/triton_e4m3.py)
-                    gt = e4m3_to_f32_shifted(gt) * (tl.load(sg_ptrs + col) * e4m3_half_shift())[:, None]
-                    ut = e4m3_to_f32_shifted(ut) * (tl.load(su_ptrs + col) * e4m3_half_shift())[:, None]
-                else:
-                    gt = gt.to(tl.float32)
-                    ut = ut.to(tl.float32)
+                gt = tl.load(g_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+                ut = tl.load(u_ptrs, mask=k_mask[None, :], other=0.0).to(tl.float32)
+                if W_FP8:  # the rows' scales for this K tile (clamped: a tile past H is zeros)
+                    col = tl.minimum(kk // scale_cols, scale_ncols - 1)
+                    gt = gt * tl.load(sg_ptrs + col)[:, None]
+                    ut = ut * tl.load(su_ptrs + col)[:, None]
                 acc_g += gt * xt[None, :]
                 acc_u += ut * xt[None, :]
                 x_ptrs += BLOCK_K
@@ -127,9 +123,6 @@ def _decode_gate_up_kernel(
                 u_ptrs += BLOCK_K
         g = tl.sum(acc_g, axis=1)
         u = tl.sum(acc_u, axis=1)
-        if W_FP8:
-            g = g * e4m3_half_shift()
-            u = u * e4m3_half_shift()
         # silu(g) = g * sigmoid(g); sigmoid from exp(-|g|) <= 1 so nothing overflows
         z = tl.exp(-tl.abs(g))
         sigmoid = tl.where(g >= 0, 1.0, z) / (1.0 + z)
@@ -171,7 +164,7 @@ def _decode_down_kernel(
     w0 = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0)
     if W_FP8:  # [K_PAD, BLOCK_N] scales of the slots' experts' rows; a weight, so readable before the wait
         s_ptrs = s_ptr + (e * s_e)[:, None] + ((rows // scale_rows) * s_r)[None, :]
-        w0 = e4m3_to_f32_shifted(w0) * (tl.load(s_ptrs) * e4m3_half_shift())[:, :, None]  # times 2^-60
+        w0 = w0.to(tl.float32) * tl.load(s_ptrs)[:, :, None]
     if EARLY:
         pdl_wait(PDL)
     a_ptrs = h_ptr + slots[:, None] * I + offs_k[None, :]
@@ -182,15 +175,11 @@ def _decode_down_kernel(
         w_ptrs += BLOCK_K
         k_mask = k0 + offs_k < I
         a_k = tl.load(a_ptrs, mask=local[:, None] & k_mask[None, :], other=0.0).to(tl.float32)
-        w_k = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0)
+        w_k = tl.load(w_ptrs, mask=local[:, None, None] & k_mask[None, None, :], other=0.0).to(tl.float32)
         if W_FP8:
-            w_k = e4m3_to_f32_shifted(w_k) * (tl.load(s_ptrs + k0 // scale_cols) * e4m3_half_shift())[:, :, None]
-        else:
-            w_k = w_k.to(tl.float32)
+            w_k = w_k * tl.load(s_ptrs + k0 // scale_cols)[:, :, None]
         acc += w_k * a_k[:, None, :]
     y = tl.sum(tl.sum(acc, axis=2) * rw[:, None], axis=0)
-    if W_FP8:
-        y = y * e4m3_half_shift()
     tl.store(y_ptr + tok * y_s0 + offs_n, y.to(y_ptr.dtype.element_ty), mask=offs_n < H)
 
 

@@ -183,8 +183,16 @@ def test_gpu_fp8_model_equals_the_dequantized_model(make_model_dir, model_type, 
     assert weight_bytes(fp8, stored) < weight_bytes(dense, stored) * (0.65 if dtype == torch.bfloat16 else 0.35)
     ids = torch.randint(100, 49000, (40,), generator=torch.Generator().manual_seed(1)).tolist()
     want, got = run_paged(dense, [ids], 8, chunks=[24, 16]), run_paged(fp8, [ids], 8, chunks=[24, 16])
-    scale = want.prompt_logits[0].abs().max().item()
-    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
-    torch.testing.assert_close(got.prompt_logits[0], want.prompt_logits[0], atol=tolerance * scale, rtol=0)
     if dtype == torch.float32:
+        scale = want.prompt_logits[0].abs().max().item()
+        torch.testing.assert_close(got.prompt_logits[0], want.prompt_logits[0], atol=1e-3 * scale, rtol=0)
         assert got.generated == want.generated
+        return
+    # bf16: the FP8 kernels scale each tile's fp32 product where the dequantized model rounds w * s to bf16 first, so
+    # the two differ by bf16 rounding, and in a MoE a rounding can move a token to another expert. Both are held to
+    # the fp32 model of the same weights: the FP8 path's mean error no worse than twice the 16-bit path's.
+    exact = run_paged(load(directory, False, device="cuda", dtype=torch.float32), [ids], 0, chunks=[24, 16])
+    reference = exact.prompt_logits[0]
+    fp8_error = (got.prompt_logits[0].float() - reference).abs().mean().item()
+    dense_error = (want.prompt_logits[0].float() - reference).abs().mean().item()
+    assert fp8_error <= 2 * dense_error, (fp8_error, dense_error)
