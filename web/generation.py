@@ -313,6 +313,7 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
         if body is None:
             raise error from None
         completed = True
+        body.abandon()  # cut mid-way: the connection closes after the last events (its client may not be reading)
         # a client that does not take these bytes is cut by the write watchdog (web/connections.py)
         connected = await _write_last(body, endpoint.stream_error(error, tracker))
     except ConnectionResetError:

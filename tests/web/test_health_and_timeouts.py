@@ -9,6 +9,7 @@ import orjson
 from aiohttp.test_utils import TestClient, TestServer
 
 from tests.web.server_utils import LiveServer
+from tests.web.stalled_clients import wait_released
 from web.app import ServerSettings, ServerState, build_app
 from web.metrics import ServerMetrics
 
@@ -57,6 +58,9 @@ def test_request_timeout_ends_requests_with_a_clear_error(tiny_model_dir):
                     plain = response.status, await response.json(), response.headers.get("Connection")
                 async with session.post(live.url + "/v1/completions", json={**body, "stream": True}) as response:
                     streamed = response.status, await response.read()
+                # the session would reuse its connections: the server closed them, the streamed one too (well
+                # before the 10 s an idle kept-alive connection is given)
+                await asyncio.to_thread(wait_released, live, 3.0)
             return plain, streamed
 
         (status, payload, connection), (stream_status, raw) = asyncio.run(main())
