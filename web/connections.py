@@ -39,19 +39,21 @@ SHUTDOWN_TIMEOUT_S = 1.0  # at runner cleanup: how long a handler still running 
 class GuardedRequestHandler(RequestHandler):
     """aiohttp's protocol, plus the write watchdog and API-shaped answers to requests it cannot parse."""
 
-    __slots__ = ("_write_timeout_s", "_send_buffer_bytes", "_stall")
+    __slots__ = ("_write_timeout_s", "_send_buffer_bytes", "_stall", "_socket_transport")
 
     def __init__(self, manager: web.Server, *, write_timeout_s: float, send_buffer_bytes: int, **kwargs: Any) -> None:
         super().__init__(manager, **kwargs)
         self._write_timeout_s = write_timeout_s
         self._send_buffer_bytes = send_buffer_bytes
         self._stall: asyncio.TimerHandle | None = None
+        self._socket_transport: asyncio.BaseTransport | None = None  # kept: aiohttp drops its own at a forced close
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, self._send_buffer_bytes)
         super().connection_made(transport)
+        self._socket_transport = transport
         transport.set_write_buffer_limits(high=0)  # type: ignore[attr-defined]  # paused while any byte waits
 
     def pause_writing(self) -> None:
@@ -64,6 +66,7 @@ class GuardedRequestHandler(RequestHandler):
 
     def connection_lost(self, exc: BaseException | None) -> None:
         self._disarm()
+        self._socket_transport = None
         super().connection_lost(exc)
 
     def _disarm(self) -> None:
@@ -73,7 +76,7 @@ class GuardedRequestHandler(RequestHandler):
 
     def _stalled(self) -> None:
         self._stall = None
-        transport = self.transport
+        transport = self._socket_transport  # a closing connection still waiting to flush is cut too
         if transport is not None:
             log.info("a client took no response bytes for %gs: its connection is cut", self._write_timeout_s)
             transport.abort()
