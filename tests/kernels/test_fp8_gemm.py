@@ -8,7 +8,6 @@ there); the gpu tests run projection shapes at M = 512 and 2048.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -17,25 +16,8 @@ import torch.nn.functional as F
 from kernels import dispatch
 from kernels.fp8 import dequantize_fp8_ref, fp8_linear_ref, quantize_fp8_block_ref
 from kernels.triton_fp8_gemm import dequant_linear, dequantize_fp8_triton
+from tests.kernels.fp8_checks import DEVICE, close, randn
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-
-
-def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0,
-          device: str = DEVICE) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor, ulps: int = 2) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    scale = expected.float().abs().max().item() + 1.0
-    if expected.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, atol=1e-5 * scale, rtol=1e-5)
-    else:
-        ulp = torch.finfo(expected.dtype).eps
-        torch.testing.assert_close(actual.float(), expected.float(), atol=ulps * ulp * scale, rtol=ulps * ulp)
 
 
 def fp8_weight(n: int, k: int, kind: str = "block", seed: int = 1, device: str = DEVICE):

@@ -10,7 +10,6 @@ real shapes, the tensor-core path and CUDA-graph capture.
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -19,26 +18,8 @@ from kernels.fp8 import quantize_fp8_block_ref
 from kernels.triton_fp8_gemv import (fp8_gemv_config, fp8_gemv_norm_ref, fp8_gemv_norm_triton, fp8_gemv_ref,
                                      fp8_gemv_triton)
 from kernels.triton_gemv import SKINNY_MAX_M
+from tests.kernels.fp8_checks import DEVICE, close, randn
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
-
-
-def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0,
-          device: str = DEVICE) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """fp32: summation-order error relative to the output's magnitude; 16-bit: two ulps of it."""
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    scale = expected.float().abs().max().item() + 1.0
-    if expected.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, atol=1e-5 * scale, rtol=1e-5)
-    else:
-        ulp = torch.finfo(expected.dtype).eps
-        torch.testing.assert_close(actual.float(), expected.float(), atol=2 * ulp * scale, rtol=2 * ulp)
 
 
 def block_of(kind: str, n: int, k: int) -> tuple[int, int]:

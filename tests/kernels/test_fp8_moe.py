@@ -10,7 +10,6 @@ shapes (256 experts and the folded shared expert, H 2048, I 512, top-8).
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -20,26 +19,9 @@ from kernels.fp8 import Fp8Weight, quantize_fp8_block_ref
 from kernels.moe import DECODE_SLOTS, fused_moe, fused_moe_ref, route_topk_ref
 from kernels.triton_moe import fused_moe_triton
 from kernels.triton_moe_decode import fused_moe_decode_triton
+from tests.kernels.fp8_checks import DEVICE, close, randn
 
-INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
-DEVICE = "cpu" if INTERPRET or not torch.cuda.is_available() else "cuda"
 H, I, E, K = 200, 72, 5, 3
-
-
-def randn(*shape: int, dtype: torch.dtype = torch.float32, seed: int = 0, scale: float = 1.0,
-          device: str = DEVICE) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(*shape, generator=gen) * scale).to(dtype=dtype, device=device)
-
-
-def close(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    assert actual.dtype == expected.dtype and actual.shape == expected.shape
-    scale = expected.float().abs().max().item() + 1.0
-    if expected.dtype == torch.float32:
-        torch.testing.assert_close(actual, expected, atol=1e-5 * scale, rtol=1e-5)
-    else:
-        ulp = torch.finfo(expected.dtype).eps
-        torch.testing.assert_close(actual.float(), expected.float(), atol=2 * ulp * scale, rtol=2 * ulp)
 
 
 def stacks(kind: str, experts: int = E, hidden: int = H, inter: int = I, device: str = DEVICE):
