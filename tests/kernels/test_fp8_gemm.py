@@ -8,7 +8,6 @@ there); the gpu tests run projection shapes at M = 512 and 2048.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 import torch.nn.functional as F
