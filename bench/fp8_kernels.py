@@ -9,8 +9,8 @@
   top-8 + the shared slot): ``fused_moe_decode_triton`` on bf16 stacks against FP8 stacks.
 - ``prefill``: qkv and gate_up at M = 512 and 2048: dequantize + F.linear (the FP8 prefill path) against bf16
   F.linear.
-- ``variants``: a few FP8 launch parameters beside the heuristic's (o at M = 1 and 8, the MoE's gate/up K tiles a
-  step), for tuning ``fp8_gemv_config`` and the MoE's FP8 steps by hand.
+- ``variants``: FP8 launch parameters beside the heuristic's (``GEMV_VARIANTS`` at M = 1 and 8; the MoE's FP8
+  gate/up and down tiles, ``MOE_GATE_UP`` / ``MOE_DOWN``), for tuning ``fp8_gemv_config`` and the MoE's FP8 tiles.
 
 Each figure is the median over replays of a CUDA graph of back-to-back calls (CUDA events), the weights rotating over
 enough copies (or, for the MoE, routings) to overflow L2, so GB/s (bytes each call reads: weights, scales, x, y) is an
@@ -32,10 +32,19 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
 PREFILL_SHAPES = {"qkv": (6144, 4096), "gate_up": (24576, 4096)}
 QWEN35_MOE = dict(experts=257, hidden=2048, inter=512, top_k=8)  # + the folded shared expert's slot
-GEMV_VARIANTS = {1: [{"block_n": 4, "k_sub": 4}, {"block_n": 8, "k_sub": 8}, {"block_n": 16, "k_sub": 2},
-                     {"block_n": 16, "k_sub": 4}],
-                 8: [{"split_k": 2}, {"split_k": 4}, {"k_sub": 4}, {"k_sub": 1}]}  # on o (4096 x 4096)
-MOE_K_SUB = (1, 4)  # the gate/up kernel's K tiles a step (the heuristic's: 2 for the 16-slot table)
+GEMV_VARIANTS = {  # launch overrides beside the heuristic's, by M, on the shapes named
+    1: (("o", "down", "gate_up"), [
+        {"block_n": 2, "block_k": 2048}, {"block_n": 8, "block_k": 512}, {"block_n": 4, "block_k": 1024, "k_sub": 2},
+        {"block_n": 8, "block_k": 1024, "num_warps": 8}, {"block_n": 4, "block_k": 2048, "num_warps": 8},
+        {"block_n": 2, "block_k": 1024, "k_sub": 2}, {"block_n": 16, "block_k": 256},
+        {"block_n": 4, "block_k": 512, "k_sub": 2}]),
+    8: (("o", "gate_up"), [
+        {"split_k": 2}, {"split_k": 4}, {"split_k": 8}, {"block_n": 32, "split_k": 2}, {"block_n": 32, "split_k": 4},
+        {"block_n": 16, "split_k": 4}]),
+}
+MOE_GATE_UP = [(8, 512, 8), (16, 256, 8), (8, 256, 4), (4, 1024, 8), (16, 512, 8), (8, 512, 4), (8, 256, 8, 3),
+               (16, 256, 8, 3)]  # FP8 gate/up tiles (BLOCK_N, BLOCK_K, warps[, stages]) beside the default's
+MOE_DOWN = [(2, 128, 4), (4, 64, 4), (4, 128, 4), (8, 64, 4), (2, 128, 8), (1, 128, 4), (8, 128, 8)]
 CALLS = 20  # calls a graph
 REPLAYS = 15  # graph replays timed; the median is kept
 
@@ -101,19 +110,23 @@ def bench_gemv_variants() -> list[dict]:
     from kernels.fp8 import quantize_fp8_block_ref
     from kernels.triton_fp8_gemv import fp8_gemv_config, fp8_gemv_triton
 
-    n, k = GEMV_SHAPES["o"]
-    gen = torch.Generator(device="cuda").manual_seed(3)
-    q, scale = quantize_fp8_block_ref(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
-    weights = [q] + [q.clone() for _ in range(copies_for(n * k) - 1)]
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     rows = []
-    for m, variants in GEMV_VARIANTS.items():
-        x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
-        nbytes = n * k + scale.numel() * 4 + (m * k + m * n) * 2
-        for overrides in [{}] + variants:
-            ms = graph_ms(lambda i: fp8_gemv_triton(x, weights[i], scale, (128, 128), **overrides), len(weights))
-            config = {**fp8_gemv_config(m, n, k, 128, torch.bfloat16,
-                                        torch.cuda.get_device_properties(0).multi_processor_count), **overrides}
-            rows.append({"shape": "o", "m": m, "config": config, "default": not overrides, **figure(ms, nbytes)})
+    for m, (shapes, variants) in GEMV_VARIANTS.items():
+        for name in shapes:
+            n, k = GEMV_SHAPES[name]
+            gen = torch.Generator(device="cuda").manual_seed(3)
+            q, scale = quantize_fp8_block_ref(torch.randn(n, k, device="cuda", generator=gen) / k ** 0.5)
+            weights = [q] + [q.clone() for _ in range(copies_for(n * k) - 1)]
+            x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
+            nbytes = n * k + scale.numel() * 4 + (m * k + m * n) * 2
+            for overrides in [{}] + variants:
+                ms = graph_ms(lambda i: fp8_gemv_triton(x, weights[i], scale, (128, 128), **overrides), len(weights))
+                config = {**fp8_gemv_config(m, n, k, (128, 128), torch.bfloat16, sms), **overrides}
+                rows.append({"shape": name, "m": m, "config": config, "default": not overrides,
+                             **figure(ms, nbytes)})
+            del weights
+            torch.cuda.empty_cache()
     return rows
 
 
@@ -143,12 +156,14 @@ def bench_moe() -> dict:
     fp8_bytes = slots * (per_expert + (s13[0].numel() + s2[0].numel()) * 4) + 2 * h * 2
     bf16_ms = graph_ms(lambda i: fused_moe_decode_triton(x, w13, w2, *routes[i]), len(routes))
     fp8_ms = graph_ms(lambda i: fused_moe_decode_triton(x, *fp8, *routes[i]), len(routes))
-    steps = {sub: figure(graph_ms(lambda i: fused_moe_decode_triton(x, *fp8, *routes[i], gate_up_k_sub=sub),
-                                  len(routes)), fp8_bytes) for sub in MOE_K_SUB}
+    variants = [{"gate_up": cfg, **figure(graph_ms(lambda i: fused_moe_decode_triton(
+        x, *fp8, *routes[i], gate_up_config=cfg), len(routes)), fp8_bytes)} for cfg in MOE_GATE_UP]
+    variants += [{"down": cfg, **figure(graph_ms(lambda i: fused_moe_decode_triton(
+        x, *fp8, *routes[i], down_config=cfg), len(routes)), fp8_bytes)} for cfg in MOE_DOWN]
     error = (fused_moe_decode_triton(x, *fp8, *routes[0]).float() - fused_moe_ref(x, *fp8, *routes[0]).float())
     return {"experts": e, "hidden": h, "inter": inter, "slots": slots, "bf16": figure(bf16_ms, bf16_bytes),
             "fp8": figure(fp8_ms, fp8_bytes), "speedup": round(bf16_ms / fp8_ms, 3),
-            "fp8_max_abs_error": error.abs().max().item(), "fp8_gate_up_k_sub": steps}
+            "fp8_max_abs_error": error.abs().max().item(), "fp8_variants": variants}
 
 
 def bench_prefill(name: str, n: int, k: int, m: int) -> dict:
@@ -197,13 +212,15 @@ def main() -> int:
     for row in results["gemv"] + [dict(results["moe"], shape="moe", m=1)]:
         print(f"{row['shape']:>10} {row['m']:>3} {row['bf16']['us']:>9} {row['bf16']['gb_s']:>7} "
               f"{row['fp8']['us']:>9} {row['fp8']['gb_s']:>7} {row['speedup']:>8}")
-    print("FP8 GEMV launch variants on o (us, GB/s)")
+    print("FP8 GEMV launch variants (us, GB/s)")
     for row in results["variants"]:
         cfg = row["config"]
-        print(f"  M={row['m']:<2} block_n={cfg['block_n']:<3} block_k={cfg['block_k']:<4} k_sub={cfg['k_sub']:<2} "
-              f"split_k={cfg['split_k']:<2} {row['us']:>8} {row['gb_s']:>7}{'  (default)' if row['default'] else ''}")
-    for sub, row in results["moe"]["fp8_gate_up_k_sub"].items():
-        print(f"  MoE gate/up k_sub={sub}: {row['us']} us, {row['gb_s']} GB/s")
+        print(f"  {row['shape']:>8} M={row['m']:<2} block_n={cfg['block_n']:<3} block_k={cfg['block_k']:<4} "
+              f"k_sub={cfg['k_sub']:<2} split_k={cfg['split_k']:<2} warps={cfg['num_warps']} {row['us']:>8} "
+              f"{row['gb_s']:>7}{'  (default)' if row['default'] else ''}")
+    for row in results["moe"]["fp8_variants"]:
+        print(f"  MoE {'gate/up' if 'gate_up' in row else 'down'} {row.get('gate_up') or row.get('down')}: "
+              f"{row['us']} us, {row['gb_s']} GB/s")
     print("prefill (us per call, TFLOP/s)")
     print(f"{'shape':>10} {'M':>5} {'dequant+lin':>14} {'bf16 lin':>14}  fp8/bf16 time")
     for row in results["prefill"]:

@@ -229,14 +229,10 @@ def fused_moe(
 
     if use_triton(x.device):
         if topk_ids.numel() <= DECODE_SLOTS:
-            from kernels.triton_moe_decode import decode_config, fused_moe_decode_triton
+            from kernels.triton_moe_decode import fused_moe_decode_triton
 
-            configs = {}
-            if decode_rows_on():
-                gate_up, down = decode_config(1, topk_ids.shape[1])
-                configs = {"gate_up_config": gate_up, "down_config": down}
             return fused_moe_decode_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts,
-                                           **configs)
+                                           table_tokens=1 if decode_rows_on() else None)
         from kernels.triton_moe import fused_moe_triton
 
         return fused_moe_triton(x, w13, w2, topk_weights, topk_ids, expert_offset, num_local_experts)

@@ -52,6 +52,10 @@ def fp8_gemv_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     return NormedProjection(y, new_residual, normed if write_normed else None)
 
 
+# Where a kernel applies the fp8 rows' scales (``scale_mode``); constexprs, so the kernels can compare with them.
+TILE_SCALES, ROW_SCALES, GROUPED = (tl.constexpr(v) if tl is not None else v for v in range(3))
+
+
 @_jit
 def _fp8_gemv_kernel(
     x_ptr, w_ptr, s_ptr, t_ptr, b_ptr, y_ptr, ws_ptr,
@@ -62,11 +66,11 @@ def _fp8_gemv_kernel(
     K_SUB: tl.constexpr = 1, HAS_TAIL: tl.constexpr = False, NORM: tl.constexpr = False,
     HAS_RES: tl.constexpr = False, WRITE: tl.constexpr = False, WRITE_NORMED: tl.constexpr = False,
     WRITE_BLOCK: tl.constexpr = 16, PREFETCH: tl.constexpr = False, PDL: tl.constexpr = False,
-    ROW_LOOP: tl.constexpr = False,
+    ROW_LOOP: tl.constexpr = False, SCALE_MODE: tl.constexpr = 0, SC: tl.constexpr = 128,
 ):
     """ROW_LOOP: each program runs the one-row program for each of the M rows in turn (``triton_gemv``'s ROW_LOOP),
     so every row's bits equal its own one-row launch's whatever M is. WRITE (with NORM): write the new residual
-    (HAS_RES) and the normed rows (WRITE_NORMED)."""
+    (HAS_RES) and the normed rows (WRITE_NORMED). SCALE_MODE: ``scale_mode``'s; SC: the scale block's width."""
     N = NQ + NT
     if ROW_LOOP:
         for row in range(M):
@@ -74,12 +78,12 @@ def _fp8_gemv_kernel(
                            1, NQ, NT, K, k_split, x_s0, s_s0, scale_rows, scale_cols, scale_ncols,
                            r_ptr + row * r_s0, r_s0, nw_ptr, res_out_ptr + row * K, normed_ptr + row * K, eps,
                            HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, HAS_TAIL,
-                           NORM, HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
+                           NORM, HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, SCALE_MODE, SC)
     else:
         _fp8_gemv_rows(x_ptr, w_ptr, s_ptr, t_ptr, b_ptr, y_ptr, ws_ptr, M * N, M, NQ, NT, K, k_split, x_s0, s_s0,
                        scale_rows, scale_cols, scale_ncols, r_ptr, r_s0, nw_ptr, res_out_ptr, normed_ptr, eps,
                        HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, HAS_TAIL, NORM,
-                       HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
+                       HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL, SCALE_MODE, SC)
 
 
 @_jit
@@ -91,41 +95,46 @@ def _fp8_gemv_rows(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     K_SUB: tl.constexpr, HAS_TAIL: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE: tl.constexpr,
     WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    SCALE_MODE: tl.constexpr, SC: tl.constexpr,
 ):
     """Program ``pid_n`` takes fp8 row tile ``pid_n``, or with a tail, past the fp8 tiles, tail row tile
     ``pid_n - tiles_q`` (y columns NQ on). Only the fp8 programs write the residual and normed rows."""
     pid_n = tl.program_id(0)
     tiles_q = tl.cdiv(NQ, BLOCK_N)
-    if HAS_TAIL:
-        if pid_n >= tiles_q:
-            _fp8_gemv_program(x_ptr, t_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, ws_split_stride, pid_n - tiles_q, NT, NQ,
-                              NQ + NT, M, K, k_split, x_s0, s_s0, scale_rows, scale_cols, scale_ncols, r_ptr, r_s0,
-                              nw_ptr, res_out_ptr, normed_ptr, eps, 0, 1, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32,
-                              EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, False, NORM, HAS_RES, False, WRITE_NORMED,
-                              WRITE_BLOCK, PREFETCH, PDL)
-        else:
-            _fp8_gemv_program(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, ws_split_stride, pid_n, NQ, 0, NQ + NT, M,
-                              K, k_split, x_s0, s_s0, scale_rows, scale_cols, scale_ncols, r_ptr, r_s0, nw_ptr,
-                              res_out_ptr, normed_ptr, eps, pid_n, tiles_q, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32,
-                              EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, True, NORM, HAS_RES, WRITE, WRITE_NORMED,
-                              WRITE_BLOCK, PREFETCH, PDL)
+    if HAS_TAIL and pid_n >= tiles_q:
+        _fp8_gemv_program(x_ptr, t_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, ws_split_stride, pid_n - tiles_q, NT, NQ,
+                          NQ + NT, M, K, k_split, x_s0, s_s0, scale_rows, scale_cols, scale_ncols, r_ptr, r_s0,
+                          nw_ptr, res_out_ptr, normed_ptr, eps, 0, 1, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32,
+                          EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K, K_SUB, False, NORM, HAS_RES, False, WRITE_NORMED,
+                          WRITE_BLOCK, PREFETCH, PDL, TILE_SCALES)
+    elif SCALE_MODE == GROUPED:
+        _fp8_grouped_program(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, ws_split_stride, pid_n, NQ, NQ + NT, K,
+                             k_split, x_s0, s_s0, scale_rows, scale_ncols, r_ptr, r_s0, nw_ptr, res_out_ptr,
+                             normed_ptr, eps, tiles_q, HAS_BIAS, SPLIT, EVEN_K, BLOCK_N, BLOCK_K, SC, K_SUB, NORM,
+                             HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK, PREFETCH, PDL)
     else:
         _fp8_gemv_program(x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, ws_split_stride, pid_n, NQ, 0, NQ + NT, M, K,
                           k_split, x_s0, s_s0, scale_rows, scale_cols, scale_ncols, r_ptr, r_s0, nw_ptr, res_out_ptr,
                           normed_ptr, eps, pid_n, tiles_q, HAS_BIAS, SPLIT, USE_DOT, DOT_FP32, EVEN_K, BLOCK_M,
                           BLOCK_N, BLOCK_K, K_SUB, True, NORM, HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK, PREFETCH,
-                          PDL)
+                          PDL, SCALE_MODE)
 
 
 @_jit
 def _fp8_sub_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, s_base, scale_cols, scale_ncols, acc, squares,
                   IS_FP8: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, USE_DOT: tl.constexpr,
-                  DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr):
-    """acc += (the loaded W tile at column k times x's tile) scaled by its rows' scales for this K tile (16-bit W:
-    unscaled). The dot path scales the tile's fp32 product; the FMA path the converted tile, before its elementwise
-    products. The scale column is clamped: a tile past K (masked to zeros) reads the last one."""
+                  DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  SCALE_MODE: tl.constexpr):
+    """acc += the loaded W tile at column k times x's tile. TILE_SCALES: the product scaled by its rows' scales for
+    this K tile (the dot path scales the tile's fp32 product, the FMA path the converted tile before its products;
+    the scale column is clamped: a tile past K, masked to zeros, reads the last one). ROW_SCALES and 16-bit W:
+    unscaled (the rows' scales apply after the loop)."""
     if not IS_FP8:
         acc, squares = _accumulate_tile(w, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
+                                        NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
+    elif SCALE_MODE == ROW_SCALES:
+        wq = w.to(x_base.dtype.element_ty) if USE_DOT and not DOT_FP32 else w.to(tl.float32)
+        acc, squares = _accumulate_tile(wq, k, K, offs_k, x_base, r_base, nw_ptr, acc, squares,
                                         NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K)
     else:
         s = tl.load(s_base + tl.minimum(k // scale_cols, scale_ncols - 1))
@@ -150,14 +159,15 @@ def _fp8_gemv_program(
     EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_SUB: tl.constexpr,
     IS_FP8: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr, WRITE: tl.constexpr,
     WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    SCALE_MODE: tl.constexpr,
 ):
     """Rows [tile*BLOCK_N, +BLOCK_N) of ``w_ptr``'s ``n_rows`` over K range [pid_k*k_split, +k_split), into y
-    columns ``col0 +`` those rows (row stride N). A loop step takes K_SUB tiles of BLOCK_K (one scale column each),
-    so a program has K_SUB * BLOCK_K weight bytes a row in flight though the scale blocks are narrow; k_split is a
-    multiple of K_SUB * BLOCK_K, so a step never crosses into another split's range. As ``_gemv_program``
-    otherwise: NORM scales the product by each row's 1/rms once after the loop; PREFETCH loads the first tile (a
-    weight: nothing in a step writes it) before the wait; WRITE: the residual and normed rows, their columns split
-    over ``write_programs``."""
+    columns ``col0 +`` those rows (row stride N). A loop step takes K_SUB tiles of BLOCK_K (TILE_SCALES: one scale
+    column each), so a program has K_SUB * BLOCK_K weight bytes a row in flight though the scale blocks are narrow;
+    k_split is a multiple of K_SUB * BLOCK_K, so a step never crosses into another split's range. As
+    ``_gemv_program`` otherwise: NORM scales the product by each row's 1/rms once after the loop; PREFETCH loads the
+    first tile (a weight: nothing in a step writes it) before the wait; WRITE: the residual and normed rows, their
+    columns split over ``write_programs``."""
     pid_k = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -182,13 +192,13 @@ def _fp8_gemv_program(
     if PREFETCH:  # the first step: its first tile loaded early, the rest of it now
         acc, squares = _fp8_sub_tile(w_first, k_lo, K, offs_k, x_base, r_base, nw_ptr, s_base, scale_cols,
                                      scale_ncols, acc, squares, IS_FP8, NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K,
-                                     BLOCK_N, BLOCK_M)
+                                     BLOCK_N, BLOCK_M, SCALE_MODE)
         for j in tl.static_range(1, K_SUB):
             kk = k_lo + j * BLOCK_K
             w = _load_weight_tile(w_base, kk, K, offs_k, EVEN_K)
             acc, squares = _fp8_sub_tile(w, kk, K, offs_k, x_base, r_base, nw_ptr, s_base, scale_cols,
                                          scale_ncols, acc, squares, IS_FP8, NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K,
-                                         BLOCK_N, BLOCK_M)
+                                         BLOCK_N, BLOCK_M, SCALE_MODE)
         k_start += BLOCK_K * K_SUB
     for k in range(k_start, k_hi, BLOCK_K * K_SUB):
         for j in tl.static_range(K_SUB):
@@ -196,18 +206,126 @@ def _fp8_gemv_program(
             w = _load_weight_tile(w_base, kk, K, offs_k, EVEN_K)
             acc, squares = _fp8_sub_tile(w, kk, K, offs_k, x_base, r_base, nw_ptr, s_base, scale_cols,
                                          scale_ncols, acc, squares, IS_FP8, NORM, HAS_RES, USE_DOT, DOT_FP32, EVEN_K,
-                                         BLOCK_N, BLOCK_M)
+                                         BLOCK_N, BLOCK_M, SCALE_MODE)
     if USE_DOT:
         out = acc
     else:
         out = tl.sum(acc, axis=2)
+    if IS_FP8 and SCALE_MODE == ROW_SCALES:
+        out = out * tl.load(s_base)[:, None]
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
+    else:
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    _fp8_epilogue(out, rstd, offs_n, offs_m, rows_m, n_rows, col0, N, M, K, pid_k, x_ptr, x_s0, b_ptr, y_ptr,
+                  ws_ptr, ws_split_stride, r_ptr, r_s0, nw_ptr, res_out_ptr, normed_ptr, write_pid, write_programs,
+                  HAS_BIAS, SPLIT, NORM, HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK)
+
+
+@_jit
+def _load_grouped_tile(w_base, k, K, offs_gc, EVEN_K: tl.constexpr):
+    if EVEN_K:
+        w = tl.load(w_base + k)
+    else:
+        w = tl.load(w_base + k, mask=(k + offs_gc < K)[None, :, :], other=0.0)
+    return w
+
+
+@_jit
+def _grouped_sub_tile(w, k, K, offs_gc, offs_g, x_ptr, r_ptr, nw_ptr, s_row, scale_ncols, acc, squares,
+                      NORM: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr, SC: tl.constexpr):
+    """acc [BLOCK_N, G, SC] += W's [BLOCK_N, G, SC] tile at column k times x's [G, SC] tile scaled by the G scale
+    columns the tile spans (one scale row holds every row of the program's tile). x is scaled, not W: a
+    multiplication per activation, not per weight. With NORM, x's tile is ``(x (+ r)) * nw`` and its squares are
+    summed into ``squares``, as ``_accumulate_tile`` does."""
+    k_mask = k + offs_gc < K
+    if EVEN_K:
+        x_in = tl.load(x_ptr + k + offs_gc)
+    else:
+        x_in = tl.load(x_ptr + k + offs_gc, mask=k_mask, other=0.0)
+    xs = x_in.to(tl.float32)
+    if NORM:
+        if HAS_RES:  # the sum rounded to the activation dtype first, as the torch add does
+            if EVEN_K:
+                r = tl.load(r_ptr + k + offs_gc)
+            else:
+                r = tl.load(r_ptr + k + offs_gc, mask=k_mask, other=0.0)
+            xs = (xs + r.to(tl.float32)).to(x_in.dtype).to(tl.float32)
+        squares += xs * xs
+        xs = xs * tl.load(nw_ptr + k + offs_gc, mask=k_mask, other=0.0).to(tl.float32)
+    s = tl.load(s_row + tl.minimum(k // SC + offs_g, scale_ncols - 1))  # clamped as in ``_fp8_sub_tile``
+    acc += w.to(tl.float32) * (xs * s[:, None])[None, :, :]
+    return acc, squares
+
+
+@_jit
+def _fp8_grouped_program(
+    x_ptr, w_ptr, s_ptr, b_ptr, y_ptr, ws_ptr, ws_split_stride, tile, n_rows, N, K, k_split, x_s0, s_s0,
+    scale_rows, scale_ncols, r_ptr, r_s0, nw_ptr, res_out_ptr, normed_ptr, eps, write_programs,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SC: tl.constexpr, K_SUB: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+    WRITE: tl.constexpr, WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """One row of x (M = 1) against fp8 rows [tile*BLOCK_N, +BLOCK_N) over K range [pid_k*k_split, +k_split) in
+    tiles of BLOCK_K = G * SC columns that span G scale columns: BLOCK_N divides the scale block's rows, so the
+    tile's rows share one scale row and each scale column's scale multiplies x's columns under it. Tiles as wide as
+    the 16-bit kernel's, whatever the scale blocks' width: the same bytes a load, the same bytes in flight."""
+    G: tl.constexpr = BLOCK_K // SC
+    pid_k = tl.program_id(1)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows_n = tl.minimum(offs_n, n_rows - 1).to(tl.int64)
+    offs_g = tl.arange(0, G)
+    offs_gc = offs_g[:, None] * SC + tl.arange(0, SC)[None, :]
+    w_base = w_ptr + rows_n[:, None, None] * K + offs_gc[None, :, :]
+    s_row = s_ptr + ((tile * BLOCK_N) // scale_rows) * s_s0
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, K)
+    acc = tl.zeros((BLOCK_N, G, SC), dtype=tl.float32)
+    squares = tl.zeros((G, SC), dtype=tl.float32)
+    k_start = k_lo
+    if PREFETCH:
+        w_first = _load_grouped_tile(w_base, k_lo, K, offs_gc, EVEN_K)
+    pdl_wait(PDL)
+    if PREFETCH:
+        acc, squares = _grouped_sub_tile(w_first, k_lo, K, offs_gc, offs_g, x_ptr, r_ptr, nw_ptr, s_row,
+                                         scale_ncols, acc, squares, NORM, HAS_RES, EVEN_K, SC)
+        for j in tl.static_range(1, K_SUB):
+            kk = k_lo + j * BLOCK_K
+            w = _load_grouped_tile(w_base, kk, K, offs_gc, EVEN_K)
+            acc, squares = _grouped_sub_tile(w, kk, K, offs_gc, offs_g, x_ptr, r_ptr, nw_ptr, s_row, scale_ncols,
+                                             acc, squares, NORM, HAS_RES, EVEN_K, SC)
+        k_start += BLOCK_K * K_SUB
+    for k in range(k_start, k_hi, BLOCK_K * K_SUB):
+        for j in tl.static_range(K_SUB):
+            kk = k + j * BLOCK_K
+            w = _load_grouped_tile(w_base, kk, K, offs_gc, EVEN_K)
+            acc, squares = _grouped_sub_tile(w, kk, K, offs_gc, offs_g, x_ptr, r_ptr, nw_ptr, s_row, scale_ncols,
+                                             acc, squares, NORM, HAS_RES, EVEN_K, SC)
+    out = tl.sum(tl.sum(acc, axis=2), axis=1)[:, None]
+    offs_m = tl.arange(0, 1)
+    rstd = tl.zeros((1,), dtype=tl.float32)
+    if NORM:
+        rstd += 1.0 / tl.sqrt(tl.sum(tl.sum(squares, axis=1), axis=0) / K + eps)
+    _fp8_epilogue(out, rstd, offs_n, offs_m, offs_m, n_rows, 0, N, 1, K, pid_k, x_ptr, x_s0, b_ptr, y_ptr, ws_ptr,
+                  ws_split_stride, r_ptr, r_s0, nw_ptr, res_out_ptr, normed_ptr, tile, write_programs, HAS_BIAS,
+                  SPLIT, NORM, HAS_RES, WRITE, WRITE_NORMED, WRITE_BLOCK)
+
+
+@_jit
+def _fp8_epilogue(out, rstd, offs_n, offs_m, rows_m, n_rows, col0, N, M, K, pid_k, x_ptr, x_s0, b_ptr, y_ptr, ws_ptr,
+                  ws_split_stride, r_ptr, r_s0, nw_ptr, res_out_ptr, normed_ptr, write_pid, write_programs,
+                  HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                  WRITE: tl.constexpr, WRITE_NORMED: tl.constexpr, WRITE_BLOCK: tl.constexpr):
+    """out [BLOCK_N, BLOCK_M] (rows x x-rows) into y columns ``col0 + offs_n``: the fp32 partial to the split's
+    workspace, or scaled by 1/rms (NORM, ``rstd`` [BLOCK_M]) plus bias, rounded to x's dtype and stored in y's.
+    WRITE: this program's share of the new residual and normed rows."""
     cols = col0 + offs_n
     out_mask = (offs_n < n_rows)[:, None] & (offs_m < M)[None, :]
     if SPLIT:
         tl.store(ws_ptr + pid_k * ws_split_stride + offs_m[None, :] * N + cols[:, None], out, mask=out_mask)
     else:
         if NORM:
-            rstd = 1.0 / tl.sqrt(tl.sum(squares, axis=1) / K + eps)
             out = out * rstd[None, :]
         if HAS_BIAS:
             out += tl.load(b_ptr + cols, mask=offs_n < n_rows, other=0.0).to(tl.float32)[:, None]
@@ -229,23 +347,49 @@ def _fp8_gemv_program(
                          mask=c_mask)
 
 
-FMA_STEP = 512  # M = 1 (and fp32): weight bytes a row a program takes a loop step (K_SUB tiles of BLOCK_K)
+FMA_STEP = 512  # TILE_SCALES at M = 1 (and fp32): weight bytes a row a program takes a loop step
 DOT_STEP = 256  # 16-bit M >= 2
+# M = 1 GROUPED tiles (BLOCK_N, BLOCK_K, K_SUB, num_warps), 4 KiB of fp8 a step: two rows a program while that
+# leaves the GPU few programs, four rows past MANY_ROWS (bench/fp8_kernels.py's variants).
+GROUPED_TILE, GROUPED_WIDE_TILE, MANY_ROWS = (2, 1024, 2, 4), (4, 1024, 1, 4), 16384
+GROUPED_NORM_TILE = (8, 512, 1, 4)  # the norm-fused M = 1 GEMV of >= 1,024 rows
 
 
-def fp8_gemv_config(m: int, n: int, k: int, block_cols: int, dtype: torch.dtype, num_sms: int = 132,
+def scale_mode(m: int, block: tuple[int, int], k: int, use_dot: bool, block_n: int, block_k: int) -> int:
+    """Where the fp8 rows' scales apply. ROW_SCALES: one scale column covers K, so each row's scale multiplies its
+    sum once after the loop (any tile width). GROUPED (one row of x on the FMAs): the tile's rows share a scale row
+    and its width is a multiple of the scale block's, so the scales multiply x's columns (``_fp8_grouped_program``).
+    TILE_SCALES otherwise: a K tile within one scale column, its rows' scales multiply the tile or its product."""
+    rows, cols = block
+    if cols >= k:
+        return ROW_SCALES
+    if m == 1 and not use_dot and cols & (cols - 1) == 0 and block_k % cols == 0 and rows % block_n == 0:
+        return GROUPED
+    return TILE_SCALES
+
+
+def fp8_gemv_config(m: int, n: int, k: int, block: tuple[int, int], dtype: torch.dtype, num_sms: int = 132,
                     use_dot: bool | None = None, norm: bool = False) -> dict[str, int | bool]:
-    """Launch parameters from the shape alone (deterministic). As ``gemv_config``, but BLOCK_K is at most
-    ``scale_tile_limit(block_cols, k)`` (128 for 128-wide blocks) and a loop step takes K_SUB such tiles, so the
-    bytes a program has in flight do not shrink with the scale blocks: M = 1 [8, 128] tiles four a step (4 KiB, as
-    the 16-bit kernel's [2, 1024] bf16) on the FMAs, 16-bit M >= 2 ``tl.dot`` on [64, 128] tiles two a step. ``norm``
-    (no K split): at M = 1 with >= 1,024 rows 8 rows a program, as ``gemv_norm_config``."""
-    k_limit = scale_tile_limit(block_cols, k)
+    """Launch parameters from the shape alone (deterministic), as ``gemv_config``'s. M = 1: GROUPED tiles
+    (``GROUPED_TILE``) of the 16-bit kernel's bytes, spanning several scale columns; where the scale blocks do not
+    allow them, BLOCK_K at most ``scale_tile_limit`` and K_SUB such tiles a step ([8, 128] four a step on the FMAs).
+    16-bit M >= 2: ``tl.dot`` on [64, 128] tiles two a step (any tile width with ROW_SCALES). ``norm`` (no K split):
+    at M = 1 with >= 1,024 rows 8 rows a program, as ``gemv_norm_config``."""
+    rows, cols = block
+    k_limit = 1 << max(0, (k - 1).bit_length()) if cols >= k else scale_tile_limit(cols, k)
     use_dot = dtype != torch.float32 and m > 1 if use_dot is None else use_dot
     use_dot = use_dot and k_limit >= 16
+    warps = 4
+    grouped = GROUPED_NORM_TILE if norm and n >= 1024 else GROUPED_WIDE_TILE if n >= MANY_ROWS else GROUPED_TILE
     if use_dot:
         block_m, block_n, block_k, stages = 16, 64, min(k_limit, DOT_STEP), 4
         k_sub = max(1, DOT_STEP // block_k)
+    elif m == 1 and cols < k and cols & (cols - 1) == 0 and (rows % grouped[0] == 0 or rows == 1):
+        block_m, stages = 1, 3
+        block_n, block_k, k_sub, warps = grouped
+        if rows % block_n:  # one-row scale blocks: one row a program, its tile as many bytes
+            block_n, block_k = 1, block_k * block_n
+        block_k = max(cols, min(block_k, triton.next_power_of_2(k)))
     else:  # the [BLOCK_N, BLOCK_M, BLOCK_K] fp32 accumulator stays at <= 32 registers a thread (4 warps)
         block_m, stages = triton.next_power_of_2(m), 3
         block_k = min(k_limit, 1024 // block_m)
@@ -254,14 +398,17 @@ def fp8_gemv_config(m: int, n: int, k: int, block_cols: int, dtype: torch.dtype,
             block_n, block_k = 8, min(k_limit, 512)
         k_sub = max(1, FMA_STEP // block_k)
     lo = 16 if use_dot else 1
-    block_k = min(block_k, max(lo, triton.next_power_of_2(k)))
+    block_k = min(block_k, max(lo, triton.next_power_of_2(k))) if cols >= k or block_k <= cols else block_k
     block_n = min(block_n, max(lo, triton.next_power_of_2(n)))
     k_sub = max(1, min(k_sub, triton.next_power_of_2(triton.cdiv(k, block_k))))
     tiles_n, steps, split_k = triton.cdiv(n, block_n), triton.cdiv(k, block_k * k_sub), 1
+    if use_dot:  # [64, 128] fp8 tiles: split until about two programs an SM, keeping >= 4 steps a split
+        while not norm and tiles_n * split_k * 2 <= 2 * num_sms and steps >= 8 * split_k:
+            split_k *= 2
     while not norm and tiles_n * split_k <= num_sms // 4 and steps >= 8 * split_k:
         split_k *= 2
     return {"block_m": block_m, "block_n": block_n, "block_k": block_k, "k_sub": k_sub, "split_k": split_k,
-            "num_warps": 4, "num_stages": stages, "use_dot": use_dot}
+            "num_warps": warps, "num_stages": stages, "use_dot": use_dot}
 
 
 def _check_operands(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
@@ -305,9 +452,9 @@ def fp8_gemv_triton(
     sms = _num_sms(x.device.index or 0) if x.is_cuda else 132
     pdl = pdl_launch(x)
     row_loop = row_loop and m > 1  # one row: the plain launch is the same program
-    cfg = fp8_gemv_config(1 if row_loop else m, n, k, block[1], x.dtype, sms, use_dot)
+    cfg = fp8_gemv_config(1 if row_loop else m, n, k, block, x.dtype, sms, use_dot)
     bn, bk, sub = block_n or cfg["block_n"], block_k or cfg["block_k"], k_sub or cfg["k_sub"]
-    _check_blocks(bn, bk, sub, cfg["use_dot"], block[1], k)
+    mode = _checked_mode(1 if row_loop else m, bn, bk, sub, cfg["use_dot"], block, k)
     step = bk * sub
     k_split = triton.cdiv(triton.cdiv(k, step), split_k or cfg["split_k"]) * step  # whole loop steps
     splits = triton.cdiv(k, k_split)
@@ -323,7 +470,8 @@ def fp8_gemv_triton(
         DOT_FP32=cfg["use_dot"] and (INTERPRET or x.dtype == torch.float32), EVEN_K=k % step == 0,
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, K_SUB=sub, HAS_TAIL=nt > 0,
         num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-        PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop, **pdl,
+        PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop, SCALE_MODE=mode, SC=block[1],
+        **pdl,
     )
     if splits > 1:
         _splitk_reduce_kernel[(triton.cdiv(m * n, 1024),)](
@@ -350,9 +498,9 @@ def fp8_gemv_norm_triton(
     r = x if residual is None else (residual if residual.stride(1) == 1 else residual.contiguous())
     pdl = pdl_launch(x)
     row_loop = row_loop and m > 1
-    cfg = fp8_gemv_config(1 if row_loop else m, n, k, block[1], x.dtype, norm=True)
+    cfg = fp8_gemv_config(1 if row_loop else m, n, k, block, x.dtype, norm=True)
     bn, bk, sub = block_n or cfg["block_n"], block_k or cfg["block_k"], k_sub or cfg["k_sub"]
-    _check_blocks(bn, bk, sub, cfg["use_dot"], block[1], k)
+    mode = _checked_mode(1 if row_loop else m, bn, bk, sub, cfg["use_dot"], block, k)
     nt = 0 if tail is None else tail.shape[0]
     tiles_q = triton.cdiv(nq, bn)
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
@@ -368,14 +516,17 @@ def fp8_gemv_norm_triton(
         BLOCK_M=cfg["block_m"], BLOCK_N=bn, BLOCK_K=bk, K_SUB=sub, HAS_TAIL=nt > 0, NORM=True,
         HAS_RES=residual is not None, WRITE=residual is not None or write_normed, WRITE_NORMED=write_normed,
         WRITE_BLOCK=write_block, PREFETCH=bool(pdl) if prefetch is None else prefetch, ROW_LOOP=row_loop,
-        num_warps=num_warps or cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
+        SCALE_MODE=mode, SC=block[1], num_warps=num_warps or cfg["num_warps"], num_stages=cfg["num_stages"], **pdl,
     )
     return out
 
 
-def _check_blocks(bn: int, bk: int, k_sub: int, use_dot: bool, block_cols: int, k: int) -> None:
+def _checked_mode(m: int, bn: int, bk: int, k_sub: int, use_dot: bool, block: tuple[int, int], k: int) -> int:
+    """The launch's ``scale_mode``, after checking its tiles."""
     if bn & (bn - 1) or bk & (bk - 1) or (use_dot and min(bn, bk) < 16) or k_sub < 1:
         raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two (>= 16 for the dot path), k_sub "
                          f"{k_sub} >= 1")
-    if bk > scale_tile_limit(block_cols, k):
-        raise ValueError(f"block_k {bk} spans two {block_cols}-wide scale columns")
+    mode = scale_mode(m, block, k, use_dot, bn, bk)
+    if mode == TILE_SCALES and bk > scale_tile_limit(block[1], k):
+        raise ValueError(f"block_k {bk} spans two {block[1]}-wide scale columns")
+    return mode

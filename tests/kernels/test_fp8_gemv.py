@@ -10,16 +10,14 @@ real shapes, the tensor-core path and CUDA-graph capture.
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
 from kernels.fp8 import quantize_fp8_block_ref
-from kernels.triton_fp8_gemv import (fp8_gemv_config, fp8_gemv_norm_ref, fp8_gemv_norm_triton, fp8_gemv_ref,
-                                     fp8_gemv_triton)
+from kernels.triton_fp8_gemv import (GROUPED, _checked_mode, fp8_gemv_config, fp8_gemv_norm_ref,
+                                     fp8_gemv_norm_triton, fp8_gemv_ref, fp8_gemv_triton)
 from kernels.triton_gemv import SKINNY_MAX_M
 from tests.kernels.fp8_checks import DEVICE, close, randn
-
 
 
 def block_of(kind: str, n: int, k: int) -> tuple[int, int]:
@@ -109,17 +107,52 @@ def test_fp8_row_loop_equals_one_row_calls(dtype, m):
         assert torch.equal(getattr(normed, field), torch.cat([getattr(s, field) for s in singles])), field
 
 
-def test_fp8_gemv_config_stays_in_one_scale_column():
+def test_fp8_gemv_config_tiles_fit_their_scales():
+    """Every heuristic launch is valid: a TILE_SCALES tile within one scale column, a GROUPED tile (one row of x)
+    whose rows share a scale row and whose width is whole scale columns, any width under one scale column."""
     for m in range(1, SKINNY_MAX_M + 1):
-        for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (5, 3)]:
-            for dtype, norm in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
-                cfg = fp8_gemv_config(m, n, k, 128, dtype, norm=norm)
-                assert cfg == fp8_gemv_config(m, n, k, 128, dtype, norm=norm)
-                assert 128 % cfg["block_k"] == 0 or cfg["block_k"] >= k  # never two scale columns a tile
-                assert cfg["k_sub"] >= 1 and (k < 512 or cfg["block_k"] * cfg["k_sub"] >= 256)
-                assert all(cfg[key] & (cfg[key] - 1) == 0 for key in ("block_m", "block_n", "block_k", "split_k"))
-                assert not norm or cfg["split_k"] == 1
-    assert fp8_gemv_config(1, 4096, 4096, 4096, torch.bfloat16)["block_k"] > 128  # a channel scale: wider tiles
+        for n, k in [(4096, 4096), (6144, 4096), (24576, 4096), (4096, 12288), (151936, 4096), (5, 3), (130, 160)]:
+            for block in ((128, 128), (1, 128), (1, k), (n, k)):
+                for dtype, norm in ((torch.bfloat16, False), (torch.float32, False), (torch.bfloat16, True)):
+                    cfg = fp8_gemv_config(m, n, k, block, dtype, norm=norm)
+                    assert cfg == fp8_gemv_config(m, n, k, block, dtype, norm=norm)
+                    mode = _checked_mode(m, cfg["block_n"], cfg["block_k"], cfg["k_sub"], cfg["use_dot"], block, k)
+                    if m == 1 and block[1] < k:
+                        assert mode == GROUPED
+                    assert cfg["k_sub"] >= 1 and (k < 512 or cfg["block_k"] * cfg["k_sub"] >= 256)
+                    assert all(cfg[key] & (cfg[key] - 1) == 0 for key in ("block_m", "block_n", "block_k",
+                                                                            "split_k"))
+                    assert not norm or cfg["split_k"] == 1
+    assert fp8_gemv_config(1, 4096, 4096, (128, 128), torch.bfloat16)["block_k"] > 128  # grouped: wide tiles
+    assert fp8_gemv_config(4, 4096, 4096, (1, 4096), torch.bfloat16)["block_k"] > 128  # a channel scale: too
+
+
+@pytest.mark.parametrize("dtype,norm,residual,kind,split_k", [
+    (torch.float32, False, False, "block", 1), (torch.bfloat16, False, False, "block", 2),
+    (torch.float32, True, True, "block", 1), (torch.bfloat16, True, False, "rowblock", 1),
+    (torch.float32, False, False, "rowblock", 3)])
+def test_fp8_gemv_grouped_tiles_span_scale_columns(dtype, norm, residual, kind, split_k):
+    """GROUPED (one row of x): a K tile of several 32-wide scale columns, its rows in one scale row (128-row blocks
+    with 2 rows a program; one-row blocks with one), K ragged in the tile, a 16-bit tail, forced split-K."""
+    n, k, tail_rows = 70, 200, 3
+    block = (128, 32) if kind == "block" else (1, 32)
+    q, scale = quantize_fp8_block_ref(randn(n, k, seed=21, scale=k ** -0.5), block)
+    x = randn(1, k, dtype=dtype, seed=22)
+    tail = randn(tail_rows, k, dtype=dtype, seed=23, scale=k ** -0.5)
+    bias = randn(n + tail_rows, dtype=dtype, seed=24)
+    bn = 2 if kind == "block" else 1
+    assert _checked_mode(1, bn, 64, 2, False, block, k) == GROUPED
+    if norm:
+        r = randn(1, k, dtype=dtype, seed=25) if residual else None
+        nw = (1 + 0.3 * randn(k, seed=26)).to(dtype)
+        out = fp8_gemv_norm_triton(x, r, nw, 1e-6, q, scale, block, bias, True, tail=tail, block_n=bn, block_k=64,
+                                   k_sub=2)
+        ref = fp8_gemv_norm_ref(x, r, nw, 1e-6, q, scale, block, bias, True, tail)
+        for field in ("y", "residual", "normed"):
+            close(getattr(out, field), getattr(ref, field))
+    else:
+        out = fp8_gemv_triton(x, q, scale, block, bias, tail=tail, block_n=bn, block_k=64, k_sub=2, split_k=split_k)
+        close(out, fp8_gemv_ref(x, q, scale, block, bias, tail))
 
 
 def test_fp8_gemv_errors():

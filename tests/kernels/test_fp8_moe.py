@@ -10,7 +10,6 @@ shapes (256 experts and the folded shared expert, H 2048, I 512, top-8).
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -76,14 +75,18 @@ def test_fp8_and_16bit_stacks_mix():
         assert torch.equal(fused_moe(x.cpu(), w13, w2, tw.cpu(), ids.cpu()), fused_moe_ref(x, w13, w2, tw, ids))
 
 
-def test_fp8_moe_tiles_stay_in_a_scale_column():
-    """A config whose K tile would span two scale columns (the 16-bit table's, or an override) takes narrower tiles
-    and more of them a step: the same values."""
+def test_fp8_moe_tiles_span_scale_columns():
+    """A gate/up K tile of two scale columns (each chunk's scale multiplies x under it) gives the same values; a
+    down K tile past one scale column, or rows that straddle scale rows, are refused by name."""
     w13, w2 = stacks("block")
     x = randn(1, H, seed=7)
     tw, ids = routing(1, E, K)
-    got = fused_moe_decode_triton(x, w13, w2, tw, ids, gate_up_config=(8, 256, 4), down_config=(4, 256, 4))
+    got = fused_moe_decode_triton(x, w13, w2, tw, ids, gate_up_config=(8, 256, 4), down_config=(4, 128, 4))
     close(got, fused_moe_ref(x, w13, w2, tw, ids))
+    with pytest.raises(ValueError, match="down BLOCK_K 256"):
+        fused_moe_decode_triton(x, w13, w2, tw, ids, down_config=(4, 256, 4))
+    with pytest.raises(ValueError, match="gate_up BLOCK_N 16"):
+        fused_moe_decode_triton(x, *stacks("row"), tw, ids, gate_up_config=(16, 128, 4))
 
 
 QWEN35 = dict(experts=257, hidden=2048, inter=512)  # 256 routed + the folded shared expert

@@ -134,7 +134,7 @@ def test_fused_moe_dispatch_by_slot_count(monkeypatch, t, expected):
     calls = []
     monkeypatch.setattr(kernels.dispatch, "use_triton", lambda device: True)
     monkeypatch.setattr(kernels.triton_moe_decode, "fused_moe_decode_triton",
-                        lambda *a: calls.append("decode") or fused_moe_ref(*a))
+                        lambda *a, **_: calls.append("decode") or fused_moe_ref(*a))
     monkeypatch.setattr(kernels.triton_moe, "fused_moe_triton", lambda *a: calls.append("grouped") or fused_moe_ref(*a))
     x = randn(t, H, seed=10)
     w13, w2 = weights()
@@ -194,6 +194,5 @@ def test_rows_as_decode_passes_one_tokens_configs(monkeypatch):
     moe.fused_moe(x, w13, w2, tw, ids)
     with kernels.dispatch.rows_as_decode():
         moe.fused_moe(x, w13, w2, tw, ids)
-    gate_up, down = decode.decode_config(1, K)
-    assert seen == [{}, {"gate_up_config": gate_up, "down_config": down}]
-    assert decode.decode_config(5, K) != (gate_up, down)  # the configs differ at this T
+    assert seen == [{"table_tokens": None}, {"table_tokens": 1}]
+    assert decode.decode_config(5, K) != decode.decode_config(1, K)  # the configs differ at this T
