@@ -164,7 +164,7 @@ def main() -> None:
         results.append(entry)
         hybrid = bool(shape.get("linear_num_value_heads"))
         steps = [(f"{fmt}", lambda fmt=fmt: b1_off_entry(a, entry, model_dir, shape, fmt, copy_gbps))
-                 for fmt in ("bf16", "fp8")]
+                 for fmt in ("bf16", "fp8") if not {"b1", "off"} <= set(a.skip)]
         if hybrid and "serve" not in a.skip:
             steps += [(f"serve_{fmt}", lambda fmt=fmt: entry.__setitem__(
                 f"serve_c64_{fmt}", serve_c64(a, model_dir, None if fmt == "bf16" else "fp8", out_dir)))

@@ -168,8 +168,8 @@ def subprocess_json(cmd: list[str], out: str, timeout: float) -> dict:
 
 def kernels(a: argparse.Namespace, ceil: dict | None) -> dict:
     """Triton attention (decode GB/s beside copy bandwidth, prefill TFLOP/s beside matmul) and per-layer ops."""
-    from kernels.bench_attention import bench_decode_attention, bench_prefill_attention
-    from kernels.bench_ops import bench_ops
+    from bench.kernel_attention import bench_decode_attention, bench_prefill_attention
+    from bench.kernel_ops import bench_ops
 
     dec_cases = [(1, 1024), (8, 1024)] if a.quick else [(1, 1024), (1, 4096), (64, 1024), (64, 4096), (256, 1024),
                                                         (256, 4096)]

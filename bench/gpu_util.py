@@ -12,7 +12,7 @@ sys.path.insert(0, ROOT)
 
 import torch  # noqa: E402
 
-from kernels.bench_attention import cuda_time_ms  # noqa: E402
+from bench.kernel_attention import cuda_time_ms  # noqa: E402
 
 T0 = time.perf_counter()  # the run's start, for log timestamps and the time budget
 

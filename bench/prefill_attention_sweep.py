@@ -6,7 +6,7 @@
 Default shape: the last turn of ``bench/prefix_cache.py``'s conversation on the Qwen3-8B shape (1,600 new tokens after
 30,336 cached, 32 query heads over 8 KV heads of 128, blocks of 16). Each variant is a ``TritonAttentionPlan``
 (rows x keys a tile, warps, pipeline stages, KV splits); the default heuristic is the first row. TFLOP/s counts
-4 x head_dim FLOPs a query-key pair a head, as ``kernels/bench_attention.py`` does.
+4 x head_dim FLOPs a query-key pair a head, as ``bench/kernel_attention.py`` does.
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from kernels.bench_attention import bench_prefill_attention  # noqa: E402
+from bench.kernel_attention import bench_prefill_attention  # noqa: E402
 from kernels.triton_paged_attention import TritonAttentionPlan  # noqa: E402
 
 # (BLOCK_M rows, BLOCK_N keys, warps, stages, splits); None: the heuristic's

@@ -133,7 +133,7 @@ def main() -> None:
         with socket.socket() as sock:
             sock.bind(("127.0.0.1", 0))
             port = sock.getsockname()[1]
-        command = [sys.executable, "-m", "pipeline.cli", "serve", "--port", str(port),
+        command = [sys.executable, "-m", "cli", "serve", "--port", str(port),
                    "--max-num-seqs", str(max(64, args.max_concurrency)), *args.server_args.split()]
         if args.model:
             command += ["--model", args.model]

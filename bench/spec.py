@@ -112,45 +112,6 @@ async def profile_run(engine: Engine, batch: list[list[int]], new_tokens: int, d
     prof.export_chrome_trace(out.replace(".json", "-trace.json"))
 
 
-async def host_times_run(engine: Engine, batch: list[list[int]], new_tokens: int, drafter, k: int) -> dict:
-    """One run with the speculative cycle's host functions timed (bench/host_times.py): per name, calls and time."""
-    from host_times import cycle_timeline, host_times
-
-    from pipeline.runner.cuda_graphs import DecodeGraphs
-    from pipeline.runner.model_runner import ModelRunner
-    from pipeline.runner.sampling_batch import SamplingBatch
-    from pipeline.stages.decode import DecodeStage
-    from pipeline.stages.detokenize import DetokenizeStage
-    from pipeline.stages.verify import VerifyStage
-    import pipeline.runner.sampler as sampler
-    import pipeline.stages.verify as verify
-    import pipeline.step_planner as step_planner
-    import torch
-    from pipeline.runner.host_staging import HostStaging
-    from pipeline.runner.token_feed import TokenFeed
-    from pipeline.spec.device_drafts import DeviceDrafts
-
-    decode = engine.decode
-    decode.drafter, decode.draft_budget.k = drafter, k
-    targets = [(DecodeStage, "_complete"), (DecodeStage, "_draft"), (DecodeStage, "build_rows"),
-               (DecodeStage, "_fill_rows"), (DecodeStage, "emit"), (VerifyStage, "drafts"),
-               (step_planner.StepPlanner, "compose"), (step_planner, "build_step_plan"),
-               (type(engine.executor), "_launch_step"), (DecodeStage, "_complete_verify"),
-               (ModelRunner, "prepare"), (SamplingBatch, "from_rows"), (DecodeGraphs, "run"),
-               (type(engine.executor), "fetch"), (type(drafter), "plan"), (type(drafter), "draft"),
-               (ModelRunner, "forward"), (ModelRunner, "sample"), (sampler, "apply_logits_pipeline"),
-               (sampler, "pick_tokens"), (TokenFeed, "apply"), (DeviceDrafts, "fill"), (torch.cuda.CUDAGraph, "replay"),
-               (verify, "_draft_into"), (HostStaging, "upload"), (type(engine.executor), "launch"),
-               (type(engine.executor), "post"), (DetokenizeStage, "_process")]
-    rows = decode.spec.verify_rows
-    started = time.perf_counter()
-    timeline: list = []
-    with host_times(targets, timeline) as report:
-        await batch_run(engine, batch, new_tokens)
-    return dict(wall_ms=round((time.perf_counter() - started) * 1e3, 3), verify_rows=decode.spec.verify_rows - rows,
-                functions=report, timeline_us=cycle_timeline(timeline, 160))
-
-
 async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[dict]:
     decode, out = engine.decode, []
     served = decode.drafter
@@ -167,11 +128,6 @@ async def workloads(engine: Engine, sizes: dict, a: argparse.Namespace) -> list[
         elif a.profile and batch_size == sizes["batches"][0]:
             await profile_run(engine, batch, sizes["new"], next(drafters(served, a.method, a.modes, a.errors,
                                                                           continuations))[1], a.ks[0], a.out)
-        if a.host_times and batch_size == sizes["batches"][0]:
-            timed = await host_times_run(engine, batch, sizes["new"], next(drafters(
-                served, a.method, a.modes, a.errors, continuations))[1], a.ks[0])
-            out.append({"batch": batch_size, "k": a.ks[0], "host_times": timed})
-            print(json.dumps(out[-1]), flush=True)
         for k in a.ks:
             for label, drafter in drafters(served, a.method, a.modes, a.errors, continuations):
                 decode.drafter = drafter
@@ -223,8 +179,6 @@ def main() -> None:
     ap.add_argument("--new-tokens", type=int, default=None, help="output tokens per request (default 256)")
     ap.add_argument("--profile", action="store_true", help="profile the first batch's first drafter run")
     ap.add_argument("--profile-plain", action="store_true", help="profile the first batch's plain run instead")
-    ap.add_argument("--host-times", action="store_true",
-                    help="time the speculative cycle's host functions in the first batch's first drafter run")
     ap.add_argument("--gil-switch-interval", type=float, default=None, metavar="SECONDS",
                     help="EngineConfig.gil_switch_interval_s (default: the engine's)")
     ap.add_argument("--exact-speculation", action="store_true",

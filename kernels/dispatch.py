@@ -1,13 +1,12 @@
 """Pick the implementation of each per-layer op: Triton on CUDA, the torch reference elsewhere.
 
 ``use_triton(device)`` is the single switch: True for a CUDA device when triton imports and
-``CONVEYOR_DISABLE_TRITON`` is not ``"1"`` (read at call time, so tests and debugging can flip it). Both paths
-have the same semantics, including ``write_kv`` skipping padding slots (< 0).
+``CONVEYOR_DISABLE_TRITON=1`` (``envs.DISABLE_TRITON``) is not set, read at each call so tests and debugging can
+flip it. Both paths have the same semantics, including ``write_kv`` skipping padding slots (< 0).
 """
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -15,6 +14,7 @@ from contextvars import ContextVar
 import torch
 import torch.nn.functional as F
 
+import envs
 from kernels import triton_compat
 from kernels.triton_activation import silu_and_mul_ref, silu_and_mul_triton
 from kernels.triton_embedding import embedding_ref, embedding_triton
@@ -59,7 +59,7 @@ def use_triton(device: torch.device | str) -> bool:
     """True when the ops on ``device`` should run the Triton kernels."""
     if torch.device(device).type != "cuda":
         return False
-    if os.environ.get("CONVEYOR_DISABLE_TRITON") == "1":
+    if envs.DISABLE_TRITON.get():
         return False
     return triton_available()
 
@@ -91,8 +91,8 @@ def apply_rotary_(
 
 
 def skinny_linear_applies(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Decode-sized bf16/fp16 projections on the GPU: our weight-streaming kernel beat cuBLAS there
-    (kernels/triton_gemv.py; H100, every Qwen3-8B projection shape at M = 1..16). An FP8 weight
+    """Decode-sized bf16/fp16 projections on the GPU, where the weight-streaming kernel (kernels/triton_gemv.py) is
+    faster than cuBLAS at these sizes (``bench/gemv_tune.py`` times both). An FP8 weight
     (float8_e4m3fn, with its scales) takes the FP8 GEMV (kernels/triton_fp8_gemv.py) for any activation dtype."""
     if not (use_triton(x.device) and x.dim() == 2 and 1 <= x.shape[0] <= SKINNY_MAX_M and weight.is_contiguous()):
         return False
@@ -128,8 +128,8 @@ def norm_linear(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: tor
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
                bias: torch.Tensor | None = None, tail: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ [dequantize(W); tail]^T (+ bias)`` for an FP8 weight W [NQ, K] with its scale grid and optional 16-bit
-    ``tail`` rows: the FP8 GEMV at decode sizes and dequantize-then-cuBLAS (``dequant_linear``) above on the GPU, the torch
-    reference (``fp8_gemv_ref``) elsewhere."""
+    ``tail`` rows: the FP8 GEMV at decode sizes and dequantize-then-cuBLAS (``dequant_linear``) above on the GPU, the
+    torch reference (``fp8_gemv_ref``) elsewhere."""
     if skinny_linear_applies(x, weight):
         return skinny_linear(x, weight, bias, None, scale, block, tail)
     if not use_triton(x.device):

@@ -12,7 +12,7 @@ every kernel leave the memory system idle. A kernel launched with ``pdl_launch(t
 and it starts the same way: it may read what no kernel writes (its weights) at once, then ``gdc_wait``s for the
 kernel before it to finish before it reads an activation or writes anything. Every program of such a kernel waits,
 unconditionally, before it writes or exits, so 'the kernel before finished' means 'every kernel before finished'.
-``CONVEYOR_PDL=0`` turns it off (read once, at the first launch on a device).
+``CONVEYOR_PDL=0`` (``envs.PDL``) turns it off; it is read once per device, at the device's first launch.
 
 Early reads: a decode kernel whose inputs are mostly state from earlier steps reads that state before its wait,
 overlapping the kernels it waits on: the decode attention its cached keys (all but the step's own key), the Gated
@@ -20,12 +20,13 @@ DeltaNet recurrence and conv their state slots, the MoE down kernel the routing 
 after its own wait, ``LATE_TRIGGER``) and its first weight tile. The rule that makes this safe: nothing a kernel
 reads before its wait may be written by a kernel of the same step before it, except by a kernel that has finished
 by the time this one launches. Slots, block tables and lengths are host copies made before the step's kernels, and
-each layer's state is written only by that layer's own kernel. ``CONVEYOR_EARLY_LOADS=0`` waits first
-(measurements in bench/README.md)."""
+each layer's state is written only by that layer's own kernel."""
 from __future__ import annotations
 
 import functools
 import os
+
+import envs
 
 try:
     import triton
@@ -44,14 +45,13 @@ except ImportError:  # no triton, or one without grid dependency control: PDL st
     gdc_launch_dependents = gdc_wait = None
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # the Triton interpreter runs the kernels (CPU tests)
-EARLY_LOADS = os.environ.get("CONVEYOR_EARLY_LOADS", "1") != "0"  # early reads under PDL: the module docstring
 
 
 @functools.cache
 def _pdl_supported(device_index: int) -> bool:
     import torch
 
-    return (gdc_wait is not None and not INTERPRET and os.environ.get("CONVEYOR_PDL", "1") != "0"
+    return (gdc_wait is not None and not INTERPRET and envs.PDL.get()
             and torch.cuda.get_device_capability(device_index)[0] >= 9)
 
 

@@ -25,29 +25,28 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl
 from kernels.triton_fp8_kv import is_fp8_kv, read_scales
 from kernels.triton_paged_attention import (TritonAttentionPlan, attend_tile, block_pow2, check_query, dtype_choices,
-                                            num_sms_of, output_gate, score_scale, split_reduce_kernel)
+                                            num_sms_of, output_gate, score_scale)
 
 MIN_SPLIT_TOKENS = 256  # a decode split below this many keys costs more in partial writes + reduce than it saves
-MAX_SPLITS = 128  # H200, Qwen3.5-35B-A3B B1 after 32k tokens: 333.4 tok/s with 64, 350.9 with 128 (2 KV heads)
+# The most splits of one row: a long context with 2 KV heads (Qwen3.5-35B-A3B) at batch 1 needs about this many for
+# WAVES programs an SM.
+MAX_SPLITS = 128
 WAVES = 2  # decode aims at this many programs per SM
-# The reduce reads which splits hold keys from the row's length before its wait, and loads the partials' outputs
-# with their log-sum-exps instead of after them (``split_reduce_kernel``'s USED_FROM_LEN): an early read.
-REDUCE_USED_FROM_LEN = EARLY_LOADS
-# With the reduce reading the used splits from the length, a split with no keys loads and stores nothing (at batch 1
-# most of a graph's splits are empty: they are sized for the longest context).
+# The reduce (``_decode_reduce_kernel``) reads which splits hold keys from the row's length before its wait, and
+# loads the partials' outputs with their log-sum-exps instead of after them: an early read (kernels/triton_compat).
+# A split with no keys then loads and stores nothing (at batch 1 most of a graph's splits are empty: they are sized
+# for the longest context).
 SKIP_EMPTY_SPLITS = True
 # A row using at most this many splits is combined from a [16, head_dim] tile (``_decode_reduce_kernel``), where a
-# graph sized for the longest context loads one of all its splits. H200, Qwen3-30B-A3B batch-1 step at 256 keys
-# (66 splits): 2.353 ms with a 16-split tile, 2.389 with 64.
+# graph sized for the longest context would load one of all its splits.
 REDUCE_SHORT_SPLITS = 16
-# Keys a tile of the split kernel for head dims up to 128 (a plan may set another). H200 batch-1 step: 32 is
-# 0.005-0.011 ms faster at 256-384 keys but cuts B1 after a 32k prompt from 293 to 258 tok/s
-# (results/b1-decode-block-n-h200-8c662fb.json, results/b1-small-whole-rows-h200-d021a42.json).
+# Keys a tile of the split kernel for head dims up to 128 (a plan may set another): a smaller tile saves a little at
+# short contexts and loses far more at long ones (bench/results/b1-decode-block-n-*.json).
 DECODE_BLOCK_N = 64
 
 
@@ -75,7 +74,7 @@ def _decode_split_kernel(
     HEAD_DIM: tl.constexpr, D_PAD: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr,
     BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, DIRECT: tl.constexpr,
     DOT_FP32: tl.constexpr, PRECISION: tl.constexpr, GATED: tl.constexpr, PDL: tl.constexpr = False,
-    EARLY: tl.constexpr = True, ROWS: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
+    ROWS: tl.constexpr = False, SKIP_EMPTY: tl.constexpr = False,
     KV_FP8: tl.constexpr = False,
 ):
     """Program (b, kvh, split): one split of row b's keys for the query heads of KV head kvh.
@@ -87,8 +86,6 @@ def _decode_split_kernel(
     key from there on is this step's, read only after the wait. Nothing else differs: the same tiles and
     operations, so a token's output is bitwise the one a one-token decode row at its position gets. ``KV_FP8``: the
     cache holds e4m3; ``qk_scale`` carries k_scale and each split's output is scaled by ``v_scale``."""
-    if not EARLY:
-        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -120,8 +117,7 @@ def _decode_split_kernel(
     old = (n_ok & (offs_n < new_from))[:, None] & dim_ok[None, :]
     k = tl.load(k_base + kv_off, mask=old, other=0.0)
     v = tl.load(v_base + kv_off, mask=old, other=0.0)
-    if EARLY:
-        pdl_wait(PDL)
+    pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     if ROWS:  # the step's keys up to the row's own, those in this tile (n_ok: below end <= seq_len)
         new = (n_ok & (offs_n >= new_from))[:, None] & dim_ok[None, :]
     else:
@@ -264,23 +260,18 @@ def _decode_launch(query: torch.Tensor, kv_cache_layer: torch.Tensor, block_tabl
         out.stride(0), out.stride(1), *g_strides, row_seq, new_from,
         HEAD_DIM=d, D_PAD=d_pad, GROUP=group, G_PAD=block_pow2(group), BLOCK_SIZE=kv_cache_layer.shape[2],
         BLOCK_N=block_n, DIRECT=direct, DOT_FP32=fp32, PRECISION=precision, GATED=gate is not None, num_warps=4,
-        num_stages=2, EARLY=EARLY_LOADS, ROWS=rows is not None,
-        SKIP_EMPTY=not direct and REDUCE_USED_FROM_LEN and SKIP_EMPTY_SPLITS, KV_FP8=is_fp8_kv(kv_cache_layer),
+        num_stages=2, ROWS=rows is not None, SKIP_EMPTY=not direct and SKIP_EMPTY_SPLITS,
+        KV_FP8=is_fp8_kv(kv_cache_layer),
         **pdl_launch(query),
     )
     if not direct:
         s_pad = block_pow2(splits, 2)
         reduce_args = (part_acc, part_lse, out, g, splits, out.stride(0), out.stride(1), *g_strides)
-        if REDUCE_USED_FROM_LEN:
-            _decode_reduce_kernel[(R, H)](
-                *reduce_args, seq_lens, block_n, HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad,
-                SHORT=min(REDUCE_SHORT_SPLITS, s_pad), GATED=gate is not None,
-                num_warps=8 if s_pad * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
-                **pdl_launch(query))
-        else:
-            split_reduce_kernel[(R, H)](
-                *reduce_args, HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad, GATED=gate is not None,
-                num_warps=8 if s_pad * d_pad > 16384 else 4, **pdl_launch(query))
+        _decode_reduce_kernel[(R, H)](
+            *reduce_args, seq_lens, block_n, HEAD_DIM=d, D_PAD=d_pad, S_PAD=s_pad,
+            SHORT=min(REDUCE_SHORT_SPLITS, s_pad), GATED=gate is not None,
+            num_warps=8 if s_pad * d_pad > 16384 else 4,  # the partials tile: <= 128 fp32 a thread
+            **pdl_launch(query))
     return out
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn_chunked import chunked_forward, gate_values, load_state_slice
@@ -63,12 +63,10 @@ def _recurrent_kernel(
     stride_oh, stride_ss, stride_sh, stride_sk, stride_zt, stride_zh,
     GROUP: tl.constexpr, DK: tl.constexpr, DV: tl.constexpr, DK_PAD: tl.constexpr, BV: tl.constexpr,
     L2NORM: tl.constexpr, NORM: tl.constexpr, PROD_DTYPE: tl.constexpr, KEEP: tl.constexpr = False,
-    PDL: tl.constexpr = False, EARLY: tl.constexpr = True,
+    PDL: tl.constexpr = False,
 ):
     """NORM (BV covers DV): each token's output goes through the gated RMSNorm (``rms_norm_gated_ref``'s rounding)
     before it is stored. KEEP: after token t, the slice also goes to slot ``keep_ptr[t]`` when that is >= 0."""
-    if not EARLY:
-        pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
     h = tl.program_id(1)
     lo = tl.load(qsl_ptr + b)
@@ -80,8 +78,7 @@ def _recurrent_kernel(
         slots_ptr, init_ptr, state_ptr, b, h, stride_ss, stride_sh, stride_sk, DK, DV, DK_PAD, BV)
     a_log = tl.load(a_log_ptr + h).to(tl.float32)
     dt_bias = tl.load(dt_bias_ptr + h).to(tl.float32)
-    if EARLY:
-        pdl_wait(PDL)  # every program waits, before it writes or exits
+    pdl_wait(PDL)  # dependent launch (kernels/triton_compat.py): every program waits, before it writes or exits
     if length <= 0:  # the reference leaves an empty sequence's state alone
         return
     if KEEP:  # the slice's place in any slot: the row's own pointers less its slot
@@ -159,8 +156,8 @@ def gated_delta_rule_recurrent_triton(
                              f"{tuple(v.shape)} (z's last dim must be contiguous)")
     o = torch.empty(T, HV, dv, dtype=v.dtype, device=v.device)
     if gated_norm is not None:
-        # one program a head, 4 warps: at batch 1 no slower than the split kernel plus the norm kernel, and 5-30%
-        # faster from batch 4 to 256 (8 warps lost up to 1.45x at 256; results/gdn-decode-ab-h200-bb9dc93.json)
+        # one program a head, 4 warps: at batch 1 no slower than the split kernel plus the norm kernel, and faster
+        # from batch 4 up (8 warps lose at large batches; bench/results/gdn-decode-ab-*.json)
         bv, warps, prod = pow2(dv, 16), 4, _TL_DTYPES[torch.promote_types(norm_w.dtype, v.dtype)]
         z_strides = (z.stride(0), z.stride(1))
         kernel_norm = (z, norm_w, eps)
@@ -176,7 +173,7 @@ def gated_delta_rule_recurrent_triton(
         o.stride(0), o.stride(1), ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2), *z_strides,
         GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=pow2(dk, 16), BV=bv, L2NORM=bool(use_qk_l2norm),
         NORM=gated_norm is not None, PROD_DTYPE=prod, KEEP=keep_slots is not None, num_warps=warps,
-        EARLY=EARLY_LOADS, **pdl_launch(q),
+        **pdl_launch(q),
     )
     return o
 

@@ -116,7 +116,7 @@ def _chunk_prep_kernel(
                           tl.load(a_log_ptr + h).to(tl.float32), tl.load(dt_bias_ptr + h).to(tl.float32))
     G = tl.cumsum(tl.where(r_ok, g, 0.0), 0)
     beta = tl.where(r_ok, beta, 0.0)
-    # for the scan, whose serial loop is the long pole: reading these costs it less than computing them (H200)
+    # for the scan, whose serial loop is the long pole: reading these costs it less than computing them
     tl.store(gates_ptr + tok * HV + h, g, mask=r_ok)
     tl.store(gates_ptr + num_tokens * HV + tok * HV + h, beta, mask=r_ok)
     dk = tl.arange(0, DK_PAD)
@@ -234,7 +234,7 @@ def chunked_forward(
         ssm_states.stride(0), ssm_states.stride(1), ssm_states.stride(2),
         HV=HV, GROUP=HV // HK, DK=dk, DV=dv, DK_PAD=dk_pad, BV=bv, L2NORM=bool(use_qk_l2norm),
         # 4 warps: the 64-row dots are one warpgroup's (8 warps would duplicate them). BV 64, one stage: the best of
-        # an H200 sweep over BV 16/32/64 x 4/8 warps x 1-3 stages at Dk = Dv = 128, bf16, 16 prompts of 512 tokens
-        # (863 us a layer against 1,103 for BV 32 with two stages; bench/results/gdn-chunk-scan-sweep-h200-b83d88b.json)
+        # a sweep over BV 16/32/64 x 4/8 warps x 1-3 stages at Dk = Dv = 128, bf16, 16 prompts of 512 tokens
+        # (bench/results/gdn-chunk-scan-sweep-*.json)
         PRECISION=precision, BT=BT, num_warps=4, num_stages=1,
     )

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.triton_compat import EARLY_LOADS, pdl_launch, pdl_wait
+from kernels.triton_compat import pdl_launch, pdl_wait
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 from kernels.triton_gdn import check_keep, check_varlen, pow2
@@ -104,7 +104,9 @@ def _conv_update_kernel(
     KEEP: tl.constexpr = False, PDL: tl.constexpr = False, EARLY: tl.constexpr = True,
 ):
     """Token ``token`` of each row (0 for decode; a verify row's tokens one launch each, ``rows_as_decode``):
-    its output from the window in the row's slot, then the window moved on by it."""
+    its output from the window in the row's slot, then the window moved on by it. EARLY (a row's first token): the
+    window, written by an earlier step, is read before the wait; a later token's window is the one the launch
+    before this one wrote, so a later token's launch waits first."""
     if not EARLY:
         pdl_wait(PDL)  # dependent launch: kernels/triton_compat.py
     b = tl.program_id(0)
@@ -188,10 +190,10 @@ def causal_conv1d_varlen_triton(
         for token in range(max(1, max_query_len)):  # a later token's window is the one the launch before wrote
             _conv_update_kernel[(B, triton.cdiv(C, block_c))](
                 x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, keep_arg, C, token, *strides,
-                **common, BLOCK_C=block_c, num_warps=2, EARLY=EARLY_LOADS and token == 0, **pdl_launch(x))
+                **common, BLOCK_C=block_c, num_warps=2, EARLY=token == 0, **pdl_launch(x))
         return y
-    # short tiles (K-1 must fit in one) of 512 B rows: the best of an H200 sweep over 8-64 tokens x 64-512 channels
-    # x 4/8 warps on 16 prompts of 512 tokens at the Qwen3.5-35B-A3B width (206 us against 345 for 64 x 128)
+    # short tiles (K-1 must fit in one) of 512 B rows: the best of a sweep over 8-64 tokens x 64-512 channels x 4/8
+    # warps on 16 prompts of 512 tokens at the Qwen3.5-35B-A3B width (bench/results/gdn-conv-grouping-sweep-*.json)
     block_t = max(pow2(K - 1), min(8, pow2(-(-T // B))), 4)
     _conv_varlen_kernel[(T // block_t + B, triton.cdiv(C, block_c))](
         x, weight, b_arg, conv_states, state_slots, query_start_loc, init, y, keep_arg, B, C, *strides,

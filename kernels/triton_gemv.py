@@ -13,7 +13,6 @@ parameters come from a small deterministic heuristic, not triton.autotune, so ca
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -120,8 +119,8 @@ def _gemv_program(
     pass over x before the weights stream. Each program then writes its slice of the new residual (HAS_RES) and
     of the normed rows (WRITE_NORMED).
 
-    PREFETCH (with PDL): the first W tile (all of the program's rows when BLOCK_K covers K, as ``gemv_config``
-    picks then) is loaded before the wait for the kernel before: a weight is never written during a step."""
+    PREFETCH (with PDL): the first W tile (all of the program's rows when BLOCK_K covers K, as ``gemv_norm_config``
+    picks for a router) is loaded before the wait for the kernel before: a weight is never written during a step."""
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -204,51 +203,30 @@ def _num_sms(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
-WHOLE_ROWS_BYTES = 32768  # PDL, M = 1: a program's rows of W up to this size are one tile, loaded before the wait
-# Whole-row tiles under PDL: an H100 chain probe favoured them, the H200 did not (B1 on Qwen3-30B-A3B 362.6 tok/s
-# with them, 381.1 with the plain tiles and their first tile loaded early); CONVEYOR_GEMV_WHOLE_ROWS=1 turns them on.
-WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_WHOLE_ROWS", "0") == "1"
 # Single-row 16-bit GEMVs on Hopper+ of a weight of at least GEMV_TMA_MIN_BYTES go to the persistent TMA kernel
-# (kernels/triton_gemv_tma.py) when called without overrides; CONVEYOR_GEMV_TMA=0 keeps them here. Chains of one
-# shape under PDL: the TMA kernel 13-24% faster on an H200 at 50 MB (12352 x 2048) and the lm_head, behind this
-# one at 1-21 MB (2048 x 4096, the routers, 5120 x 2048 with the norm), hence the floor. End to end, H200, B1
-# (results/gemv-tma-ab-h200-1ee1fec.json): Qwen3.5-35B-A3B 382.0 -> 405.6 tok/s, Qwen3-30B-A3B 396.8 -> 401.5.
-GEMV_TMA = os.environ.get("CONVEYOR_GEMV_TMA", "1") == "1"
-# A norm-GEMV of too few rows to fill the GPU (the MoE routers) takes whole-row tiles under PDL (gemv_norm_config).
-# H200 batch-1 step: 0.040 ms faster on Qwen3-30B-A3B, 0.046 on Qwen3.5-35B-A3B (results/b1-small-whole-rows-h200-
-# d021a42.json); CONVEYOR_GEMV_SMALL_WHOLE_ROWS=0 keeps the table's tiles.
-SMALL_WHOLE_ROWS = os.environ.get("CONVEYOR_GEMV_SMALL_WHOLE_ROWS", "1") == "1"
+# (kernels/triton_gemv_tma.py) when called without overrides: past that size its deep shared-memory pipeline keeps
+# more weight bytes in flight than this kernel's occupancy does; below it, this kernel's many small programs are
+# the faster (bench/results/gemv-tma-ab-*.json).
 GEMV_TMA_MIN_BYTES = 32 << 20
 
 
 def _tma_for(x: torch.Tensor, weight: torch.Tensor, row_loop: bool = False):
-    """kernels.triton_gemv_tma when ``GEMV_TMA`` sends this GEMV there (W large enough, ``tma_supported`` for one
-    row, or for each row with ``row_loop``), else None. Imported at first use: it imports this module
+    """kernels.triton_gemv_tma when this GEMV goes there (W of at least ``GEMV_TMA_MIN_BYTES``, ``tma_supported``
+    for one row, or for each row with ``row_loop``), else None. Imported at first use: it imports this module
     (``NormedProjection``)."""
-    if not GEMV_TMA or weight.numel() * weight.element_size() < GEMV_TMA_MIN_BYTES:
+    if weight.numel() * weight.element_size() < GEMV_TMA_MIN_BYTES:
         return None
     from kernels import triton_gemv_tma
 
     return triton_gemv_tma if triton_gemv_tma.tma_supported(x[:1] if row_loop else x, weight) else None
 
 
-def _whole_rows_tile(m: int, k: int, dtype: torch.dtype) -> tuple[int, int] | None:
-    """(BLOCK_N, BLOCK_K) of whole rows of W for M = 1 under PDL, or None (``WHOLE_ROWS`` off, a row too long)."""
-    row_bytes = triton.next_power_of_2(k) * dtype.itemsize
-    if m != 1 or row_bytes > WHOLE_ROWS_BYTES or not WHOLE_ROWS:
-        return None
-    return min(8, WHOLE_ROWS_BYTES // row_bytes), triton.next_power_of_2(k)
-
-
 def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132,
-                use_dot: bool | None = None, pdl: bool = False) -> dict[str, int | bool]:
-    """Launch parameters from the shape alone (deterministic); the defaults won an H100 sweep over the Qwen3-8B
-    shapes. M = 1: CUDA-core FMAs on [2, 2 KiB] tiles (many small programs). M >= 2 (16-bit): tl.dot on
-    [64, 512 B] W tiles, 4 pipeline stages. fp32 stays on FMAs (an exact fp32 tl.dot was 3-5x slower).
-    With PDL the kernel loads its first W tile before it waits for the kernel before. With ``WHOLE_ROWS`` as well,
-    at M = 1 a program takes whole rows of W (up to 8 rows, ``WHOLE_ROWS_BYTES``) in one tile, so all its weight
-    bytes are in flight before the wait (H100: a projection chain 12% faster; H200: 12% slower,
-    results/gemv-chain-h200-925c66b.json)."""
+                use_dot: bool | None = None) -> dict[str, int | bool]:
+    """Launch parameters from the shape alone (deterministic; ``bench/gemv_tune.py`` sweeps them). M = 1: CUDA-core
+    FMAs on [2, 2 KiB] tiles (many small programs). M >= 2 (16-bit): tl.dot on [64, 512 B] W tiles, 4 pipeline
+    stages. fp32 stays on FMAs (an exact fp32 tl.dot is several times slower). Under PDL the tiles are the same; the
+    kernel loads its first W tile before it waits for the kernel before (``PREFETCH``)."""
     use_dot = dtype != torch.float32 and m > 1 if use_dot is None else use_dot
     if use_dot:
         block_m, block_n, block_k, stages = 16, 64, 512 // dtype.itemsize, 4  # 4 x 40 KiB of shared memory
@@ -256,8 +234,6 @@ def gemv_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 132,
         block_m, stages = triton.next_power_of_2(m), 3
         block_k = min(2048 // dtype.itemsize, 1024 // block_m)
         block_n = 2 if block_m == 1 else 4
-        if pdl and (whole := _whole_rows_tile(m, k, dtype)):
-            block_n, block_k = whole
     lo = 16 if use_dot else 1
     block_k = min(block_k, max(lo, triton.next_power_of_2(k)))
     block_n = min(block_n, max(lo, triton.next_power_of_2(n)))
@@ -307,7 +283,7 @@ def gemv_triton(
     row_loop = row_loop and m > 1  # one row: the plain launch is the same program
     if not overridden and (tma := _tma_for(x, weight, row_loop)):
         return tma.gemv_tma(x, weight, bias, pdl=bool(pdl), row_loop=row_loop, out_dtype=out_dtype)
-    cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot, pdl=bool(pdl))
+    cfg = gemv_config(1 if row_loop else m, n, k, x.dtype, sms, use_dot)
     bn, bk = block_n or cfg["block_n"], block_k or cfg["block_k"]
     if bn & (bn - 1) or bk & (bk - 1) or (cfg["use_dot"] and min(bn, bk) < 16):
         raise ValueError(f"block_n {bn} / block_k {bk} must be powers of two (>= 16 for the dot path)")
@@ -396,14 +372,13 @@ def gemv_norm_config(m: int, n: int, k: int, dtype: torch.dtype, num_sms: int = 
                      pdl: bool = False) -> dict[str, int | bool]:
     """``gemv_config`` without the K split (the norm needs a row's every square in one program). At M = 1 a
     projection of >= 1,024 rows takes [8, 1 KiB] tiles: with the norm's loads in the K loop, 8 weight rows a
-    program beat the plain GEMV's 2 on an H200 (5120-12352 x 2048; results/gemv-norm-tune-h200.json); with PDL,
-    whole rows, as ``gemv_config``. Under PDL a projection whose programs would not outnumber the SMs (a router's
-    128-264 rows) takes whole rows, about one program an SM: each program loads all of its weight before the wait
-    and runs no K loop after it."""
-    cfg = {**gemv_config(m, n, k, dtype, num_sms, pdl=pdl), "split_k": 1}
-    if m == 1 and n >= 1024 and not cfg["use_dot"] and not (pdl and _whole_rows_tile(m, k, dtype)):
+    program stream better than the plain GEMV's 2 (``bench/gemv_norm_tune.py``). Under PDL a projection whose
+    programs would not outnumber the SMs (a router's 128-264 rows) takes whole rows, about one program an SM: each
+    program loads all of its weight before the wait and runs no K loop after it."""
+    cfg = {**gemv_config(m, n, k, dtype, num_sms), "split_k": 1}
+    if m == 1 and n >= 1024 and not cfg["use_dot"]:
         cfg["block_n"], cfg["block_k"] = 8, min(512, max(1, triton.next_power_of_2(k)))
-    if SMALL_WHOLE_ROWS and pdl and m == 1 and not cfg["use_dot"] and triton.cdiv(n, cfg["block_n"]) <= num_sms:
+    if pdl and m == 1 and not cfg["use_dot"] and triton.cdiv(n, cfg["block_n"]) <= num_sms:
         # too few rows to fill the GPU (a router): about one program an SM over whole rows, so every weight byte a
         # program reads is in flight before its wait (the [BLOCK_N, K] fp32 product within 32 registers a thread)
         block_n, block_k = triton.next_power_of_2(triton.cdiv(n, num_sms)), triton.next_power_of_2(k)

@@ -2,19 +2,19 @@
 
 Why it exists: batch-1 decode is bound by its projections, each reading a 17-50 MB weight once, past L2.
 ``_gemv_kernel`` (kernels/triton_gemv.py) keeps weight bytes in flight through occupancy: many small programs of
-plain loads, each with a tile or two outstanding; a chain of projections runs at ~2.7 TB/s of the H200's 4.25.
-Here the grid is at most a few programs per SM (``programs_per_sm``), each taking row blocks pid, pid + grid, ...
-and walking their [BLOCK_N, BLOCK_K] tiles in one flattened loop whose Hopper tensor-descriptor (TMA) loads the
-compiler pipelines STAGES deep into shared memory: tens of KB a program stay in flight whatever the occupancy,
-the pipeline does not drain between row blocks and the tail is at most one row block. The math stays on the CUDA
-cores (fp32 FMAs into a [BLOCK_N, BLOCK_K] accumulator, reduced once a row block).
+plain loads, each with a tile or two outstanding, which leaves a chain of large projections well short of the copy
+bandwidth. Here the grid is at most a few programs per SM (``programs_per_sm``), each taking row blocks pid,
+pid + grid, ... and walking their [BLOCK_N, BLOCK_K] tiles in one flattened loop whose Hopper tensor-descriptor
+(TMA) loads the compiler pipelines STAGES deep into shared memory: tens of KB a program stay in flight whatever the
+occupancy, the pipeline does not drain between row blocks and the tail is at most one row block. The math stays on
+the CUDA cores (fp32 FMAs into a [BLOCK_N, BLOCK_K] accumulator, reduced once a row block).
 
 NORM (``gemv_norm_tma``): the residual-add RMSNorm inside the K loop, exactly as ``_gemv_kernel`` does it. Under
 dependent launch (PDL) each program loads its first W tile with plain loads (they do not block) before it waits
 for the kernel before; W is a weight, never written during a step. The host descriptor is rebuilt per call: it
 costs ~1 us of Python, and Triton's launcher encodes the TMA map from it at every launch anyway (a CUDA graph
-keeps the encoded map). ``gemv_triton`` / ``gemv_norm_triton`` dispatch weights of 32 MiB and more here
-(``CONVEYOR_GEMV_TMA=0``: never).
+keeps the encoded map). ``gemv_triton`` / ``gemv_norm_triton`` dispatch weights of ``GEMV_TMA_MIN_BYTES`` (32 MiB)
+and more here, on the devices ``tma_supported`` accepts.
 """
 
 from __future__ import annotations
@@ -246,8 +246,8 @@ def tma_supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def tma_config(n: int, k: int, dtype: torch.dtype, num_sms: int = 132, norm: bool = False) -> dict[str, int | bool]:
     """Launch parameters from the shape alone (deterministic, CUDA-graph safe). 16 KiB tiles, 3 stages (two tiles
     in flight while one is summed), 4 programs an SM (about 3 resident at ~155 registers a thread): without the
-    norm [8, 1024], with it [32, 256], whose norm work (repeated for each row block) is spread over more rows: the
-    best or near it in chains of one shape (12352 x 2048, the lm_heads) on an H200 and an H100 under PDL.
+    norm [8, 1024], with it [32, 256], whose norm work (repeated for each row block) is spread over more rows
+    (chosen in chains of one shape under PDL: 12352 x 2048 and the lm_heads).
     BLOCK_N halves (down to 4) while there are fewer row blocks than SMs."""
     elt = dtype.itemsize
     block_n, row_bytes = (32, 512) if norm else (8, 2048)

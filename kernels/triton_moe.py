@@ -172,8 +172,8 @@ class GroupedConfig:
     down: tuple[int, int, int, int]
 
 
-# By average slots per local expert (T * k / E), the smallest bucket that holds it; from an H200 sweep on the
-# Qwen3-30B-A3B expert shape (H 2048, I 768, 128 experts) in bench/moe_tune.py.
+# By average slots per local expert (T * k / E), the smallest bucket that holds it; from a bench/moe_tune.py sweep on
+# the Qwen3-30B-A3B expert shape (H 2048, I 768, 128 experts).
 GROUPED_CONFIGS: tuple[tuple[int, GroupedConfig], ...] = (
     (1, GroupedConfig(16, (128, 128, 4, 3), (64, 128, 4, 3))),
     (4, GroupedConfig(16, (64, 128, 4, 3), (64, 128, 4, 3))),

@@ -100,7 +100,7 @@ def route_topk_triton(router_logits: torch.Tensor, top_k: int, renormalize: bool
         router_logits, weights, ids, e, top_k, router_logits.stride(0), router_logits.stride(1),
         shared_expert_id if shared else 0, RENORMALIZE=bool(renormalize), SHARED=shared,
         E_PAD=triton.next_power_of_2(e), K_PAD=triton.next_power_of_2(top_k),
-        # one warp keeps the k + 2 reductions in shuffles: fastest on an H200 for E 128..512 at T 1..4096
+        # one warp keeps the k + 2 reductions in shuffles, the fastest for E 128..512 at T 1..4096
         num_warps=1 if e <= 512 else 4, **pdl_launch(router_logits),
     )
     return weights, ids

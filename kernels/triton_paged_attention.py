@@ -249,10 +249,9 @@ def check_query(query: torch.Tensor, kv_cache_layer: torch.Tensor) -> tuple[torc
 
 def prefill_tile_sizes(head_dim: int, group: int, plan: TritonAttentionPlan | None = None,
                        fp32: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_M rows, BLOCK_N keys, num_warps). 16-bit: 128 x 128 up to head_dim 128, 128 x 64 for 256; on an H100
-    1,600 tokens after 30k cached took 2.28 ms a layer against 3.28 with 128 x 64 (32 heads of 128, with the wave
-    splits below), and 2.62 against 6.17 with 64 x 32 (16 heads of 256; results/prefill-attention-compare-h100-*.json).
-    fp32 tiles take twice the shared memory: 128 x 64, and 64 x 32 for 256."""
+    """(BLOCK_M rows, BLOCK_N keys, num_warps). 16-bit: 128 x 128 up to head_dim 128, 128 x 64 for 256, the fastest
+    over a long cached context (``bench/prefill_attention_sweep.py --compare``). fp32 tiles take twice the shared
+    memory: 128 x 64, and 64 x 32 for 256."""
     d_pad = block_pow2(head_dim)
     default_m, default_n = {(False, True): (128, 128), (False, False): (128, 64),
                             (True, True): (128, 64), (True, False): (64, 32)}[(fp32, d_pad <= 128)]

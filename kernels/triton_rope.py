@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from pipeline.models.rope import apply_rotary_emb_
-
+from kernels.rope import apply_rotary_emb_
 from kernels.triton_compat import jit as _jit
 from kernels.triton_compat import tl, triton
 

@@ -11,7 +11,9 @@ from kernels.dispatch import use_triton
 from pipeline.config import EngineConfig
 from pipeline.dist.comm import CommStage
 from pipeline.dist.ranks import ParallelContext
+from pipeline.memory.snapshot_tiers import snapshot_host_gib
 from pipeline.model_family import family_chat_template
+from pipeline.model_limits import ModelLimits, generation_defaults
 from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import PagedKVSpec, StateSlotSpec
 from pipeline.models.dflash import ContextTap, DFlashDraftModel, dflash_arch, dflash_config
@@ -23,8 +25,8 @@ from pipeline.models.quantized_weights import (CheckpointWeights, apply_kv_scale
 from pipeline.models.registry import build_model, finish_model
 from pipeline.runner.model_runner import ModelRunner
 from pipeline.spec.budget import KEPT_STATES_PER_ROW, MAX_DRAFT_ROWS
-from pipeline.spec.drafter import Drafter, make_drafter
-from pipeline.stages.intake import ModelLimits, generation_defaults
+from pipeline.spec.drafter import Drafter
+from pipeline.spec.drafter_factory import make_drafter
 from pipeline.thinking import ThinkingTags
 from pipeline.tokenizer import Tokenizer
 
@@ -236,8 +238,6 @@ def split_linear_attention(config: EngineConfig) -> bool:
     """Whether a hybrid model's ranks split the Gated DeltaNet heads: on by default (each rank reads half the
     recurrent states, which decode at large batches is bound by), off where a snapshot host tier is configured (the
     head's host copy of a snapshot would hold its own heads only); asking for it with such a tier is an error."""
-    from pipeline.memory.snapshot_tiers import snapshot_host_gib
-
     host_tier = snapshot_host_gib(config, True) > 0
     if config.ep_split_linear_attention is None:
         return not host_tier

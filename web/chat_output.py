@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from web.reasoning import ReasoningSplitter
-from web.tool_calls import ToolCall, ToolCallDelta, ToolCallParser, make_tool_call_parser
+from web.tool_call_parsers import make_tool_call_parser
+from web.tool_calls import ToolCall, ToolCallDelta, ToolCallParser
 
 
 @dataclass(slots=True)

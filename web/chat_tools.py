@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from web.app import NO_REASONING_PARSER
 from web.chat_output import ChatOutputParser
 from web.protocol_errors import bad_request
-from web.tool_calls import default_tool_call_parser
+from web.tool_call_parsers import default_tool_call_parser
 from web.tool_grammar import tool_call_grammar
 
 if TYPE_CHECKING:

@@ -1,4 +1,4 @@
-"""Streaming tool-call extraction: shared types, the parser base class and the registry.
+"""Streaming tool-call extraction: shared types and the parser base class (the formats: tool_call_parsers.py).
 
 A model asks for a tool by writing markup into its output. A parser turns that text stream into OpenAI's shape, plain
 `content` plus `tool_calls` deltas, chunk by chunk, so the server can stream both. The format-specific subclasses
@@ -26,9 +26,7 @@ Policy, the same for every format:
 from __future__ import annotations
 
 import secrets
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 OPEN_TAG = "<tool_call>"
 CLOSE_TAG = "</tool_call>"
@@ -211,32 +209,3 @@ class ToolCallParser:
                 return held + text[i:]
         self._held = held
         return ""
-
-
-P = TypeVar("P", bound=type[ToolCallParser])
-TOOL_CALL_PARSERS: dict[str, type[ToolCallParser]] = {}
-
-
-def register(name: str) -> Callable[[P], P]:
-    """Class decorator: make a parser available under `name` (the server's --tool-call-parser choices)."""
-    def add(cls: P) -> P:
-        TOOL_CALL_PARSERS[name] = cls
-        return cls
-    return add
-
-
-def make_tool_call_parser(name: str, tools: list[dict] | None) -> ToolCallParser:
-    cls = TOOL_CALL_PARSERS.get(name)
-    if cls is None:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of: {', '.join(sorted(TOOL_CALL_PARSERS))}")
-    return cls(tools)
-
-
-def default_tool_call_parser(chat_template: str | None) -> str:
-    """Qwen3-Coder templates describe `<parameter=...>` markup; everything else gets the hermes JSON format."""
-    return "qwen3_coder" if chat_template and "<parameter=" in chat_template else "hermes"
-
-
-# The formats register themselves; plain `import` (not `from`) keeps either import order working.
-import web.tool_calls_hermes  # noqa: E402,F401
-import web.tool_calls_qwen3_coder  # noqa: E402,F401

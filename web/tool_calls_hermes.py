@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from web.tool_calls import ToolCallParser, register
+from web.tool_calls import ToolCallParser
 
 _WS = " \t\n\r"
 _HEX = frozenset("0123456789abcdefABCDEF")
@@ -147,7 +147,6 @@ def _no_constants(name: str) -> object:
     raise ValueError(f"{name} is not JSON")
 
 
-@register("hermes")
 class HermesToolCallParser(ToolCallParser):
     """`<tool_call>` + a JSON object with "name" and "arguments" + `</tool_call>`; arguments stream as written."""
 

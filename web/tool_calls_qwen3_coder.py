@@ -18,7 +18,7 @@ import json
 import math
 import re
 
-from web.tool_calls import ToolCallParser, register
+from web.tool_calls import ToolCallParser
 
 _FUNCTION, _PARAMETER = "<function=", "<parameter="
 _END_PARAMETER, _END_FUNCTION = "</parameter>", "</function>"
@@ -97,7 +97,6 @@ def parameter_schemas(tools: list[dict]) -> dict[str, dict]:
     return out
 
 
-@register("qwen3_coder")
 class Qwen3CoderToolCallParser(ToolCallParser):
     """`<function=NAME>` with `<parameter=KEY>` children; each parameter is sent, typed, when it closes."""
 

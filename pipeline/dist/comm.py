@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from pipeline.dist.step_message import MessageKind, StepMessage
-from pipeline.memory.kv_offload import BlockTransfers
+from pipeline.memory.block_transfers import BlockTransfers
 from pipeline.memory.state_slots import StateSlot
 from pipeline.runner.step_plan import StepPlan
 

@@ -1,11 +1,12 @@
 """The expert-parallel process layout: which rank this process is, how the ranks find each other, and the head's
 local workers.
 
-``conveyor serve --ep-size N`` on one machine starts N-1 ``conveyor worker`` processes itself (rank r on GPU r) and
-meets them through a TCP store it opens on a free port. Across machines, every process is started the torchrun way
-(``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``): rank 0 runs ``conveyor serve``, the
-others ``conveyor worker`` with the same engine flags. The ranks join one torch.distributed group (NCCL on GPUs,
-gloo on CPUs) for the device bytes and the MoE all-reduces, and a gloo group for the head's messages.
+``conveyor serve --ep-size N`` on one machine starts N-1 worker processes itself (rank r on GPU r;
+pipeline/dist/local_worker.py) and meets them through a TCP store it opens on a free port. Across machines, every
+process is started the torchrun way (``MASTER_ADDR``, ``MASTER_PORT``, ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``):
+rank 0 runs ``conveyor serve``, the others ``conveyor worker`` with the same engine flags. The ranks join one
+torch.distributed group (NCCL on GPUs, gloo on CPUs) for the device bytes and the MoE all-reduces, and a gloo group
+for the head's messages.
 """
 from __future__ import annotations
 
@@ -24,14 +25,13 @@ from typing import Any
 
 import torch
 
+import envs
 from pipeline.config import EngineConfig
-from pipeline.cpu_threads import set_cpu_threads
 from pipeline.dist.group import ExpertGroup, ExpertShard
 from pipeline.request import RepetitionDetection
 
 log = logging.getLogger("conveyor.dist")
 
-LOCAL_WORKER_ENV = "CONVEYOR_LOCAL_WORKER"  # set for workers the head started: they end with it
 # the longest wait for another rank: meeting (a worker process starting), then loading (a large model's shards, the
 # profiling forwards); --ep-timeout applies once serving
 MEETING_TIMEOUT_S = 120.0
@@ -176,14 +176,16 @@ class ParallelContext:
                 log.exception("leaving the expert-parallel groups")
 
 
-def _join(config: EngineConfig, rendezvous: Rendezvous, store: Any = None) -> ParallelContext:
+def join_group(config: EngineConfig, rendezvous: Rendezvous, store: Any = None) -> ParallelContext:
+    """Join the ranks' groups as ``rendezvous``'s rank: the head from ``start_head``, a worker from
+    ``worker_main`` (pipeline/dist/worker.py)."""
     import torch.distributed as dist
 
     device = rank_device(config, rendezvous.local_rank)
     if device.type == "cuda":
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=max(config.ep_timeout_s, MEETING_TIMEOUT_S))
-    if store is None and os.environ.get(LOCAL_WORKER_ENV):  # a worker of a head that opened the store itself
+    if store is None and envs.LOCAL_WORKER.get():  # a worker of a head that opened the store itself
         store = dist.TCPStore(rendezvous.addr, rendezvous.port, rendezvous.world_size, is_master=False,
                               timeout=timeout)
         store.set(f"{READY_KEY}/{rendezvous.rank}", "1")  # the head waits for this or for the process to end
@@ -213,7 +215,7 @@ def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None
         if rendezvous.world_size != size or rendezvous.rank != 0:
             raise ValueError(f"--ep-size {size} on rank {rendezvous.rank} of {rendezvous.world_size}: the head is "
                              f"rank 0 of a world of --ep-size ranks (the others run `conveyor worker`)")
-        return _join(config, rendezvous)
+        return join_group(config, rendezvous)
     if config.device.startswith("cuda") and torch.cuda.device_count() < size:
         raise ValueError(f"--ep-size {size} needs {size} GPUs, {torch.cuda.device_count()} visible")
     timeout = timedelta(seconds=max(config.ep_timeout_s, MEETING_TIMEOUT_S))
@@ -221,12 +223,13 @@ def start_head(config: EngineConfig, say: Callable[[str], None] = lambda m: None
     workers = []
     say(f"starting {size - 1} expert-parallel worker(s)")
     for rank in range(1, size):
-        env = {**os.environ, **Rendezvous(rank, size, rank, "127.0.0.1", store.port).env(), LOCAL_WORKER_ENV: "1"}
-        workers.append(subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--config-json",
-                                         config_to_json(config)], env=env))
+        env = {**os.environ, **Rendezvous(rank, size, rank, "127.0.0.1", store.port).env(),
+               **envs.LOCAL_WORKER.setting(True)}
+        workers.append(subprocess.Popen([sys.executable, "-m", "pipeline.dist.local_worker", config_to_json(config)],
+                                        env=env))
     try:
         await_local_workers(store, workers, timeout.total_seconds())
-        context = _join(config, Rendezvous(0, size, 0, "127.0.0.1", store.port), store)
+        context = join_group(config, Rendezvous(0, size, 0, "127.0.0.1", store.port), store)
     except BaseException:
         for process in workers:
             process.kill()
@@ -271,27 +274,3 @@ def end_with_parent() -> None:
         libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
-
-
-def worker_main(config: EngineConfig) -> int:
-    """``conveyor worker``: join the head's group, load this rank's shard as the head does, and run its steps."""
-    from pipeline.dist.worker import Worker
-    from pipeline.loading import load_model
-
-    rendezvous = Rendezvous.from_env()
-    if rendezvous is None or rendezvous.rank == 0:
-        raise SystemExit("conveyor worker runs as rank 1.. of a torchrun-style environment (RANK, WORLD_SIZE, "
-                         "MASTER_ADDR, MASTER_PORT, LOCAL_RANK); rank 0 is `conveyor serve --ep-size N`")
-    if os.environ.get(LOCAL_WORKER_ENV):
-        end_with_parent()
-    config = config.resolved()
-    config.validate()
-    if config.cpu_threads is not None:  # the CPU's cores shared among the ranks
-        set_cpu_threads(max(1, config.cpu_threads // rendezvous.world_size))
-    context = _join(config, rendezvous)
-    try:
-        loaded = load_model(config, parallel=context)
-        Worker(loaded.runner, context.messages).run()
-    finally:
-        context.close()
-    return 0

@@ -10,9 +10,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+import envs
+from pipeline.config import EngineConfig
+from pipeline.cpu_threads import set_cpu_threads
 from pipeline.dist.comm import receive_message, share_rows, share_tokens
+from pipeline.dist.ranks import Rendezvous, end_with_parent, join_group
 from pipeline.dist.step_message import MessageKind, SlotLedger, StepMessage
-from pipeline.memory.kv_offload import BlockTransfers, run_block_transfers
+from pipeline.loading import load_model
+from pipeline.memory.block_transfers import BlockTransfers, run_block_transfers
 
 if TYPE_CHECKING:
     from pipeline.runner.model_runner import ModelRunner
@@ -57,3 +62,25 @@ class Worker:
         """Until the head stops: receive, check, run."""
         while self.apply(receive_message(self.messages)):
             pass
+
+
+def worker_main(config: EngineConfig) -> int:
+    """``conveyor worker`` (and a local worker the head started, pipeline/dist/local_worker.py): join the head's
+    group, load this rank's shard as the head does, and run its steps."""
+    rendezvous = Rendezvous.from_env()
+    if rendezvous is None or rendezvous.rank == 0:
+        raise SystemExit("conveyor worker runs as rank 1.. of a torchrun-style environment (RANK, WORLD_SIZE, "
+                         "MASTER_ADDR, MASTER_PORT, LOCAL_RANK); rank 0 is `conveyor serve --ep-size N`")
+    if envs.LOCAL_WORKER.get():  # a worker the head started ends with it
+        end_with_parent()
+    config = config.resolved()
+    config.validate()
+    if config.cpu_threads is not None:  # the CPU's cores shared among the ranks
+        set_cpu_threads(max(1, config.cpu_threads // rendezvous.world_size))
+    context = join_group(config, rendezvous)
+    try:
+        loaded = load_model(config, parallel=context)
+        Worker(loaded.runner, context.messages).run()
+    finally:
+        context.close()
+    return 0

@@ -29,7 +29,8 @@ from typing import TYPE_CHECKING
 
 from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
-from pipeline.memory.kv_offload import BlockTransfers, KVOffload
+from pipeline.memory.block_transfers import BlockTransfers
+from pipeline.memory.kv_offload import KVOffload
 from pipeline.memory.prefix_hits import PrefixHits
 from pipeline.memory.snapshot_positions import SnapshotSchedule, tail_block_key
 from pipeline.memory.state_snapshots import SnapshotPool

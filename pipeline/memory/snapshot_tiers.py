@@ -10,7 +10,7 @@ state (saved into the device pool) goes the same way.
 ``TieredSnapshots`` is the device pool with the host tier behind it (a key in either tier counts as held) and queues
 the copies, which ride in the next step plan (``BlockTransfers``): demotions (device snapshot -> host slot) run before
 anything writes that snapshot in the plan, promotions (host slot -> device snapshot) before the state loads that read
-it (pipeline/memory/kv_offload.py ``run_block_transfers``). A host slot is reused only when no queued copy and no
+it (pipeline/memory/block_transfers.py ``run_block_transfers``). A host slot is reused only when no queued copy and no
 copy handed to the runner and not yet landed touches it.
 """
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from pipeline.memory.kv_offload import BlockTransfers
+from pipeline.memory.block_transfers import BlockTransfers
 from pipeline.memory.state_snapshots import SnapshotPool
 
 if TYPE_CHECKING:

@@ -9,7 +9,7 @@ so a prompt whose cached blocks reach it restores the state there, takes the blo
 rest: the match never ends inside a block and no block needs a bigger size.
 
 This pool is bookkeeping only: the snapshot tensors are the runner's (one per GDN cache, ``[snapshots, ...]``)
-and the copies ride in the step plans (pipeline/memory/kv_offload.py ``BlockTransfers``). Least recently used
+and the copies ride in the step plans (pipeline/memory/block_transfers.py ``BlockTransfers``). Least recently used
 snapshots are evicted, never one that a waiting prompt pinned or a queued copy still reads or writes. With a host
 tier (pipeline/memory/snapshot_tiers.py) an evicted snapshot is demoted there first (``evicted``).
 """

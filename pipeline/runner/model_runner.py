@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from kernels.dispatch import MAX_DECODE_ROW_TOKENS, rows_as_decode
-from pipeline.memory.kv_offload import run_block_transfers
+from pipeline.memory.block_transfers import run_block_transfers
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
 from pipeline.models.forward_context import (CacheSpec, ForwardContext, PagedKVSpec, StateSlotSpec, allocate_caches,
                                              bytes_per_block, bytes_per_state_slot)
@@ -73,7 +73,7 @@ class ModelRunner:
         self.decode_partition: tuple[int, int, int] | None = None  # (max_batch, max_model_len, SMs): fix_decode_partition
         self.sampler = Sampler()
         self.staging = HostStaging()  # this runner's reused host buffers (only its launches touch them)
-        # KV tier copies' host side runs here, beside the forward (pipeline/memory/kv_offload.py)
+        # KV tier copies' host side runs here, beside the forward (pipeline/memory/block_transfers.py)
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.comm: CommStage | None = None  # expert parallelism, on the head: the workers hear of every step
         # exact speculation: a one-sequence step's verify row computes each token as a one-token decode row does

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 
 import ext
-from pipeline.memory.kv_offload import BlockTransfers
+from pipeline.memory.block_transfers import BlockTransfers
 from pipeline.memory.state_slots import NULL_SLOT, SlotChanges, StateSlot
 from pipeline.runner.sampling_batch import SamplingRow
 
@@ -137,7 +137,7 @@ class ForwardBatch:
 class StepPlan:
     forward: ForwardBatch
     rows: tuple[SamplingRow, ...]  # rank 0's sampling rows: rows[i] reads logits at forward.logits_indices[i]
-    transfers: BlockTransfers | None = None  # KV tier copies the runner runs before the forward (kv_offload.py)
+    transfers: BlockTransfers | None = None  # KV tier copies the runner runs before the forward (block_transfers.py)
     # expert parallelism (pipeline/dist/): each row's state-slot epoch (0: the null slot) and the state slots
     # allocated and released since the previous plan, for the workers' ledgers
     state_epochs: np.ndarray | None = None

@@ -10,10 +10,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    import torch
-
-    from pipeline.config import EngineConfig
-    from pipeline.runner.model_runner import ModelRunner
     from pipeline.sequence import Sequence
     from pipeline.spec.device_drafts import DeviceDrafts
 
@@ -49,33 +45,3 @@ class ModelDrafter(Protocol):
     def draft(self, plan: Any, into: DeviceDrafts | None = None) -> list[list[int]] | DeviceDrafts:
         """Device thread: run the plan; each sequence's drafts (``into``: promised drafts, as many for every
         sequence, filled on the device and returned; pipeline/spec/device_drafts.py)."""
-
-
-def make_drafter(config: EngineConfig, runner: ModelRunner | None = None,
-                 draft_model: torch.nn.Module | None = None) -> Drafter | None:
-    """The configured drafter (None: no speculation). The model drafters draft with the target's runner (its caches,
-    and the MTP head on its model) or a draft model whose caches follow the target's."""
-    method = config.speculative_method
-    if method is None:
-        return None
-    if method == "ngram":
-        from pipeline.spec.ngram import NgramDrafter
-
-        return NgramDrafter(config.prompt_lookup_min, config.prompt_lookup_max)
-    assert runner is not None
-    if method == "mtp":
-        from pipeline.spec.mtp import MtpDrafter
-
-        return MtpDrafter(runner.model, runner, config.block_size)
-    if method == "draft":
-        from pipeline.spec.draft_model import DraftModelDrafter
-
-        assert draft_model is not None
-        return DraftModelDrafter(draft_model, runner, len(runner.model.cache_specs(runner.dtype)), config.block_size)
-    if method == "dflash":
-        from pipeline.spec.dflash import DFlashDrafter
-
-        assert draft_model is not None
-        return DFlashDrafter(draft_model, runner.model, runner, len(runner.model.cache_specs(runner.dtype)),
-                             config.block_size)
-    raise ValueError(f"unknown speculative_method {method!r}")

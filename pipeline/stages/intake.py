@@ -17,41 +17,21 @@ import random
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
-from dataclasses import dataclass, fields, replace
+from dataclasses import fields, replace
 
-from pipeline.errors import AdmissionRefused, ContextLengthExceeded, InvalidRequest
+from pipeline.errors import AdmissionRefused, ContextLengthExceeded, InvalidRequest, RequestFailed
 from pipeline.grammar.spec import GrammarSpec
 from pipeline.messages import IntakeItem
+from pipeline.model_limits import ModelLimits
 from pipeline.prompt import PromptRenderer
-from pipeline.request import RepetitionDetection, Request, SamplingParams
+from pipeline.request import Request, SamplingParams
 from pipeline.scheduler import WaitingGauge
 from pipeline.stage import Stage
-from pipeline.thinking import ThinkingTags
 
 if TYPE_CHECKING:
     from pipeline.grammar.compiler import GrammarCompiler
 
 log = logging.getLogger("conveyor.intake")
-
-# generation_config.json keys that may supply request defaults (as vLLM reads them)
-GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-
-
-@dataclass(slots=True)
-class ModelLimits:
-    max_model_len: int
-    vocab_size: int
-    max_num_seqs: int
-    eos_token_ids: frozenset[int]
-    generation_defaults: dict[str, float]
-    chat_template: str | None
-    repetition_detection: RepetitionDetection | None = None  # the server's default loop guard
-    thinking_tags: ThinkingTags | None = None  # the ids of <think> and </think> in this tokenizer
-
-
-def generation_defaults(generation_config: dict) -> dict[str, float]:
-    return {k: generation_config[k] for k in GENERATION_DEFAULT_KEYS if generation_config.get(k) is not None}
-
 
 class IntakeStage(Stage[IntakeItem]):
     name = "intake"

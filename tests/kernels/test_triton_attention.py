@@ -173,7 +173,7 @@ def test_gpu_fp32_is_not_tf32():
 
 @pytest.mark.gpu
 def test_gpu_bench_runs():
-    from kernels.bench_attention import bench_decode_attention, bench_prefill_attention
+    from bench.kernel_attention import bench_decode_attention, bench_prefill_attention
 
     start = time.perf_counter()
     dec = bench_decode_attention(batch_size=8, context_len=1024, iters=3)

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from kernels.paged_attention import plan_paged_attention
-from kernels.triton_compat import EARLY_LOADS
-from kernels.triton_decode_attention import (REDUCE_SHORT_SPLITS, REDUCE_USED_FROM_LEN, decode_num_splits, decode_rows,
+from kernels.triton_decode_attention import (REDUCE_SHORT_SPLITS, decode_num_splits, decode_rows,
                                              paged_decode_attention_triton, paged_rows_attention_triton)
 from kernels.triton_paged_attention import TritonAttentionPlan, paged_attention_triton
 from pipeline.models.attention import AttentionMetadata, build_attention_metadata
@@ -44,7 +43,6 @@ def test_decode_split_heuristic():
     assert decode_num_splits(1, 1, 1 << 20) == 128  # capped
     assert decode_num_splits(2, 4, 1024) == 4  # >= 256 keys per split
 
-@pytest.mark.skipif(not REDUCE_USED_FROM_LEN, reason="the reduce of the used splits (early loads on)")
 @pytest.mark.parametrize("short", [4, REDUCE_SHORT_SPLITS])
 def test_reduce_of_the_used_splits(monkeypatch, short):
     """The reduce loads only the splits a row's length says hold keys, from the short tile when there are at most
@@ -218,7 +216,7 @@ def _early_reads(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     return found
 
 
-@pytest.mark.skipif(DEVICE != "cpu" or not EARLY_LOADS, reason="probes the interpreter; early loads on")
+@pytest.mark.skipif(DEVICE != "cpu", reason="probes the interpreter")
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("rows", [True, False])
 def test_step_keys_read_after_the_wait(monkeypatch, rows, num_splits):

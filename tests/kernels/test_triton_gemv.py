@@ -214,49 +214,24 @@ def test_gemv_norm_prefetched_first_tile(residual, block_k):
     close(out.residual, ref.residual)
 
 
-def test_gemv_pdl_config_takes_whole_rows_at_one_row_when_asked(monkeypatch):
-    """By default PDL keeps the tiles. With ``WHOLE_ROWS``, a single-row GEMV under PDL takes whole rows of W in one
-    tile (up to 32 KiB: 8 rows of 2,048 bf16, 4 of 4,096), so every weight byte of a program is in flight before it
-    waits; longer rows and M > 1 keep the tiles."""
-    from kernels import triton_gemv
-    from kernels.triton_gemv import gemv_norm_config
-
-    assert gemv_config(1, 5120, 2048, torch.bfloat16, pdl=True) == gemv_config(1, 5120, 2048, torch.bfloat16)
-    assert (gemv_norm_config(1, 5120, 2048, torch.bfloat16, pdl=True)
-            == gemv_norm_config(1, 5120, 2048, torch.bfloat16))
-    monkeypatch.setattr(triton_gemv, "WHOLE_ROWS", True)
-    cfg = gemv_config(1, 5120, 2048, torch.bfloat16, pdl=True)
-    assert (cfg["block_n"], cfg["block_k"], cfg["split_k"]) == (8, 2048, 1)
-    assert (gemv_config(1, 2048, 4096, torch.bfloat16, pdl=True)["block_n"],
-            gemv_config(1, 2048, 4096, torch.bfloat16, pdl=True)["block_k"]) == (4, 4096)
-    assert gemv_config(1, 2048, 32768, torch.bfloat16, pdl=True) == gemv_config(1, 2048, 32768, torch.bfloat16)
-    assert gemv_config(4, 2048, 2048, torch.bfloat16, pdl=True) == gemv_config(4, 2048, 2048, torch.bfloat16)
-    norm = gemv_norm_config(1, 5120, 2048, torch.bfloat16, pdl=True)
-    assert (norm["block_n"], norm["block_k"], norm["split_k"]) == (8, 2048, 1)
-
-
-def test_gemv_norm_pdl_config_takes_whole_rows_when_the_programs_would_not_fill_the_gpu(monkeypatch):
+def test_gemv_norm_pdl_config_takes_whole_rows_when_the_programs_would_not_fill_the_gpu():
     """Under PDL a norm-GEMV whose programs would not outnumber the SMs (a router: 128 or 264 rows of 2,048) takes
-    whole rows, about one program an SM; projections that fill the GPU, M > 1, no PDL, rows too long for the
-    register budget and the switch off keep the table's tiles."""
-    from kernels import triton_gemv
+    whole rows, about one program an SM; projections that fill the GPU, M > 1, no PDL and rows too long for the
+    register budget keep the table's tiles."""
     from kernels.triton_gemv import gemv_norm_config
 
     def tile(m, n, k, pdl=True, sms=132):
         cfg = gemv_norm_config(m, n, k, torch.bfloat16, sms, pdl=pdl)
         return cfg["block_n"], cfg["block_k"], cfg["split_k"]
 
-    monkeypatch.setattr(triton_gemv, "SMALL_WHOLE_ROWS", True)
     assert tile(1, 128, 2048) == (1, 2048, 1)
     assert tile(1, 264, 2048) == (2, 2048, 1)
     assert tile(1, 128, 2048, sms=78) == (2, 2048, 1)
     assert tile(1, 128, 1000) == (1, 1024, 1)  # a ragged row: one tile, masked
-    assert tile(1, 5120, 2048) == (8, 512, 1)
+    assert tile(1, 5120, 2048) == (8, 512, 1) == tile(1, 5120, 2048, pdl=False)
     assert tile(1, 128, 8192) == tile(1, 128, 8192, pdl=False)  # [1, 8192] fp32 would pass 32 registers a thread
     assert tile(4, 128, 2048) == tile(4, 128, 2048, pdl=False)
     assert tile(1, 128, 2048, pdl=False) == (2, 1024, 1)
-    monkeypatch.setattr(triton_gemv, "SMALL_WHOLE_ROWS", False)
-    assert tile(1, 128, 2048) == (2, 1024, 1)
 
 
 @pytest.mark.parametrize("block_n", [1, 2])

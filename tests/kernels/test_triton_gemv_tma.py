@@ -1,4 +1,4 @@
-"""The persistent TMA GEMV (kernels/triton_gemv_tma.py) and its opt-in dispatch from kernels/triton_gemv.py.
+"""The persistent TMA GEMV (kernels/triton_gemv_tma.py) and its dispatch from kernels/triton_gemv.py.
 
 On CPU (conftest sets TRITON_INTERPRET=1) ``tma_supported`` is False and the dispatch keeps the plain kernel; the
 interpreter still runs the TMA kernel itself (descriptor loads emulated) on tiny shapes with a few programs, which
@@ -9,8 +9,6 @@ compiled pipeline. The GPU tests (Hopper or later) compare against the torch ref
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -119,10 +117,9 @@ def test_interpreted_float32_output_is_the_rounded_output(monkeypatch, rows):
     assert wide.dtype == torch.float32 and torch.equal(wide, gemv_tma(x, w, b, **kw).float())
 
 
-def test_dispatch_falls_back_where_tma_is_not_supported(monkeypatch):
-    """CONVEYOR_GEMV_TMA on, operands it does not take (CPU, or fp32): the plain kernel runs, with the results of
-    the references."""
-    monkeypatch.setattr(triton_gemv, "GEMV_TMA", True)
+def test_dispatch_falls_back_where_tma_is_not_supported():
+    """Operands the TMA kernel does not take (CPU, or fp32): the plain kernel runs, with the results of the
+    references."""
     x, w, bias, r, nw = operands(70, 200, device=PLAIN_DEVICE, dtype=PLAIN_DTYPE)
     assert not tma_supported(x, w)
     close(gemv_triton(x, w, bias), gemv_ref(x, w, bias))
@@ -148,11 +145,6 @@ def test_dispatch_routes_only_unoverridden_supported_calls(monkeypatch):
     monkeypatch.setattr(triton_gemv_tma, "gemv_tma", fake_gemv)
     monkeypatch.setattr(triton_gemv_tma, "gemv_norm_tma", fake_norm)
     x, w, bias, r, nw = operands(70, 200, device=PLAIN_DEVICE, dtype=PLAIN_DTYPE)
-    monkeypatch.setattr(triton_gemv, "GEMV_TMA", False)  # CONVEYOR_GEMV_TMA=0
-    gemv_triton(x, w, bias)
-    gemv_norm_triton(x, r, nw, 1e-6, w)
-    assert calls == []
-    monkeypatch.setattr(triton_gemv, "GEMV_TMA", True)
     close(gemv_triton(x, w, bias), gemv_ref(x, w, bias))
     close(gemv_norm_triton(x, r, nw, 1e-6, w).y, gemv_norm_ref(x, r, nw, 1e-6, w).y)
     pdl = bool(triton_gemv.pdl_launch(x))  # the dispatch passes the plain kernel's launch choice on
@@ -164,17 +156,6 @@ def test_dispatch_routes_only_unoverridden_supported_calls(monkeypatch):
     gemv_triton(x, w, bias)
     gemv_norm_triton(x, r, nw, 1e-6, w)
     assert len(calls) == 2
-
-
-def test_env_var_is_read_at_import():
-    code = "import kernels.triton_gemv as t; print(t.GEMV_TMA)"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    for value, expected in ((None, "True"), ("1", "True"), ("0", "False")):  # on by default
-        env = {k: v for k, v in os.environ.items() if k != "CONVEYOR_GEMV_TMA"} | {"PYTHONPATH": root}
-        if value is not None:
-            env["CONVEYOR_GEMV_TMA"] = value
-        out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-        assert out.stdout.strip() == expected
 
 
 SHAPES_N = [128, 264, 2048, 5120, 12352, 151936]
@@ -219,8 +200,8 @@ def test_gpu_gemv_norm_tma(n, k):
 @pytest.mark.parametrize("tile", [(8, 1024, 3, 4, False), (32, 256, 3, 4, True), (16, 512, 3, 64, False),
                                   (32, 256, 4, 2, False), (16, 256, 4, 4, True), (4, 512, 6, 8, False)])
 def test_gpu_tma_overrides(tile):
-    """Settings ``bench/gemv_chain.py --tma-sweep`` tries (the next kernel launched late too), on a ragged N and
-    an fp16 weight."""
+    """Launch settings around ``tma_config``'s (the next kernel launched late too), on a ragged N and an fp16
+    weight."""
     block_n, block_k, stages, pps, late = tile
     kw = {"block_n": block_n, "block_k": block_k, "stages": stages, "programs_per_sm": pps, "late_trigger": late}
     for dtype in (torch.bfloat16, torch.float16):
@@ -236,7 +217,7 @@ def test_gpu_tma_overrides(tile):
 @needs_hopper
 def test_gpu_tma_in_a_cuda_graph_and_dispatch(monkeypatch):
     """Captured once, replayed with new inputs (the descriptor's base is the weight, x is read at replay), and
-    ``gemv_triton`` / ``gemv_norm_triton`` with CONVEYOR_GEMV_TMA on give the same results."""
+    ``gemv_triton`` / ``gemv_norm_triton``, dispatching to it, give the same results."""
     x, w, bias, r, nw = operands(5120, 2048)
     x_in = x.clone()
     gemv_tma(x_in, w, bias)  # compile outside the capture
@@ -255,7 +236,6 @@ def test_gpu_tma_in_a_cuda_graph_and_dispatch(monkeypatch):
         close(normed.y, ref.y)
         close(normed.normed, ref.normed)
         assert torch.equal(normed.residual, ref.residual)
-    monkeypatch.setattr(triton_gemv, "GEMV_TMA", True)
     monkeypatch.setattr(triton_gemv, "GEMV_TMA_MIN_BYTES", 0)
     close(gemv_triton(x, w, bias), gemv_ref(x, w, bias))
     out = gemv_norm_triton(x, r, nw, 1e-6, w, None, True)

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import kernels.triton_sampling as sampling
+from bench.kernel_sampling import bench_cutoff
 from kernels.triton_sampling import (
     apply_cutoff_,
-    bench_cutoff,
     topk_topp_minp_cutoff_ref,
     topk_topp_minp_cutoff_triton,
 )

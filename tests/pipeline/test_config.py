@@ -39,7 +39,7 @@ def test_auto_picks_cuda_when_visible(monkeypatch: pytest.MonkeyPatch, visible: 
 def test_serve_help_names_both_devices_defaults() -> None:
     import argparse
 
-    from pipeline.cli import add_engine_args
+    from cli.main import add_engine_args
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -52,7 +52,7 @@ def test_serve_help_names_both_devices_defaults() -> None:
 def test_prefix_caching_is_on_unless_the_flag_says_no() -> None:
     import argparse
 
-    from pipeline.cli import add_engine_args, engine_config
+    from cli.main import add_engine_args, engine_config
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
@@ -63,7 +63,7 @@ def test_prefix_caching_is_on_unless_the_flag_says_no() -> None:
 def test_the_flags_reach_exact_speculation_and_the_head_split() -> None:
     import argparse
 
-    from pipeline.cli import add_engine_args, engine_config
+    from cli.main import add_engine_args, engine_config
 
     parser = argparse.ArgumentParser()
     add_engine_args(parser)

@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
+from cli.main import main
 from pipeline import cpu_threads
-from pipeline.cli import main
 from pipeline.config import EngineConfig
 from pipeline.cpu_threads import prefer_passive_wait, usable_cores
 from tests.conftest import run_async
@@ -62,8 +62,10 @@ def test_passive_wait_is_asked_before_torch_loads_and_never_over_the_environment
             "print(took, os.environ['OMP_WAIT_POLICY'], p())")
     assert run_python(code) == "True PASSIVE False"
     assert run_python(code, OMP_WAIT_POLICY="active") == "True active False"
-    # the command line asks before it imports anything that loads torch
-    assert run_python("import sys, pipeline.cli; print('torch' in sys.modules)") == "False"
+    # the command line, and the entry the expert-parallel head starts its local workers with, ask before they import
+    # anything that loads torch
+    assert run_python("import sys, cli.main; print('torch' in sys.modules)") == "False"
+    assert run_python("import sys, pipeline.dist.local_worker; print('torch' in sys.modules)") == "False"
     assert not prefer_passive_wait()  # this process has torch already
 
 

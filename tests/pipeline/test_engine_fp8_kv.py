@@ -12,7 +12,8 @@ import torch
 
 from pipeline.engine import Engine
 from pipeline.loading import load_model
-from pipeline.memory.kv_offload import KVOffload, block_bytes, run_block_transfers
+from pipeline.memory.block_transfers import block_bytes, run_block_transfers
+from pipeline.memory.kv_offload import KVOffload
 from pipeline.memory.kv_tiers import DiskKVTier, HostKVTier
 from pipeline.models.forward_context import PagedKVSpec, StateSlotSpec
 from pipeline.request import SamplingParams
@@ -115,7 +116,7 @@ def test_tiers_round_trip_fp8_blocks_bitwise(tmp_path):
 
 def test_device_block_copies_move_fp8_bytes():
     """A full prefix hit copies its last block on the device (``BlockTransfers.copies``)."""
-    from pipeline.memory.kv_offload import BlockTransfers
+    from pipeline.memory.block_transfers import BlockTransfers
 
     kv = fp8_caches()
     before = [c.clone() for c in kv]
@@ -163,7 +164,7 @@ def test_fp8_kv_is_refused_only_where_the_cuda_kernels_cannot_compile(monkeypatc
 def with_kv_scales(monkeypatch, k_scale: float, v_scale: float) -> None:
     """Every attention layer gets these scales at load, as from a checkpoint's ``k_scale`` / ``v_scale``."""
     import pipeline.loading as loading
-    from pipeline.models.layers import PagedAttention
+    from pipeline.models.self_attention import PagedAttention
 
     def apply(model, _checkpoint_scales) -> None:
         for module in model.modules():

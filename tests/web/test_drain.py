@@ -28,7 +28,7 @@ def sse_events(raw: bytes) -> list[dict | str]:
 def test_drain_timeout_cuts_requests_with_length_and_an_error_then_exits(tiny_model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
                "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "8192",
                "--max-num-seqs", "16", "--cpu-threads", "1", "--drain-timeout", str(DRAIN_S),
                "--served-model-name", "tiny"]

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from pipeline.cli import add_serve_parser, server_settings
+from cli.main import add_serve_parser, server_settings
 from pipeline.model_family import NO_DEFAULTS, family_defaults
 from web.app import ServerSettings, ServerState
 from web.chat_tools import chat_output_parsers

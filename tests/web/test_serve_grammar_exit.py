@@ -21,7 +21,7 @@ SLOW_SCHEMA = {"type": "object", "properties": {f"p{i}": {"type": "string"} for 
 def test_sigterm_exits_while_a_grammar_compiles(tiny_model_dir):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    command = [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
                "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "512", "--drain-timeout", "1",
                "--served-model-name", "tiny", "--max-grammar-seconds", "120"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

@@ -38,7 +38,7 @@ async def wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 1
 @pytest.fixture
 def served(tiny_model_dir):
     port = free_port()
-    command = [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
+    command = [sys.executable, "-m", "cli", "serve", "--model", str(tiny_model_dir), "--port", str(port),
                "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "512", "--drain-timeout", "60",
                "--served-model-name", "tiny"]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,

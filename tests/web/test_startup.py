@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 
-from pipeline.cli import main
+from cli.main import main
 from pipeline.engine import Engine
 from tests.engine_utils import config_for
 from tests.web.test_serve_process import free_port
@@ -51,7 +51,7 @@ def test_a_bad_flag_value_is_one_usage_error(capsys, flags, needle):
 
 
 def test_a_feature_the_model_lacks_is_one_error_line(tiny_model_dir):
-    command = [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(tiny_model_dir), "--port",
+    command = [sys.executable, "-m", "cli", "serve", "--model", str(tiny_model_dir), "--port",
                str(free_port()), "--device", "cpu", "--dtype", "float32", "--speculative-method", "mtp",
                "--num-speculative-tokens", "2"]
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=ROOT)

@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
-from web.tool_calls import (TOOL_CALL_PARSERS, ToolCallDelta, default_tool_call_parser, make_tool_call_parser,
-                            partial_tag_len)
+from web.tool_call_parsers import TOOL_CALL_PARSERS, default_tool_call_parser, make_tool_call_parser
+from web.tool_calls import ToolCallDelta, partial_tag_len
 from web.tool_calls_hermes import HermesToolCallParser, JsonScanner
 from web.tool_calls_qwen3_coder import Qwen3CoderToolCallParser, coerce_value
 from tests.web.chunking import chunkings as shared_chunkings
@@ -261,7 +261,7 @@ def test_registry_and_defaults() -> None:
 
 @pytest.mark.parametrize("first", ["web.tool_calls", "web.tool_calls_hermes", "web.tool_calls_qwen3_coder"])
 def test_any_import_order_registers_both(first: str) -> None:
-    code = f"import {first}; from web.tool_calls import TOOL_CALL_PARSERS as P; print(sorted(P))"
+    code = f"import {first}; from web.tool_call_parsers import TOOL_CALL_PARSERS as P; print(sorted(P))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "['hermes', 'qwen3_coder']"
 

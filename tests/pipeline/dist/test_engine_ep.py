@@ -238,7 +238,7 @@ def test_sigterm_on_a_serving_head_stops_its_worker(moe_dir):
     from tests.web.test_serve_process import free_port, wait_healthy
 
     port = free_port()
-    command = [sys.executable, "-m", "pipeline.cli", "serve", "--model", str(moe_dir), "--port", str(port),
+    command = [sys.executable, "-m", "cli", "serve", "--model", str(moe_dir), "--port", str(port),
                "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "256",
                "--ep-size", "2", "--drain-timeout", "5"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=ROOT)
@@ -282,7 +282,7 @@ def test_ranks_started_the_torchrun_way_give_one_ranks_tokens(moe_dir, monkeypat
     port = free_port()
     env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "WORLD_SIZE": "2"}
     config = config_for(moe_dir, max_num_batched_tokens=24, ep_size=2)
-    worker = subprocess.Popen([sys.executable, "-m", "pipeline.cli", "worker", "--model", str(moe_dir),
+    worker = subprocess.Popen([sys.executable, "-m", "cli", "worker", "--model", str(moe_dir),
                                "--device", "cpu", "--dtype", "float32", "--block-size", "4", "--num-kv-blocks", "512",
                                "--max-num-seqs", "16", "--max-num-batched-tokens", "24", "--ep-size", "2"],
                               env={**os.environ, **env, "RANK": "1", "LOCAL_RANK": "0"}, cwd=ROOT)

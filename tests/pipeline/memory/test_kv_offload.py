@@ -1,5 +1,5 @@
-"""KVOffload (pipeline/memory/kv_offload.py): the copies the runner runs, the host slots a copy still uses, the
-disk tier behind the host tier, and the cache manager's prefix runs continuing into the tiers."""
+"""KVOffload (pipeline/memory/kv_offload.py): the copies the runner runs (block_transfers.py), the host slots a copy
+still uses, the disk tier behind the host tier, and the cache manager's prefix runs continuing into the tiers."""
 from __future__ import annotations
 
 import os
@@ -7,10 +7,12 @@ import os
 import pytest
 import torch
 
+import pipeline.memory.block_transfers as block_transfers
 import pipeline.memory.kv_offload as kv_offload
 from pipeline.memory.block_hashes import extend_block_hashes
 from pipeline.memory.kv_blocks import KVBlockPool
-from pipeline.memory.kv_offload import KVOffload, block_bytes, run_block_transfers
+from pipeline.memory.block_transfers import block_bytes, run_block_transfers
+from pipeline.memory.kv_offload import KVOffload
 from pipeline.memory.kv_tiers import DiskKVTier, HostKVTier
 
 
@@ -32,7 +34,7 @@ def key(i: int) -> bytes:
 
 @pytest.mark.parametrize("chunk", [1, 64])
 def test_blocks_round_trip_through_host_slots_bit_exact(chunk, monkeypatch):
-    monkeypatch.setattr(kv_offload, "TRANSFER_CHUNK", chunk)
+    monkeypatch.setattr(block_transfers, "TRANSFER_CHUNK", chunk)
     kv = caches()
     before = [c.clone() for c in kv]
     tiers = offload(kv, 4)
@@ -329,6 +331,6 @@ def test_the_host_tier_must_hold_flat_bytes(bad):
 
 
 def test_slot_runs_cover_each_slot_once_in_order():
-    runs = kv_offload._slot_runs([4, 5, 6, 9, 2, 3, 10])
+    runs = block_transfers._slot_runs([4, 5, 6, 9, 2, 3, 10])
     assert runs == [(0, 4, 3), (3, 9, 1), (4, 2, 2), (6, 10, 1)]
-    assert kv_offload._slot_runs([]) == []
+    assert block_transfers._slot_runs([]) == []

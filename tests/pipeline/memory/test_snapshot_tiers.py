@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from pipeline.config import EngineConfig
-from pipeline.memory.kv_offload import BlockTransfers, run_block_transfers
+from pipeline.memory.block_transfers import BlockTransfers, run_block_transfers
 from pipeline.memory.snapshot_tiers import TieredSnapshots, snapshot_host_gib, snapshot_pool
 from pipeline.memory.state_snapshots import SnapshotPool, snapshot_stats
 

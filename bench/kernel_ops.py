@@ -1,6 +1,7 @@
 """Microbenchmarks of the per-layer Triton ops against their eager torch references (CUDA events, GB/s).
 
-``python -m kernels.bench_ops`` prints one line per (op, impl, tokens). Importable on CPU; running needs CUDA.
+``python -m bench.kernel_ops`` (from the repository root) prints one line per (op, impl, tokens). Importable on
+CPU; running needs CUDA.
 Two times per case: ``eager_us`` (back-to-back Python calls: host launch overhead included, what an eager
 prefill pays) and ``graph_us`` (the calls replayed from one CUDA graph: GPU time, what graphed decode pays).
 GB/s counts the unavoidable bytes (each input read once, each output written once) over ``graph_us``.
@@ -17,6 +18,7 @@ from kernels.kv_cache import write_kv_ref
 from kernels.triton_kv_cache import write_kv_triton
 from kernels.triton_norm import rms_norm_ref, rms_norm_triton
 from kernels.triton_rope import apply_rotary_ref_, apply_rotary_triton_
+from pipeline.models.rope import RotaryEmbedding
 
 
 def time_cuda(fn: Callable[[], object], iters: int = 100, warmup: int = 10, graph: bool = False) -> float:
@@ -57,8 +59,6 @@ def bench_ops(
     iters: int = 100,
 ) -> list[dict]:
     """Time every op at each token count (Llama-3-8B shapes by default); one dict per (op, impl, tokens)."""
-    from pipeline.models.rope import RotaryEmbedding
-
     device = torch.device("cuda")
     elt = torch.tensor([], dtype=dtype).element_size()
     rope = RotaryEmbedding(head_dim, head_dim, 8192, 500000.0, dtype=dtype, device=device)
