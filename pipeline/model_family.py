@@ -3,7 +3,8 @@
 A family's output format is fixed by its training, so the right parsers follow from config.json: Qwen3.5 and
 Qwen3-Next write `<function=...><parameter=...>` tool calls and open `<think>` in the generation prompt. Making
 those the defaults means a plain `conveyor serve --model DIR` parses them; an explicit flag still wins (the
-server's settings apply these in `ServerSettings.with_model_defaults`). The table is `family_defaults`.
+server's settings apply these in `ServerSettings.with_model_defaults`). The facts are the family's registry entry
+(pipeline/models/registry.py); this module reads them for a config.json.
 """
 from __future__ import annotations
 
@@ -11,10 +12,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from pipeline.models.loader import load_hf_config, resolve_model_path
+from pipeline.models.registry import FAMILY_BY_MODEL_TYPE
 from pipeline.templates import builtin_chat_template
-
-# HF model_type values of the Qwen3.5 / Qwen3-Next family (the *_text ones are a multimodal config's text_config).
-QWEN3_5_FAMILY = frozenset({"qwen3_next", "qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,10 +34,12 @@ def model_types(hf_config: dict[str, Any]) -> tuple[str, ...]:
 
 
 def family_defaults(hf_config: dict[str, Any]) -> FamilyDefaults:
-    """The family -> defaults table; families not listed keep the generic behaviour."""
-    types = model_types(hf_config)
-    if any(t in QWEN3_5_FAMILY for t in types):
-        return FamilyDefaults(tool_call_parser="qwen3_coder", reasoning_parser="qwen3", chat_template="qwen3_5.jinja")
+    """The defaults of the first family entry that serves one of the config's model types; a type no entry
+    serves gives none (the generic behaviour)."""
+    for model_type in model_types(hf_config):
+        family = FAMILY_BY_MODEL_TYPE.get(model_type)
+        if family is not None:
+            return FamilyDefaults(family.tool_call_parser, family.reasoning_parser, family.chat_template)
     return NO_DEFAULTS
 
 

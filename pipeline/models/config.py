@@ -2,6 +2,9 @@
 sparse-MoE fields of Qwen3-MoE and the hybrid fields of Qwen3-Next / Qwen3.5 (Gated DeltaNet layers beside gated
 full attention, zero-centred norms).
 
+Where families read the same fields differently, their registry entry's ``ConfigMapping`` says how
+(pipeline/models/registry.py); a model_type no entry names reads them the plain (Llama) way.
+
 Reads both the transformers-5 style (``rope_parameters`` holding ``rope_theta``, ``rope_type`` and the
 scaling fields) and the legacy style (top-level ``rope_theta`` plus ``rope_scaling`` with ``type`` or
 ``rope_type``).
@@ -29,9 +32,20 @@ _ROPE_SCALING_KEYS = (
 )
 
 
-# The hybrid families (text model types; a multimodal config's text_config carries the *_text type)
-HYBRID_MOE_TYPES = ("qwen3_5_moe", "qwen3_5_moe_text")
-HYBRID_TYPES = ("qwen3_next", "qwen3_5", "qwen3_5_text") + HYBRID_MOE_TYPES
+@dataclass(frozen=True, slots=True)
+class ConfigMapping:
+    """How one family's config.json maps onto ModelArchConfig, where families differ."""
+
+    qk_norm: bool = False  # per-head RMSNorm on q and k before rope
+    qkv_bias_only: bool = False  # biases on q/k/v and none on o_proj, whatever attention_bias says (Qwen2)
+    sliding_window_switch: bool = False  # sliding_window applies only with use_sliding_window (Qwen2, Qwen3)
+    # Gated DeltaNet and gated attention by layer_types (else every full_attention_interval-th layer attends),
+    # zero-centred norms, partial rotary 0.25 unless the config says otherwise
+    hybrid: bool = False
+    all_layers_sparse: bool = False  # every layer MoE, top-k renormalised; no dense MLP, so no intermediate_size
+
+
+PLAIN_MAPPING = ConfigMapping()
 
 
 @dataclass(slots=True)
@@ -100,8 +114,9 @@ class ModelArchConfig:
         return self.num_kv_heads * self.head_dim
 
     @classmethod
-    def from_hf(cls, d: dict[str, Any]) -> "ModelArchConfig":
-        """Normalize a HF config dict (``config.json`` contents or ``PretrainedConfig.to_dict()``)."""
+    def from_hf(cls, d: dict[str, Any], mapping: ConfigMapping | None = None) -> "ModelArchConfig":
+        """Normalize a HF config dict (``config.json`` contents or ``PretrainedConfig.to_dict()``); ``mapping``
+        defaults to the registry entry's for its model_type."""
         d = dict(d)
         # Multimodal wrappers keep the language model under text_config.
         if "text_config" in d and "hidden_size" not in d:
@@ -109,13 +124,18 @@ class ModelArchConfig:
         model_type = d.get("model_type")
         if not model_type:
             raise ValueError("HF config has no model_type")
+        if mapping is None:
+            # the registry sits above this module (its families build on ModelArchConfig): imported when it runs
+            from pipeline.models.registry import config_mapping
+
+            mapping = config_mapping(model_type)
         try:
             hidden = int(d["hidden_size"])
             num_heads = int(d["num_attention_heads"])
             num_layers = int(d["num_hidden_layers"])
             vocab = int(d["vocab_size"])
             # Qwen3.5-MoE has no dense MLP, so its config has no intermediate_size
-            inter = int(d["intermediate_size"]) if model_type not in HYBRID_MOE_TYPES else int(
+            inter = int(d["intermediate_size"]) if not mapping.all_layers_sparse else int(
                 d.get("intermediate_size") or 0)
         except KeyError as e:
             raise ValueError(f"HF config for {model_type!r} lacks required field {e.args[0]!r}") from None
@@ -125,7 +145,7 @@ class ModelArchConfig:
             raise ValueError(f"num_attention_heads={num_heads} is not a multiple of num_key_value_heads={num_kv_heads}")
 
         bias = bool(d.get("attention_bias", False))
-        if model_type == "qwen2":
+        if mapping.qkv_bias_only:
             attention_bias, o_proj_bias = True, False
         else:
             attention_bias, o_proj_bias = bias, bias
@@ -133,13 +153,13 @@ class ModelArchConfig:
         theta, rope_type, scaling, partial = _parse_rope(d)
 
         sliding = None
-        if model_type in ("qwen2", "qwen3", "qwen3_moe"):
+        if mapping.sliding_window_switch:
             if d.get("use_sliding_window"):
                 sliding = d.get("sliding_window")
         else:
             sliding = d.get("sliding_window")
 
-        hybrid = model_type in HYBRID_TYPES
+        hybrid = mapping.hybrid
         layer_types = tuple(d.get("layer_types") or ())
         if hybrid and not layer_types:
             interval = int(d.get("full_attention_interval") or 4)
@@ -152,7 +172,7 @@ class ModelArchConfig:
         if hybrid and d.get("partial_rotary_factor") is None and "partial_rotary_factor" not in (
                 d.get("rope_parameters") or {}):
             partial = 0.25  # transformers' default for these families
-        always_routed = model_type in HYBRID_MOE_TYPES  # every Qwen3.5-MoE layer is sparse, renormalised
+        always_routed = mapping.all_layers_sparse
 
         return cls(
             model_type=model_type,
@@ -168,7 +188,7 @@ class ModelArchConfig:
             attention_bias=attention_bias,
             o_proj_bias=o_proj_bias,
             mlp_bias=bool(d.get("mlp_bias", False)),
-            qk_norm=model_type in ("qwen3", "qwen3_moe") or hybrid,
+            qk_norm=mapping.qk_norm,
             hidden_act=d.get("hidden_act", "silu"),
             max_position_embeddings=int(d.get("max_position_embeddings", 2048)),
             rope_theta=theta,

@@ -16,6 +16,7 @@ K/V are written at its positions too, which the target's next forward over them 
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -24,10 +25,12 @@ from torch import nn
 
 from kernels import dispatch
 from pipeline.models.config import ModelArchConfig
+from pipeline.models.decoder_layer import DecoderLayer
 from pipeline.models.forward_context import ForwardContext, PagedKVSpec
-from pipeline.models.layers import Linear, MergedLinear, RMSNorm
-from pipeline.models.llama import LlamaDecoderLayer, LlamaForCausalLM, fill_attention_context
+from pipeline.models.layers import GATED_MLP_FUSED_NAMES, GatedMLP, Linear, MergedLinear, RMSNorm
 from pipeline.models.rope import RotaryEmbedding
+from pipeline.models.self_attention import ATTENTION_FUSED_NAMES, attention_layer, fill_attention_context
+from pipeline.models.weight_loading import load_hf_weights
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,27 +72,34 @@ def dflash_config(hf: dict[str, Any], target: ModelArchConfig) -> DFlashConfig:
 def dflash_arch(hf: dict[str, Any]) -> ModelArchConfig:
     """The draft layers' shape: Qwen3 layers (q/k norms) whatever model_type the file names. Sliding-window
     layers attend to the whole context here: that changes drafts, never the output."""
-    return replace(ModelArchConfig.from_hf(hf), qk_norm=True, sliding_window=None, layer_types=())
+    return replace(ModelArchConfig.from_hf(hf), qk_norm=True, sliding_window=None, layer_types=(),
+                   zero_centered_norm=False)
 
 
 class DFlashDraftModel(nn.Module):
     """``forward(block embeddings [T, H], positions [T], ctx) -> hidden [T, H]`` (final norm applied) over the draft
     layers' caches (``ctx.caches``, one per layer); ``write_context`` fills those caches from the target."""
 
-    fused_names = LlamaForCausalLM.fused_names
     lm_head = None  # the target's lm_head gives the logits
-    load_weights = LlamaForCausalLM.load_weights  # the same HF names, q/k/v and gate/up fused
-    _hf_loaded_params = LlamaForCausalLM._hf_loaded_params
 
     def __init__(self, arch: ModelArchConfig, config: DFlashConfig, dtype=None, device=None) -> None:
         super().__init__()
         self.arch, self.config = arch, config
         size, eps = arch.hidden_size, arch.rms_norm_eps
-        self.layers = nn.ModuleList([LlamaDecoderLayer(arch, i, dtype, device) for i in range(arch.num_layers)])
+        self.layers = nn.ModuleList([
+            DecoderLayer(arch, "self_attn", attention_layer(arch, i, dtype, device),
+                         GatedMLP.from_arch(arch, dtype, device), dtype, device)
+            for i in range(arch.num_layers)])
         self.norm = RMSNorm(size, eps, dtype, device)
         self.fc = Linear(len(config.target_layer_ids) * size, size, False, dtype, device)
         self.hidden_norm = RMSNorm(size, eps, dtype, device)
         self.rotary_emb = RotaryEmbedding.from_arch(arch, dtype=dtype, device=device)
+
+    @torch.no_grad()
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """The dense families' HF names, q/k/v and gate/up fused (pipeline/models/weight_loading.py)."""
+        return load_hf_weights(self, weights, {**ATTENTION_FUSED_NAMES, **GATED_MLP_FUSED_NAMES},
+                               self.arch.model_type)
 
     def prepack(self) -> None:
         """Prepack every projection for oneDNN (CPU)."""

@@ -24,8 +24,17 @@ from torch import nn
 from kernels import gdn
 from kernels.fp8 import Fp8Weight
 from pipeline.dist.group import ExpertGroup
+from pipeline.models.config import ModelArchConfig
 from pipeline.models.forward_context import ForwardContext, StateSlotSpec
 from pipeline.models.layers import Linear, MergedLinear
+
+# Qwen3.5's four input projections, loaded as the shards of the fused one: HF name piece -> (fused piece, shard)
+GATED_DELTA_NET_FUSED_NAMES = {
+    "linear_attn.in_proj_qkv": ("linear_attn.in_proj", 0),
+    "linear_attn.in_proj_z": ("linear_attn.in_proj", 1),
+    "linear_attn.in_proj_b": ("linear_attn.in_proj", 2),
+    "linear_attn.in_proj_a": ("linear_attn.in_proj", 3),
+}
 
 
 class _ConvWeight(nn.Module):
@@ -44,6 +53,13 @@ class GatedRMSNorm(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device))
         self.eps = eps
+
+
+def gated_delta_net_layer(arch: ModelArchConfig, state_index: int, dtype=None, device=None) -> GatedDeltaNet:
+    """The config's Gated DeltaNet layer over the state tensors from cache index ``state_index``."""
+    return GatedDeltaNet(state_index, arch.hidden_size, arch.linear_num_key_heads, arch.linear_num_value_heads,
+                         arch.linear_key_head_dim, arch.linear_value_head_dim, arch.linear_conv_kernel_dim,
+                         arch.rms_norm_eps, dtype, device)
 
 
 class GatedDeltaNet(nn.Module):
@@ -154,3 +170,13 @@ def split_qwen3_next_projections(name: str, tensor: torch.Tensor, num_k_heads: i
     grouped = tensor.view(num_k_heads, 2 * r, hidden)
     b, a = grouped.split([r, r], dim=1)
     return [(prefix + "in_proj_b.weight", b.reshape(-1, hidden)), (prefix + "in_proj_a.weight", a.reshape(-1, hidden))]
+
+
+def split_grouped_projections(name: str, tensor: torch.Tensor,
+                              arch: ModelArchConfig) -> list[tuple[str, torch.Tensor]] | None:
+    """A Qwen3-Next ``in_proj_qkvz`` / ``in_proj_ba`` weight as Qwen3.5's four projections; None for any other
+    tensor."""
+    if not name.endswith(("linear_attn.in_proj_qkvz.weight", "linear_attn.in_proj_ba.weight")):
+        return None
+    return split_qwen3_next_projections(name, tensor, arch.linear_num_key_heads, arch.linear_num_value_heads,
+                                        arch.linear_key_head_dim, arch.linear_value_head_dim)

@@ -1,22 +1,21 @@
-"""Building blocks of the dense decoder: RMSNorm (optionally fused with the residual add), the SiLU-and-mul MLP
-with a fused gate/up projection, and paged attention with a fused qkv projection."""
+"""Building blocks every layer is made of: the projections (oneDNN on CPU, the skinny kernels on the GPU, FP8
+storage), RMSNorm (optionally fused with the residual add), the token embedding, and the SiLU-and-mul MLP with a
+fused gate/up projection."""
 
 from __future__ import annotations
 
-import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from kernels import dispatch
-from kernels.kv_cache import write_kv_ref
-from kernels.paged_attention import paged_attention_ref
 from kernels.triton_norm import rms_norm_ref
-from kernels.triton_paged_attention import paged_attention_triton
 from pipeline.models import fp8_storage
-from pipeline.models.forward_context import ForwardContext
-from pipeline.models.rope import apply_rotary_emb_
+
+if TYPE_CHECKING:
+    from pipeline.models.config import ModelArchConfig
 
 
 def _probe_onednn_linear():
@@ -177,18 +176,14 @@ class MergedLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_sizes}, bias={self.bias is not None}"
 
 
-NORM_IN_PROJECTION = os.environ.get("CONVEYOR_NORM_IN_PROJECTION", "1") != "0"
-
-
 def norm_project(norm: RMSNorm, x: torch.Tensor, residual: torch.Tensor | None, proj: MergedLinear,
                  keep_normed: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(proj(norm(x + residual)), x + residual, the normed rows or None)``; without a residual (the first
     layer) x is the residual. One decode row on the GPU runs the norm inside the projection's GEMV
-    (``gemv_norm_triton``): a norm kernel fewer a layer, 1-3 us each at batch 1 on an H200
-    (bench/results/gemv-norm-tune-h200.json). Above one row the separate norm did as well or better there.
-    ``CONVEYOR_NORM_IN_PROJECTION=0`` (read at import) keeps the norm separate, for A/B runs. Under
+    (``gemv_norm_triton``): a norm kernel fewer a layer, where a batch-1 step is a chain of small kernels. Above
+    one row the norm stays a kernel of its own, which does as well (``bench/gemv_norm_tune.py`` times both). Under
     ``dispatch.rows_as_decode`` every row of a skinny batch takes the one-row path (each row alone)."""
-    if (NORM_IN_PROJECTION and (x.shape[0] == 1 or dispatch.decode_rows_on()) and proj.packed is None
+    if ((x.shape[0] == 1 or dispatch.decode_rows_on()) and proj.packed is None
             and dispatch.skinny_linear_applies(x, proj.weight)):
         out = dispatch.norm_linear(x, residual, norm.weight, norm.eps, proj.weight, proj.bias, keep_normed,
                                    scale=proj.weight_scale, block=proj.scale_block, tail=proj.tail)
@@ -216,6 +211,13 @@ def Linear(in_features: int, out_features: int, bias: bool = False, dtype=None, 
     return MergedLinear(in_features, [out_features], bias, dtype, device)
 
 
+# the HF projections GatedMLP loads as shards of its fused one: HF name piece -> (fused piece, shard index)
+GATED_MLP_FUSED_NAMES = {
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+}
+
+
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)) with gate and up fused into one projection."""
 
@@ -230,6 +232,11 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = MergedLinear(hidden_size, [intermediate_size, intermediate_size], bias, dtype, device)
         self.down_proj = Linear(intermediate_size, hidden_size, bias, dtype, device)
 
+    @classmethod
+    def from_arch(cls, arch: ModelArchConfig, dtype=None, device=None) -> GatedMLP:
+        """A layer's dense MLP of ``intermediate_size``."""
+        return cls(arch.hidden_size, arch.intermediate_size, arch.mlp_bias, arch.hidden_act, dtype, device)
+
     @property
     def input_proj(self) -> MergedLinear:
         return self.gate_up_proj
@@ -243,109 +250,3 @@ class GatedMLP(nn.Module):
             return self.down_proj(dispatch.silu_and_mul(gate_up))
         gate, up = gate_up.split(self.intermediate_size, dim=-1)
         return self.down_proj(F.silu(gate) * up)
-
-
-class PagedAttention(nn.Module):
-    """Fused qkv projection (+bias), optional per-head q/k RMSNorm, rope, KV write, paged attention, o_proj.
-
-    ``cache_index`` is this layer's place among the model's attention layers: which of ``ctx.caches`` is
-    its paged K/V cache (the model's ``cache_specs()`` declares them in that order)."""
-
-    def __init__(
-        self,
-        cache_index: int,
-        hidden_size: int,
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        qkv_bias: bool = False,
-        o_bias: bool = False,
-        qk_norm: bool = False,
-        rms_norm_eps: float = 1e-6,
-        is_neox_style: bool = True,
-        output_gate: bool = False,
-        zero_centered_qk_norm: bool = False,
-        dtype=None,
-        device=None,
-    ) -> None:
-        super().__init__()
-        self.cache_index = cache_index
-        self.output_gate = output_gate
-        self.num_heads = num_heads
-        self.num_kv_heads = num_kv_heads
-        self.head_dim = head_dim
-        self.q_size = num_heads * head_dim
-        self.kv_size = num_kv_heads * head_dim
-        self.scale = head_dim**-0.5
-        self.is_neox_style = is_neox_style
-        # with an output gate (Qwen3-Next / Qwen3.5), a fourth shard holds the gate: o_proj(attn * sigmoid(gate))
-        shards = [self.q_size, self.kv_size, self.kv_size] + ([self.q_size] if output_gate else [])
-        self.qkv_proj = MergedLinear(hidden_size, shards, qkv_bias, dtype, device)
-        self.o_proj = Linear(self.q_size, hidden_size, o_bias, dtype, device)
-        if qk_norm:
-            self.q_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device, zero_centered_qk_norm)
-            self.k_norm = RMSNorm(head_dim, rms_norm_eps, dtype, device, zero_centered_qk_norm)
-        else:
-            self.q_norm = self.k_norm = None
-        # an fp8 KV cache holds K / k_scale and V / v_scale (the checkpoint's k_scale / v_scale, else 1)
-        self.k_scale = 1.0
-        self.v_scale = 1.0
-
-    @property
-    def input_proj(self) -> MergedLinear:
-        return self.qkv_proj
-
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """x [T, hidden] -> [T, hidden]. Reads the step's rope (cos/sin [T, 1, rotary_dim]) and attention plan
-        from ``ctx``, which the model filled once for all layers, and writes this step's K/V into its cache."""
-        return self.forward_projected(self.qkv_proj(x), ctx)
-
-    def forward_projected(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """``forward`` from the fused qkv projection on."""
-        kv_cache = ctx.kv_cache(self.cache_index)  # [2, NB, BS, KVH, D]
-        meta, plan = ctx.attention, ctx.attention_plan
-        rope = ctx.rope
-        T = qkv.shape[0]
-        H, KVH, D = self.num_heads, self.num_kv_heads, self.head_dim
-        qk_end = self.q_size + self.kv_size
-        v_end = qk_end + self.kv_size
-        gpu = dispatch.use_triton(qkv.device)
-        if gpu:  # norms, rope and the KV write in one kernel
-            q = qkv[:, : self.q_size].view(T, H, D)
-            k = qkv[:, self.q_size : qk_end].view(T, KVH, D)
-            v = qkv[:, qk_end:v_end].view(T, KVH, D)
-            norms = (None, None, 0.0) if self.q_norm is None else (
-                self.q_norm.weight, self.k_norm.weight, self.q_norm.eps)
-            dispatch.qkv_prologue(q, k, v, *norms, rope.cos_table, rope.sin_table, self.is_neox_style, kv_cache,
-                                  meta.slot_mapping, rows=rope.positions, k_scale=self.k_scale, v_scale=self.v_scale)
-            gate = qkv[:, v_end:].view(T, H, D) if self.output_gate else None
-            out = paged_attention_triton(q, kv_cache, meta, self.scale, plan, gate, self.k_scale, self.v_scale)
-            return self.o_proj(out.reshape(T, self.q_size))
-        rotate = _rotate_ref
-        cos, sin = rope.gathered()
-        if self.q_norm is None:
-            # q and k are adjacent: one in-place rotation covers both.
-            qk = qkv[:, :qk_end].view(T, H + KVH, D)
-            rotate(qk, None, cos, sin, self.is_neox_style)
-            q, k = qk[:, :H], qk[:, H:]
-        else:
-            q = self.q_norm(qkv[:, : self.q_size].view(T, H, D))
-            k = self.k_norm(qkv[:, self.q_size : qk_end].view(T, KVH, D))
-            rotate(q, k, cos, sin, self.is_neox_style)
-        v = qkv[:, qk_end:v_end].view(T, KVH, D)
-        write_kv_ref(k, v, kv_cache, meta.slot_mapping, self.k_scale, self.v_scale)
-        out = paged_attention_ref(q, kv_cache, meta, self.scale, plan, self.k_scale, self.v_scale)
-        return self.o_proj(self._gated(out.reshape(T, self.q_size), qkv, v_end))
-
-    def _gated(self, out: torch.Tensor, qkv: torch.Tensor, v_end: int) -> torch.Tensor:
-        """attn * sigmoid(gate) in the activation dtype (as transformers multiplies), when the layer has a gate."""
-        if not self.output_gate:
-            return out
-        return out * torch.sigmoid(qkv[:, v_end:])
-
-
-def _rotate_ref(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-                is_neox_style: bool) -> None:
-    apply_rotary_emb_(q, cos, sin, is_neox_style)
-    if k is not None:
-        apply_rotary_emb_(k, cos, sin, is_neox_style)

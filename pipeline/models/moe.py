@@ -170,6 +170,10 @@ class SparseMoeBlock(nn.Module):
             names |= _SHARED_NAMES
         return names
 
+    def begin_loading(self) -> None:
+        """Forget what an earlier load filled: ``missing_weights`` then counts from nothing."""
+        self._loaded.clear()
+
     def missing_weights(self) -> list[str]:
         return sorted(self.expected_weights() - self._loaded)
 

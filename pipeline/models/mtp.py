@@ -19,8 +19,11 @@ from torch import nn
 
 from pipeline.dist.group import ExpertShard
 from pipeline.models.config import ModelArchConfig
+from pipeline.models.decoder_layer import DecoderLayer
 from pipeline.models.forward_context import ForwardContext, PagedKVSpec
+from pipeline.models.gated_attention import gated_attention_layer
 from pipeline.models.layers import Linear, RMSNorm
+from pipeline.models.moe_layout import layer_mlp
 
 
 def hidden_cache_spec(hidden_size: int, dtype: torch.dtype) -> PagedKVSpec:
@@ -59,13 +62,13 @@ class MultiTokenPredictor(nn.Module):
 
     def __init__(self, arch: ModelArchConfig, dtype=None, device=None) -> None:
         super().__init__()
-        from pipeline.models.qwen3_next import HybridDecoderLayer  # (that module attaches this one)
-
         size, eps, zero = arch.hidden_size, arch.rms_norm_eps, arch.zero_centered_norm
         self.pre_fc_norm_embedding = RMSNorm(size, eps, dtype, device, zero)
         self.pre_fc_norm_hidden = RMSNorm(size, eps, dtype, device, zero)
         self.fc = Linear(2 * size, size, False, dtype, device)
-        self.layers = nn.ModuleList([HybridDecoderLayer(mtp_arch(arch), 0, dtype, device)])
+        head = mtp_arch(arch)
+        self.layers = nn.ModuleList([DecoderLayer(head, "self_attn", gated_attention_layer(head, 0, dtype, device),
+                                                  layer_mlp(head, 0, dtype, device), dtype, device)])
         self.norm = RMSNorm(size, eps, dtype, device, zero)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:

@@ -191,7 +191,7 @@ def checkpoint_problem(model: str | None, load_format: str = "auto") -> str | No
 def apply_kv_scales(model: nn.Module, kv_scales: dict[str, float]) -> None:
     """The checkpoint's ``<attention>.k_scale`` / ``v_scale`` (or one ``kv_scale``) onto the model's attention layers
     (``PagedAttention.k_scale`` / ``v_scale``). Scales of a head the model did not build (the MTP head) are dropped."""
-    from pipeline.models.layers import PagedAttention
+    from pipeline.models.self_attention import PagedAttention
 
     modules = dict(model.named_modules())
     for name, value in kv_scales.items():

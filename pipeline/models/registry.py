@@ -1,40 +1,82 @@
-"""Model registry keyed by HF ``model_type``; ``build_model`` constructs and loads a model."""
+"""The model families, one entry each with every fact the server needs about it, and ``build_model``.
+
+An entry names the HF ``model_type`` values it serves, the model class (pipeline/models/families/: its layers and
+its checkpoint's names, ``model_class.weight_names``), how its config.json maps onto ModelArchConfig, and its
+serving defaults: a packaged chat template (pipeline/templates/) for checkpoints that ship none, and the tool-call
+and reasoning parsers its training fixed. The parsers are names the web layer resolves (web/tool_call_parsers.py,
+web/reasoning.py), so this table stays below it. docs/adding-a-model.md walks through adding an entry.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from pipeline.models.config import ModelArchConfig
-from pipeline.models.llama import LlamaForCausalLM
+from pipeline.models.config import PLAIN_MAPPING, ConfigMapping, ModelArchConfig
+from pipeline.models.families.llama import LlamaForCausalLM
+from pipeline.models.families.qwen3_moe import Qwen3MoeForCausalLM
+from pipeline.models.families.qwen3_next import Qwen3NextForCausalLM
 from pipeline.models.quantized_weights import CheckpointWeights
-from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM
-from pipeline.models.qwen3_next import Qwen3NextForCausalLM
+from pipeline.models.weight_loading import WeightNames
 
-MODEL_REGISTRY: dict[str, type[nn.Module]] = {
-    "llama": LlamaForCausalLM,
-    "mistral": LlamaForCausalLM,
-    "qwen2": LlamaForCausalLM,
-    "qwen3": LlamaForCausalLM,
-    "qwen3_moe": Qwen3MoeForCausalLM,
-    # hybrid Gated DeltaNet + gated attention (multimodal configs resolve to their *_text language model)
-    "qwen3_next": Qwen3NextForCausalLM,
-    "qwen3_5": Qwen3NextForCausalLM,
-    "qwen3_5_text": Qwen3NextForCausalLM,
-    "qwen3_5_moe": Qwen3NextForCausalLM,
-    "qwen3_5_moe_text": Qwen3NextForCausalLM,
-}
+
+@dataclass(frozen=True, slots=True)
+class ModelFamily:
+    name: str
+    model_types: tuple[str, ...]  # the HF model_type values (a multimodal config's text model: its *_text type)
+    model_class: type[nn.Module]
+    config: ConfigMapping = PLAIN_MAPPING
+    chat_template: str | None = None  # a packaged template's file name, for checkpoints without a template
+    tool_call_parser: str | None = None  # None: the format the chat template writes
+    reasoning_parser: str | None = None  # None: no reasoning split
+
+    @property
+    def weight_names(self) -> WeightNames:
+        return self.model_class.weight_names
+
+
+_QWEN3_5_SERVING = dict(chat_template="qwen3_5.jinja", tool_call_parser="qwen3_coder", reasoning_parser="qwen3")
+
+FAMILIES: tuple[ModelFamily, ...] = (
+    ModelFamily("llama", ("llama", "mistral"), LlamaForCausalLM),
+    ModelFamily("qwen2", ("qwen2",), LlamaForCausalLM,
+                ConfigMapping(qkv_bias_only=True, sliding_window_switch=True)),
+    ModelFamily("qwen3", ("qwen3",), LlamaForCausalLM, ConfigMapping(qk_norm=True, sliding_window_switch=True)),
+    ModelFamily("qwen3_moe", ("qwen3_moe",), Qwen3MoeForCausalLM,
+                ConfigMapping(qk_norm=True, sliding_window_switch=True)),
+    # hybrid Gated DeltaNet + gated attention
+    ModelFamily("qwen3_next", ("qwen3_next", "qwen3_5", "qwen3_5_text"), Qwen3NextForCausalLM,
+                ConfigMapping(qk_norm=True, hybrid=True), **_QWEN3_5_SERVING),
+    ModelFamily("qwen3_5_moe", ("qwen3_5_moe", "qwen3_5_moe_text"), Qwen3NextForCausalLM,
+                ConfigMapping(qk_norm=True, hybrid=True, all_layers_sparse=True), **_QWEN3_5_SERVING),
+)
+
+FAMILY_BY_MODEL_TYPE: dict[str, ModelFamily] = {t: family for family in FAMILIES for t in family.model_types}
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {t: family.model_class for t, family in FAMILY_BY_MODEL_TYPE.items()}
+
+
+def model_family(model_type: str) -> ModelFamily:
+    """The entry serving ``model_type``; ValueError naming the supported types for any other."""
+    try:
+        return FAMILY_BY_MODEL_TYPE[model_type]
+    except KeyError:
+        raise ValueError(
+            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(FAMILY_BY_MODEL_TYPE))}"
+        ) from None
+
+
+def config_mapping(model_type: str) -> ConfigMapping:
+    """The family's config mapping; a model_type no entry names reads config.json the plain way (building it
+    then fails with ``model_family``'s error)."""
+    family = FAMILY_BY_MODEL_TYPE.get(model_type)
+    return family.config if family is not None else PLAIN_MAPPING
 
 
 def get_model_class(model_type: str) -> type[nn.Module]:
-    try:
-        return MODEL_REGISTRY[model_type]
-    except KeyError:
-        raise ValueError(
-            f"unsupported model_type {model_type!r}; supported: {', '.join(sorted(MODEL_REGISTRY))}"
-        ) from None
+    return model_family(model_type).model_class
 
 
 def build_model(

@@ -1,4 +1,5 @@
-"""Rotary position embeddings: inverse frequencies for each rope type, a cos/sin cache, and the rotation.
+"""Rotary position embeddings: inverse frequencies for each rope type and a cos/sin cache (the rotation itself:
+kernels/rope.py).
 
 The inverse-frequency formulas follow transformers' ``ROPE_INIT_FUNCTIONS`` (default, linear, dynamic at its
 initial length, llama3, yarn) and produce the same float32 values.
@@ -12,6 +13,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from kernels.rope import apply_rotary_emb_
 
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
 
@@ -110,25 +113,6 @@ def _yarn_inv_freq(
     extrapolation_weight = 1 - ramp
     inv_freq = interpolation * (1 - extrapolation_weight) + extrapolation * extrapolation_weight
     return inv_freq, float(attention_factor)
-
-
-def apply_rotary_emb_(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, is_neox_style: bool = True
-) -> torch.Tensor:
-    """Rotate ``x [T, N, D]`` in place (the first ``cos.shape[-1]`` dims of each head); returns x.
-
-    ``cos``/``sin`` are ``[T, 1, rotary_dim]`` from ``RotaryEmbedding.cos_sin``: cos repeated to full width and
-    sin signed so that ``x * cos + swap(x) * sin`` is the rotation, where swap exchanges the two halves (neox)
-    or the two members of each pair (gptj).
-    """
-    rot = cos.shape[-1]
-    xr = x if rot == x.shape[-1] else x[..., :rot]
-    if is_neox_style:
-        swapped = xr.unflatten(-1, (2, rot // 2)).flip(-2).flatten(-2)
-    else:
-        swapped = xr.unflatten(-1, (rot // 2, 2)).flip(-1).flatten(-2)
-    xr.mul_(cos).addcmul_(swapped, sin)
-    return x
 
 
 class RotaryEmbedding(nn.Module):

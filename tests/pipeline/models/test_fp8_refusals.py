@@ -101,7 +101,7 @@ def test_good_checkpoint_passes(fp8_dir):
 @pytest.mark.parametrize("command", ["serve", "generate"])
 def test_cli_exits_with_one_line_before_binding(fp8_dir, tmp_path, command):
     directory = edited(fp8_dir, tmp_path, *CASES["missing scale"][:2])
-    args = [sys.executable, "-m", "pipeline.cli", command, "--model", str(directory), "--device", "cpu"]
+    args = [sys.executable, "-m", "cli", command, "--model", str(directory), "--device", "cpu"]
     if command == "serve":
         args += ["--port", "1"]  # a port it could not bind: the refusal comes first
     else:

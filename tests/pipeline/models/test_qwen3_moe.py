@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from pipeline.models.config import ModelArchConfig
+from pipeline.models.families.qwen3_moe import Qwen3MoeForCausalLM
 from pipeline.models.moe import SparseMoeBlock
-from pipeline.models.qwen3_moe import Qwen3MoeForCausalLM, is_sparse_layer
+from pipeline.models.moe_layout import is_sparse_layer
 from pipeline.models.registry import MODEL_REGISTRY, build_model
 from tests.model_utils import arch_of, conveyor_from_hf, hf_greedy, make_tiny_hf_model, run_paged
 

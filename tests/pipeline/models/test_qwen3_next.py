@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pipeline.models.config import ModelArchConfig
-from pipeline.models.qwen3_next import Qwen3NextForCausalLM, cache_layout
+from pipeline.models.families.qwen3_next import Qwen3NextForCausalLM, cache_layout
 from pipeline.models.registry import build_model
 from tests.model_utils import HYBRID_TYPES, arch_of, conveyor_from_hf, hf_greedy, make_tiny_hf_model, run_paged
 

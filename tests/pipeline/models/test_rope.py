@@ -3,8 +3,9 @@ import math
 import pytest
 import torch
 
+from kernels.rope import apply_rotary_emb_
 from pipeline.models.config import ModelArchConfig
-from pipeline.models.rope import RotaryEmbedding, apply_rotary_emb_, compute_inv_freq
+from pipeline.models.rope import RotaryEmbedding, compute_inv_freq
 from tests.model_utils import tiny_config
 
 

@@ -85,7 +85,7 @@ def test_triton_path_reads_an_fp8_cache_as_the_torch_path(monkeypatch):
     the same kernels: tests/kernels/test_fp8_kv_kernels.py.)"""
     if not dispatch.triton_available() or os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("needs triton under the interpreter (the model runs on CPU tensors)")
-    from pipeline.models.layers import PagedAttention
+    from pipeline.models.self_attention import PagedAttention
 
     hf = make_tiny_hf_model("qwen3", num_hidden_layers=1)
     model = build_model(arch_of(hf), hf.state_dict().items(), dtype=torch.float32, prepack=False)
