@@ -60,19 +60,21 @@ class NullSample:
         return self._output
 
 
-def masked_pick(words: np.ndarray, rows: list[int], ids: np.ndarray) -> None:
+def masked_pick(words: np.ndarray, rows: np.ndarray, slots: np.ndarray, ids: np.ndarray) -> None:
     """The "device's" pick under a grammar mask: a row's hashed id where its grammar allows it (inside a
     string it mostly does: text as varied as a model's), else the lowest allowed token. A device does
     this on its own, so it is kept off the host's clock as far as it can be: one small gather of the
     wanted words, and for the rows whose wanted token is refused one vectorized search (numpy releases
-    the GIL for large copies, and the event loop then takes it)."""
+    the GIL for large copies, and the event loop then takes it). words: the step's grammar bitmask, whose row
+    slots[i] masks batch row rows[i]."""
     flat = words.reshape(-1)
-    rows_ = np.asarray(rows, dtype=np.int64)
+    rows_, slots_ = np.asarray(rows, dtype=np.int64), np.asarray(slots, dtype=np.int64)
     wanted = ids[rows_]
-    bits = flat[rows_ * words.shape[1] + (wanted >> 5)] >> (wanted & 31).astype(np.uint32)
-    refused = rows_[(bits & 1) == 0]
+    bits = flat[slots_ * words.shape[1] + (wanted >> 5)] >> (wanted & 31).astype(np.uint32)
+    refused_at = (bits & 1) == 0
+    refused = rows_[refused_at]
     if len(refused):
-        masked = words[refused]
+        masked = words[slots_[refused_at]]
         first = np.argmax(masked != 0, axis=1)  # every grammar row allows some token
         word = masked[np.arange(len(refused)), first].astype(np.int64)
         lowest = word & -word
@@ -92,8 +94,9 @@ def null_launch(vocab: int):
         if rows:
             batch = SamplingBatch.from_rows(rows, vocab, cpu, staging)
             batch.fill_grammar_bitmask(previous_host)
-            if batch.grammar_bitmask is not None:
-                masked_pick(batch.grammar_bitmask.numpy().view(np.uint32), [e[0] for e in batch.grammar_rows], ids)
+            mask = batch.grammar_mask
+            if mask is not None:
+                masked_pick(mask.host_bitmask.view(np.uint32), mask.host_rows, mask.host_slots, ids)
         return NullSample(ids)
 
     return launch

@@ -72,13 +72,22 @@ _SIGNATURES = {
 }
 
 
+def _schema_types(schema: dict) -> list:
+    """A function's result type, then its parameters' types, from its type schema: the result and parameters in
+    one "args" list, or (later tvm-ffi) a "named_args" object with "return" and "params" lists."""
+    if "args" in schema:
+        return [arg["type"] for arg in schema["args"]]
+    named = schema["named_args"]
+    return [arg["type"] for arg in named["return"] + named["params"]]
+
+
 def _functions() -> tuple:
     """The FFI functions called below, checked against the signatures this module passes; kept
     referenced here, so their handles stay valid."""
     methods = {method.name: method for method in _core.BatchGrammarMatcher.__tvm_ffi_type_info__.methods}
     for name, signature in _SIGNATURES.items():
         schema = json.loads(methods[name].metadata["type_schema"])
-        if [arg["type"] for arg in schema["args"]] != signature:
+        if _schema_types(schema) != signature:
             raise ImportError(f"xgrammar's {name} has another signature: {schema}")
     return (tvm_ffi.get_global_func("ffi.Array"), methods["batch_accept_token"].func,
             methods["batch_fill_next_token_bitmask"].func)

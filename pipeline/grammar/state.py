@@ -1,11 +1,11 @@
-"""One sample's place in its grammar, and the step's bitmask over the batch.
+"""One sample's place in its grammar.
 
 The decode (or prefill) stage records every token of a sample on its state; the device thread, and
 only it, drives the matchers: while the forward runs on the device (the runner calls
 `SamplingBatch.fill_grammar_bitmask` after launching it and before sampling) it gives each matcher
-the tokens it is missing and fills the step's bitmask rows: one batched accept and one batched fill,
-run in one GIL release (ext/grammar_step); then the logits pipeline masks disallowed tokens in one
-call for the whole batch.
+the tokens it is missing and fills the step's bitmask rows (pipeline/grammar/mask.py): one batched
+accept and one batched fill, run in one GIL release (ext/grammar_step); then the logits pipeline
+masks the refused tokens in one call for the whole batch.
 """
 from __future__ import annotations
 
@@ -16,18 +16,33 @@ import torch
 import xgrammar as xgr
 
 import ext
-from pipeline.runner.host_staging import HostStaging
+from pipeline.cpu_threads import usable_cores
 
-_bitmask = ext.load("bitmask")
 _grammar_rows = ext.load("grammar_rows")
 _grammar_step = ext.load("grammar_step")
 _NO_ROWS = np.empty((0, 1), dtype=np.int32)
 
 
+_BATCH: dict[bool, xgr.BatchGrammarMatcher] = {}
+
+
+def fill_threads() -> int:
+    """xgrammar's batch fill threads: half the cores this process may use, as xgrammar's own "auto" takes half of
+    the machine's (whatever the affinity mask or a cgroup quota leaves this process)."""
+    return max(1, usable_cores() // 2)
+
+
+def batch_matcher(pooled: bool) -> xgr.BatchGrammarMatcher:
+    """xgrammar's batch filler, made once: with its own thread pool, or filling on the caller's."""
+    if pooled not in _BATCH:
+        _BATCH[pooled] = xgr.BatchGrammarMatcher(max_threads=fill_threads() if pooled else 1)
+    return _BATCH[pooled]
+
+
 def refused_tokens(matchers: list[xgr.GrammarMatcher], tokens: list[int]) -> list[int]:
     """Each matcher takes its token (one batched call, keeping the GIL); the indices of those that
     refused theirs (usually none: the bitmask allows only tokens the grammar accepts)."""
-    return _grammar_step.accept_and_fill(_batch_matcher(pooled=False), matchers, tokens, [], _NO_ROWS, [], False)
+    return _grammar_step.accept_and_fill(batch_matcher(pooled=False), matchers, tokens, [], _NO_ROWS, [], False)
 
 
 class GrammarState:
@@ -104,7 +119,7 @@ def take_tokens(rows: list[tuple[GrammarState, int, int | None]], keep_last: boo
     round; a state behind by k tokens needs k rounds (normally every state is behind by one).
 
     With keep_last the last round is booked but not given to the matchers: it is returned, for
-    fill_batch_bitmask to give it in the same call as the fill (ext/grammar_step)."""
+    fill_grammar_mask (pipeline/grammar/mask.py) to give it in the same call as the fill (ext/grammar_step)."""
     while True:
         round_, more = _next_round(rows)
         if not round_.states:
@@ -131,103 +146,3 @@ def plan_rows(grammar_rows: list[tuple[int, GrammarState, int, int]],
                            for _, state, previous, position in grammar_rows if isinstance(state, GrammarState)],
                           keep_last=True)
     return accepts, [(row, state) for row, state, _, _ in grammar_rows if not state.ended]
-
-
-# Below this many rows the matchers fill on the calling thread, keeping the GIL: handing a few rows
-# to xgrammar's thread pool and waiting for it, or giving the GIL up for microseconds of work and
-# waiting to win it back from the event loop, costs more than their fill (host bench, batch 1).
-BATCH_FILL_MIN_ROWS = 8
-
-
-def _fill_rows(states: list[tuple[int, GrammarState]], tensor: torch.Tensor, array: np.ndarray, rows: list[int],
-               accepts: TokenRound | None) -> None:
-    if all(isinstance(state, GrammarState) for _, state in states):
-        many = len(states) >= BATCH_FILL_MIN_ROWS
-        refused = _grammar_step.accept_and_fill(_batch_matcher(pooled=many), accepts.matchers if accepts else [],
-                                                accepts.tokens if accepts else [],
-                                                [state.matcher for _, state in states], array, rows, many)
-        if refused:  # (only a bug lets the mask allow a refused token) those rows allow everything
-            assert accepts is not None
-            accepts.refuse(refused)
-            for row, state in states:
-                if state.refused:
-                    array[row] = -1
-        return
-    if accepts is not None:  # test doubles: objects with fill(tensor, row)
-        accepts.take()
-    for row, state in states:
-        state.fill(tensor, row)
-
-
-_BATCH: dict[bool, xgr.BatchGrammarMatcher] = {}
-
-
-def _batch_matcher(pooled: bool) -> xgr.BatchGrammarMatcher:
-    """xgrammar's batch filler, made once: with its own thread pool, or filling on the caller's."""
-    if pooled not in _BATCH:
-        _BATCH[pooled] = xgr.BatchGrammarMatcher(max_threads="auto" if pooled else 1)
-    return _BATCH[pooled]
-
-
-def bitmask_words(vocab_size: int) -> int:
-    return (vocab_size + 31) // 32
-
-
-def fill_draft_rows(array: np.ndarray, tensor: torch.Tensor,
-                    draft_rows: list[tuple[int, GrammarState, tuple[int, ...]]]) -> None:
-    """Speculative verify rows after drafts (their state's row before the drafts is filled already, its matcher
-    at that position): each matcher takes the drafts in order, fills the row after each, and is rolled back to
-    where it was. Past a draft it refuses, or a stop token, the rows get the last mask it could fill, or allow
-    everything: their positions are rejected anyway (the token picked there differs from the draft)."""
-    by_state: dict[int, tuple[GrammarState, list[tuple[int, int, tuple[int, ...]]]]] = {}
-    for row, state, drafts in draft_rows:
-        by_state.setdefault(id(state), (state, []))[1].append((len(drafts), row, drafts))
-    for state, rows in by_state.values():
-        matcher, taken, stuck = state.matcher, 0, state.ended or state.refused
-        for count, row, drafts in sorted(rows):
-            if not stuck and taken < count:
-                stuck = not matcher.accept_token(drafts[count - 1])
-                taken += not stuck
-            if state.ended or matcher.is_terminated():
-                array[row] = -1
-            else:
-                matcher.fill_next_token_bitmask(tensor, row)
-        if taken:
-            matcher.rollback(taken)
-
-
-def fill_batch_bitmask(states: list[tuple[int, GrammarState]], num_rows: int, vocab_size: int,
-                       device: torch.device, staging: HostStaging | None = None,
-                       accepts: TokenRound | None = None,
-                       draft_rows: list[tuple[int, GrammarState, tuple[int, ...]]] = ()) -> torch.Tensor:
-    """The step's int32 bitmask [S, ceil(V/32)] (bit j of word w allows token 32w + j) on `device`.
-
-    Rows without a grammar allow everything. `accepts` (take_tokens' last round, kept) is given to
-    the matchers first, in the same GIL release as the fill. With a runner's `staging` the host buffer and its
-    tensor view are the staging's, reused step after step (a fresh 1.5 MB array per step at batch
-    256 is a fresh mapping whose every page faults on first write, and a fresh tensor is a torch
-    call): on CPU the result is valid until the runner's next step, which samples before that; on
-    CUDA it is copied through pinned memory without blocking, so it never waits behind the step's
-    kernels.
-    """
-    words = bitmask_words(vocab_size)
-    if staging is not None:
-        array, host = staging.matrix("bitmask", np.int32, num_rows, words)
-    else:
-        array = np.empty((num_rows, words), dtype=np.int32)
-        host = torch.from_numpy(array)
-    _bitmask.fill_batch_bitmask(array, [row for row, _ in states], lambda rows: _fill_rows(states, host, array, rows, accepts))
-    if accepts is not None and not states:  # no row to fill: the accepts alone
-        accepts.take()
-    if draft_rows:
-        fill_draft_rows(array, host, draft_rows)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host
-
-
-def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """bool [S, V]: True where the token is allowed."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)
-    bits = (bitmask.unsqueeze(-1) >> shifts) & 1
-    return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()

@@ -19,6 +19,7 @@ steps uses a staging (the runner's device thread), and on CPU a step has sampled
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -69,23 +70,51 @@ class HostStaging:
         returns a device view of each, by key (cached as ``stage``'s are). Nothing waits for the device."""
         lengths = tuple(len(values) for values in arrays.values())
         total = sum(lengths)
-        buffer = self._device_buffer(name, dtype, total, device)
         if total:
-            pinned = buffer.pinned[buffer.turn]
-            if pinned.copied is not None:
-                pinned.copied.synchronize()  # the upload before last: long done, its step launched since
-            np.concatenate(list(arrays.values()), out=pinned.array[:total])
-            source = pinned.prefixes.get(total)
-            if source is None:
-                if len(pinned.prefixes) >= MAX_CACHED_VIEWS:
-                    pinned.prefixes.clear()
-                source = pinned.prefixes[total] = pinned.tensor[:total]
-            self._view(buffer, 0, total, (total,)).copy_(source, non_blocking=True)
-            if pinned.copied is None:
-                pinned.copied = torch.cuda.Event()
-            pinned.copied.record()
-            buffer.turn ^= 1
-        return self._views(buffer, arrays, lengths)
+            np.concatenate(list(arrays.values()), out=self.host_buffer(name, dtype, total, device))
+            self.send(name, dtype, total, device)
+        return self._views(self._device_buffer(name, dtype, total, device), arrays, lengths)
+
+    def host_buffer(self, name: str, dtype: type, size: int, device: torch.device) -> np.ndarray:
+        """``size`` elements of host memory to write the next upload ``name`` into, in place, before ``send``: on a
+        GPU one of the upload's two pinned buffers, in turn (once the copy that read it two uploads ago has run: long
+        done, its step launched since), elsewhere the staging's buffer ``name`` itself."""
+        if device.type != "cuda":
+            return self._buffer(name, dtype, size).array[:size]
+        buffer = self._device_buffer(name, dtype, size, device)
+        pinned = buffer.pinned[buffer.turn]
+        if pinned.copied is not None:
+            pinned.copied.synchronize()
+        return pinned.array[:size]
+
+    def send(self, name: str, dtype: type, size: int, device: torch.device,
+             shapes: tuple[tuple[int, ...], ...] = ()) -> list[Tensor]:
+        """The first ``size`` elements written into ``host_buffer(name)`` on ``device``: on a GPU one non-blocking
+        copy into the device buffer ``name``, elsewhere the host buffer itself. Returns views of consecutive parts
+        of them in ``shapes`` (cached, as every view here)."""
+        if device.type != "cuda":
+            return self._shaped(self._buffer(name, dtype, size), shapes)
+        buffer = self._device_buffer(name, dtype, size, device)
+        pinned = buffer.pinned[buffer.turn]
+        source = pinned.prefixes.get(size)
+        if source is None:
+            if len(pinned.prefixes) >= MAX_CACHED_VIEWS:
+                pinned.prefixes.clear()
+            source = pinned.prefixes[size] = pinned.tensor[:size]
+        self._view(buffer, 0, size, (size,)).copy_(source, non_blocking=True)
+        if pinned.copied is None:
+            pinned.copied = torch.cuda.Event()
+        pinned.copied.record()
+        buffer.turn ^= 1
+        return self._shaped(buffer, shapes)
+
+    def _shaped(self, buffer: _Buffer, shapes: tuple[tuple[int, ...], ...]) -> list[Tensor]:
+        views, offset = [], 0
+        for shape in shapes:
+            length = math.prod(shape)
+            views.append(self._view(buffer, offset, length, shape))
+            offset += length
+        return views
 
     def _views(self, buffer: _Buffer, arrays: dict[str, np.ndarray],
                lengths: tuple[int, ...]) -> dict[str, Tensor]:

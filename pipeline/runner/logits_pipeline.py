@@ -20,9 +20,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+import ext
 from kernels import dispatch
+from kernels.triton_bitmask import apply_token_bitmask_ref, apply_token_bitmask_triton
 from kernels.triton_sampling import apply_cutoff_, topk_topp_minp_cutoff_triton
 from pipeline.runner.sampling_batch import SamplingBatch
+
+_bitmask = ext.load("bitmask")
 
 Step = Callable[[Tensor, SamplingBatch], Tensor]
 NEG_INF = float("-inf")
@@ -73,12 +77,17 @@ def apply_min_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
 
 
 def apply_grammar_bitmask(logits: Tensor, batch: SamplingBatch) -> Tensor:
-    """Forbid every token the row's grammar does not allow next (one masked fill for the batch)."""
-    if batch.grammar_bitmask is None:
+    """Forbid every token a row's grammar does not allow next: one kernel for the constrained rows on the GPU, one
+    compiled pass over their bitmask words on the CPU (ext/bitmask); the other rows are not touched."""
+    mask = batch.grammar_mask
+    if mask is None:
         return logits
-    from pipeline.grammar.state import unpack_bitmask
-
-    return logits.masked_fill_(~unpack_bitmask(batch.grammar_bitmask, logits.shape[-1]), NEG_INF)
+    if dispatch.use_triton(logits.device):
+        return apply_token_bitmask_triton(logits, mask.bitmask, mask.rows, mask.slots)
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        _bitmask.apply_bitmask(logits.numpy(), mask.host_bitmask, mask.host_rows, mask.host_slots)
+        return logits
+    return apply_token_bitmask_ref(logits, mask.bitmask, mask.rows, mask.slots)
 
 
 def apply_forced_tokens(logits: Tensor, batch: SamplingBatch) -> Tensor:
@@ -175,7 +184,7 @@ LOGITS_STEPS: list[tuple[str, Step]] = [
 def changes_logits(batch: SamplingBatch) -> bool:
     """Whether any step of ``LOGITS_STEPS`` acts on this batch: each step's own guard, all in one place."""
     return (batch.seen_mask is not None or batch.output_counts is not None or batch.bias_index is not None
-            or batch.suppress_index is not None or batch.grammar_bitmask is not None
+            or batch.suppress_index is not None or batch.grammar_mask is not None
             or batch.forced_index is not None or batch.any_temperature
             or batch.any_top_k or batch.any_top_p or batch.any_min_p)
 

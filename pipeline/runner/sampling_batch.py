@@ -104,12 +104,13 @@ class SamplingBatch:
     # logprobs: per-row count on the host (-1 = none asked), max over rows (None = no row asked)
     num_logprobs: np.ndarray
     max_num_logprobs: int | None
-    # grammar rows (host states) and their bitmask [S, ceil(V/32)] int32, set by the runner after
-    # the forward is launched (fill_grammar_bitmask); forced tokens as indices [2, F]
+    # grammar rows (host states) and their mask (pipeline/grammar/mask.py: the bitmasks of the rows that refuse
+    # some token, None when none does), set by the runner after the forward is launched (fill_grammar_bitmask);
+    # forced tokens as indices [2, F]
     # (row, state, previous row, output position being picked)
     grammar_rows: list[tuple[int, Any, int, int]] = field(default_factory=list)
     grammar_draft_rows: list[tuple[int, Any, tuple[int, ...]]] = field(default_factory=list)  # (row, state, drafts)
-    grammar_bitmask: Tensor | None = None
+    grammar_mask: Any = None  # GrammarMask
     forced_index: Tensor | None = None
     staging: HostStaging | None = None  # the runner's reused host buffers (the bitmask's too)
 
@@ -119,7 +120,8 @@ class SamplingBatch:
         ahead takes its previous token from `previous_tokens()`, the host ids of the stage's previous step."""
         if not self.grammar_rows and not self.grammar_draft_rows:
             return
-        from pipeline.grammar.state import fill_batch_bitmask, plan_rows
+        from pipeline.grammar.mask import fill_grammar_mask
+        from pipeline.grammar.state import plan_rows
 
         ahead = any(previous >= 0 for _, _, previous, _ in self.grammar_rows)
         if ahead and previous_tokens is None:
@@ -127,8 +129,8 @@ class SamplingBatch:
         host = previous_tokens().tolist() if ahead else []  # type: ignore[misc]
         # the accepts go to the matchers with the fill, in one GIL release
         accepts, states = plan_rows(self.grammar_rows, host)
-        self.grammar_bitmask = fill_batch_bitmask(states, self.num_rows, self.vocab_size, self.device, self.staging,
-                                                  accepts, self.grammar_draft_rows)
+        self.grammar_mask = fill_grammar_mask(states, self.vocab_size, self.device, self.staging, accepts,
+                                              self.grammar_draft_rows)
 
     @property
     def all_greedy(self) -> bool:

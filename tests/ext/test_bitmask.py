@@ -1,34 +1,65 @@
-"""Batch bitmask assembly: compiled == twin; rows without a grammar allow everything, grammar rows
-are left to `fill` (which writes every word of them)."""
+"""A step's grammar bitmask on the host: compiled == twin == the torch reference (kernels/triton_bitmask.py). Rows
+that allow every token below the vocabulary size are found (bits past it do not count); masking writes -inf where a
+row's bitmask refuses a token and touches nothing else."""
 import numpy as np
 import pytest
+import torch
 
+from kernels.triton_bitmask import apply_token_bitmask_ref
 from tests.ext.twins import twin_and_compiled
 
 MODULES = twin_and_compiled("bitmask")
-WORDS = {0: [9, 9, 9], 1: [1, 0, 5], 3: [0, -2, 7], 5: [3, 3, 3]}
 
 
-def filler(bitmask):
-    """The grammar's fill: writes every word of its rows (through the caller's view of the buffer)."""
-    def fill(rows):
-        for row in rows:
-            bitmask[row] = WORDS[row]
-    return fill
-
-
-@pytest.mark.parametrize("module", MODULES)
-@pytest.mark.parametrize("rows", [[1, 3], [0, 1, 3, 5], [3, 1], [], [5], [0]])
-def test_assembly(module, rows):
-    bitmask = np.zeros((6, 3), dtype=np.int32)
-    module.fill_batch_bitmask(bitmask, rows, filler(bitmask))
-    assert bitmask.tolist() == [WORDS[r] if r in rows else [-1, -1, -1] for r in range(6)]
+def bitmask_of(allowed: list[set[int]], vocab: int) -> np.ndarray:
+    words = np.zeros((len(allowed), (vocab + 31) // 32), dtype=np.uint32)
+    for row, tokens in enumerate(allowed):
+        for token in tokens:
+            words[row, token >> 5] |= np.uint32(1) << np.uint32(token & 31)
+    return words.view(np.int32)
 
 
 @pytest.mark.parametrize("module", MODULES)
-def test_bad_buffers_and_rows(module):
+@pytest.mark.parametrize("vocab", [32, 45, 100])
+def test_masking_rows_are_those_refusing_a_token(module, vocab):
+    everything = set(range(vocab))
+    allowed = [everything, everything - {vocab - 1}, {0}, everything - {0}, set(), everything]
+    bitmask = bitmask_of(allowed, vocab)  # row 5: the bits past the vocabulary unset
+    bitmask[0, -1] = -1  # row 0: set
+    assert module.masking_rows(bitmask, len(allowed), vocab) == [1, 2, 3, 4]
+    assert module.masking_rows(bitmask, 1, vocab) == []
+    assert module.masking_rows(bitmask, 0, vocab) == []
+
+
+@pytest.mark.parametrize("module", MODULES)
+@pytest.mark.parametrize("vocab", [5, 32, 33, 1000])
+def test_apply_equals_the_reference(module, vocab):
+    rng = np.random.default_rng(vocab)
+    bitmask = rng.integers(-2**31, 2**31, size=(4, (vocab + 31) // 32), dtype=np.int64).astype(np.int32)
+    bitmask[1] = -1  # allows everything: a no-op
+    bitmask[2, : len(bitmask[2]) // 2] = 0  # whole words refused
+    logits = rng.standard_normal((6, vocab)).astype(np.float32)
+    rows, slots = np.array([5, 0, 3, 2], dtype=np.int32), np.array([0, 1, 2, 3], dtype=np.int32)
+    expected = apply_token_bitmask_ref(torch.from_numpy(logits.copy()), torch.from_numpy(bitmask),
+                                       torch.from_numpy(rows), torch.from_numpy(slots))
+    module.apply_bitmask(logits, bitmask, rows, slots)
+    assert torch.equal(torch.from_numpy(logits), expected)
+    assert np.isfinite(logits[[1, 4]]).all() and np.isfinite(logits[0]).all()  # rows not named, and slot 1
+
+
+@pytest.mark.parametrize("module", MODULES)
+def test_bad_arguments(module):
+    logits, bitmask = np.zeros((2, 40), dtype=np.float32), np.zeros((1, 2), dtype=np.int32)
+    one = np.array([0], dtype=np.int32)
+    with pytest.raises(IndexError):
+        module.apply_bitmask(logits, bitmask, np.array([2], dtype=np.int32), one)
+    with pytest.raises(IndexError):
+        module.apply_bitmask(logits, bitmask, one, np.array([1], dtype=np.int32))
     with pytest.raises(ValueError):
-        module.fill_batch_bitmask(np.zeros((3, 4), dtype=np.int32).T, [], filler(None))
-    for row in (2, -1):
-        with pytest.raises(IndexError):
-            module.fill_batch_bitmask(np.zeros((2, 3), dtype=np.int32), [row], filler(None))
+        module.apply_bitmask(logits, bitmask, one, np.array([0, 0], dtype=np.int32))
+    with pytest.raises(ValueError):
+        module.apply_bitmask(np.zeros((2, 80), dtype=np.float32), bitmask, one, one)  # 2 words: 64 tokens
+    with pytest.raises(ValueError):
+        module.masking_rows(bitmask, 1, 65)
+    with pytest.raises(IndexError):
+        module.masking_rows(bitmask, 2, 40)

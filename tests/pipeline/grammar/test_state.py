@@ -7,7 +7,9 @@ import pytest
 import torch
 import xgrammar as xgr
 
-from pipeline.grammar.state import GrammarState, fill_batch_bitmask, refused_tokens, take_tokens, unpack_bitmask
+from kernels.triton_bitmask import unpack_bitmask
+from pipeline.grammar.mask import fill_grammar_mask
+from pipeline.grammar.state import GrammarState, refused_tokens, take_tokens
 from pipeline.runner.host_staging import HostStaging
 
 VOCAB = ["a", "b", "c", "ab", "bc", "x", "<eos>"]
@@ -22,9 +24,16 @@ def compiled() -> xgr.CompiledGrammar:
     return xgr.GrammarCompiler(info).compile_regex("(a|b)+c")
 
 
+def row_sets(mask, num_rows: int) -> list[set[int]]:
+    """Each batch row's allowed tokens under a step's mask (None: every row allows everything)."""
+    if mask is None:
+        return [set(range(len(VOCAB))) for _ in range(num_rows)]
+    grid = mask.allowed(num_rows, len(VOCAB))
+    return [{t for t in range(len(VOCAB)) if grid[r, t]} for r in range(num_rows)]
+
+
 def allowed(states: list[tuple[int, GrammarState]], num_rows: int, staging: HostStaging | None = None) -> list[set[int]]:
-    mask = unpack_bitmask(fill_batch_bitmask(states, num_rows, len(VOCAB), CPU, staging), len(VOCAB))
-    return [{t for t in range(len(VOCAB)) if mask[r, t]} for r in range(num_rows)]
+    return row_sets(fill_grammar_mask(states, len(VOCAB), CPU, staging), num_rows)
 
 
 def reference(compiled: xgr.CompiledGrammar, tokens: list[int]) -> set[int]:
@@ -62,9 +71,9 @@ def test_a_bitmask_staged_over_an_earlier_steps_equals_a_fresh_one(compiled, num
             state.record(token)
     take_tokens([(state, i % 4, None) for i, state in enumerate(states)])
     staging = HostStaging()
-    fill_batch_bitmask([], 2 * num_rows, len(VOCAB), CPU, staging)  # an earlier step: all ones
+    fill_grammar_mask(list(enumerate(states)), len(VOCAB), CPU, staging)  # an earlier, larger step
     odd = [(row, state) for row, state in enumerate(states) if row % 2]
-    staging.matrix("bitmask", np.int32, num_rows, 1)[0][:] = 0  # stale words the fill must overwrite
+    staging.host_buffer("grammar_mask", np.int32, 2 * num_rows, CPU)[:] = 0  # stale words the fill must overwrite
     assert allowed(odd, num_rows, staging) == allowed(odd, num_rows)
 
 
@@ -126,9 +135,9 @@ def test_the_last_round_is_kept_for_the_fill_and_equals_taking_it_first(compiled
     filled = [(row, state) for row, state in enumerate(kept) if not state.ended]
     expected = allowed([(row, state) for row, state in enumerate(plain) if not state.ended], 10)
     assert all(plain[i].refused for i in (2, 5, 8))  # x after a, b, ab is refused
-    mask = unpack_bitmask(fill_batch_bitmask(filled, 10, len(VOCAB), CPU, accepts=accepts), len(VOCAB))
+    mask = fill_grammar_mask(filled, len(VOCAB), CPU, accepts=accepts)
     assert [s.refused for s in kept] == [s.refused for s in plain]
-    assert [{t for t in range(len(VOCAB)) if mask[r, t]} for r in range(10)] == expected
+    assert row_sets(mask, 10) == expected
     assert expected[2] == set(range(len(VOCAB)))  # a refused state's row allows everything
 
 
@@ -137,6 +146,6 @@ def test_kept_accepts_are_taken_when_no_row_is_filled(compiled):
     state.record(A)
     accepts = take_tokens([(state, 2, X)], keep_last=True)
     assert accepts is not None and not state.refused and state.taken == 2
-    fill_batch_bitmask([], 1, len(VOCAB), CPU, accepts=accepts)
+    fill_grammar_mask([], len(VOCAB), CPU, accepts=accepts)
     assert state.refused and state.ended
     assert take_tokens([(state, 2, None)], keep_last=True) is None  # caught up: nothing to keep

@@ -70,8 +70,11 @@ def test_batches_built_through_a_staging_equal_fresh_ones(subset):
     logits = make_logits(rows)
     staged.fill_grammar_bitmask()
     fresh.fill_grammar_bitmask()
-    assert torch.equal(staged.grammar_bitmask, fresh.grammar_bitmask) if fresh.grammar_bitmask is not None \
-        else staged.grammar_bitmask is None
+    if fresh.grammar_mask is None:
+        assert staged.grammar_mask is None
+    else:
+        assert all(torch.equal(getattr(staged.grammar_mask, name), getattr(fresh.grammar_mask, name))
+                   for name in ("bitmask", "rows", "slots"))
     assert Sampler()(logits.clone(), staged).token_ids.tolist() == Sampler()(logits.clone(), fresh).token_ids.tolist()
 
 
