@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from pipeline.request import RepetitionDetection
+from pipeline.tracing import DEFAULT_TRACE_EVENTS
 
 
 @dataclass(slots=True)
@@ -74,6 +75,12 @@ class EngineConfig:
     gc_young_threshold: int = 20_000  # Python's gen-0 GC threshold while serving (its default is 700)
     gil_switch_interval_s: float = 0.001  # sys.setswitchinterval while serving (Python's default is 5 ms)
     cpu_threads: int | None = None  # CPU: torch intra-op threads; None: the cores this process may use
+    # request traces (pipeline/tracing.py): the ring's size, and with trace_dir the rotating files it is written to
+    # (pipeline/trace_files.py: a file every trace_file_seconds or per half ring, the newest trace_max_files kept)
+    trace_buffer_events: int = DEFAULT_TRACE_EVENTS
+    trace_dir: str | None = None
+    trace_file_seconds: float = 60.0
+    trace_max_files: int = 10
 
     def resolved(self) -> EngineConfig:
         """A copy with the device named and every None default filled in for it."""
@@ -151,6 +158,9 @@ class EngineConfig:
                              "max_grammar_seconds positive")
         if self.grammar_cache_bytes < 0 or self.wedged_intake_s <= 0:
             raise ValueError("grammar_cache_bytes must be >= 0 and wedged_intake_s positive")
+        if self.trace_buffer_events < 1024 or self.trace_file_seconds <= 0 or self.trace_max_files < 1:
+            raise ValueError("trace_buffer_events must be at least 1024, trace_file_seconds positive and "
+                             "trace_max_files at least 1")
         if self.output_channel_cap_bytes < 1 or self.max_waiting_requests < 0 or self.max_waiting_tokens < 0:
             raise ValueError("output_channel_cap_bytes must be at least 1, max_waiting_requests and "
                              "max_waiting_tokens >= 0")

@@ -25,6 +25,7 @@ from pipeline.cpu_threads import CpuThreads, set_cpu_threads
 from pipeline.dist.ranks import ParallelContext, start_head
 from pipeline.errors import AdmissionRefused, EngineDead, InvalidRequest
 from pipeline.interpreter_tuning import InterpreterSettings, restore, tune_for_serving
+from pipeline.live_stats import LiveStats
 from pipeline.loading import LoadedModel, load_model
 from pipeline.memory.cache_manager import CacheManager
 from pipeline.memory.kv_offload import kv_offload, offload_stats
@@ -47,6 +48,8 @@ from pipeline.stages.prefill import PrefillStage
 from pipeline.stages.stream import StreamStage
 from pipeline.stages.verify import VerifyStage
 from pipeline.step_planner import StepPlanner
+from pipeline.trace_files import TraceFiles, prepare_trace_dir
+from pipeline.tracing import CudaClock, TraceRecorder
 
 if TYPE_CHECKING:
     from pipeline.grammar.compiler import GrammarCompiler
@@ -65,7 +68,8 @@ class Engine:
         snapshots = loaded.runner.snapshots[0].shape[0] if loaded.runner.snapshots else 0
         on_gpu = str(loaded.runner.device).startswith("cuda")  # pinned host tiers; priced exact verify rows
         self.cache = CacheManager(KVBlockPool(loaded.num_blocks, config.block_size), states, config.prefix_caching,
-                                  kv_offload(config, loaded),
+                                  kv_offload(config, loaded.runner.paged_caches, bool(loaded.runner.bytes_per_snapshot),
+                                             on_gpu),
                                   snapshot_pool(config, snapshots, loaded.runner.bytes_per_snapshot, on_gpu)
                                   if snapshots else None)
         self.seats = SeatPool(config.max_num_seqs)
@@ -76,8 +80,9 @@ class Engine:
         self.stream = StreamStage(config.stage_queue_size)
         self.detokenize = DetokenizeStage(config.stage_queue_size, tokenizer=self.tokenizer, stream=self.stream)
         shared = dict(cache=self.cache, seats=self.seats, executor=self.executor, detokenize=self.detokenize)
+        self.live = LiveStats()  # the dashboard's history (web/dashboard.py)
         self.planner = StepPlanner(cache=self.cache, seats=self.seats, executor=self.executor,
-                                   token_budget=config.max_num_batched_tokens)
+                                   token_budget=config.max_num_batched_tokens, live=self.live)
         self.verify = VerifyStage(config.stage_queue_size, drafter=loaded.drafter, executor=self.executor)
         self.decode = DecodeStage(seat_bound, planner=self.planner, run_ahead=config.run_ahead, verify=self.verify,
                                   num_speculative_tokens=config.num_speculative_tokens,
@@ -91,6 +96,14 @@ class Engine:
                                   grammars=self.grammar_compiler)
         self.stages: list[Stage] = [self.intake, self.prefill, self.decode, self.verify, self.detokenize,
                                     self.stream]
+        # request traces (GET /debug/trace, --trace-dir): every stage, the planner and the device thread record into it
+        self.trace = TraceRecorder(config.trace_buffer_events, CudaClock(loaded.runner.device) if on_gpu else None)
+        for part in (*self.stages, self.planner, executor):
+            part.trace = self.trace
+        self._trace_files = (TraceFiles(self.trace, config.trace_dir, config.trace_file_seconds, config.trace_max_files,
+                                        tuple(stage.name for stage in self.stages))
+                             if config.trace_dir is not None else None)
+        self._trace_writer: asyncio.Task[None] | None = None
         self._live: dict[str, Request] = {}
         self._channels: dict[str, OutputChannel] = {}
         self._aborted_before_admission: set[str] = set()
@@ -100,6 +113,7 @@ class Engine:
         self.stopping = False  # the drain ran out of time: what was in flight is cancelled (cancel_in_flight)
         self._tasks: list[asyncio.Task[None]] = []
         self._watchdog: asyncio.Task[None] | None = None
+        self._live_sampler: asyncio.Task[None] | None = None
         self._interpreter: InterpreterSettings | None = None  # what create() replaced (shutdown restores it)
         self.cpu_threads: CpuThreads | None = None  # the CPU backend's threads (shutdown restores the count)
         self.failure: BaseException | None = None
@@ -122,6 +136,8 @@ class Engine:
         """Load the model on the device thread (off the event loop), then start every stage."""
         config = config.resolved()
         config.validate()
+        if config.trace_dir is not None:  # a directory it cannot write is refused before the model loads
+            prepare_trace_dir(config.trace_dir)
         executor = DeviceExecutor()
         parallel: ParallelContext | None = None
         threads = None
@@ -153,8 +169,14 @@ class Engine:
         return engine
 
     def start(self) -> None:
+        from pipeline.live_reading import read_engine  # it reads an Engine: imported here, not in a circle
+
         self._tasks = [asyncio.create_task(stage.run(), name=f"stage-{stage.name}") for stage in self.stages]
         self._watchdog = asyncio.create_task(self._watch(), name="engine-watchdog")
+        if self._trace_files is not None:
+            self.trace.set_continuous(True)
+            self._trace_writer = asyncio.create_task(self._trace_files.run(), name="trace-files")
+        self._live_sampler = asyncio.create_task(self.live.run(lambda: read_engine(self)), name="live-stats")
 
     async def _watch(self) -> None:
         done, _ = await asyncio.wait(self._tasks, return_when=asyncio.FIRST_EXCEPTION)
@@ -223,7 +245,9 @@ class Engine:
             self._channels.pop(request_id, None)
             if not self._channels:
                 self._drained.set()
-            self._live.pop(request_id, None)
+            request = self._live.pop(request_id, None)
+            if self.trace.recording:
+                self.trace.request_ended(request_id, request, complete)
             if not complete:  # the admitted Request's flag too; intake drops a request it has not admitted yet
                 item.cancel.cancel(CancelReason.CLIENT_DISCONNECTED)
 
@@ -232,6 +256,11 @@ class Engine:
         if request.request_id in self._aborted_before_admission:
             self._aborted_before_admission.discard(request.request_id)
             request.cancel.cancel(CancelReason.ABORTED)
+
+    def admitted(self, request_id: str) -> Request | None:
+        """The admitted Request of a request in flight (its timings and counts, read when it ends: web/otel_spans.py);
+        None before admission and after its last delta."""
+        return self._live.get(request_id)
 
     def abort(self, request_id: str, reason: CancelReason = CancelReason.ABORTED) -> bool:
         """Cancel a request; its sequences end and free their blocks at the owning stage's next step."""
@@ -332,6 +361,14 @@ class Engine:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if self._watchdog is not None:
             await asyncio.gather(self._watchdog, return_exceptions=True)
+        if self._live_sampler is not None:
+            self._live_sampler.cancel()
+            await asyncio.gather(self._live_sampler, return_exceptions=True)
+        if self._trace_writer is not None:  # the last file: what was recorded since the previous one
+            self._trace_writer.cancel()
+            await asyncio.gather(self._trace_writer, return_exceptions=True)
+            await self._trace_files.write()
+            self.trace.set_continuous(False)
         if self._grammars is not None:
             self._grammars.close()  # its threads never hold the process: a compile xgrammar cannot stop ends alone
         runner = self.loaded.runner

@@ -52,6 +52,9 @@ FLAG_RANGES: dict[str, Range] = {
     "max_grammar_bytes": AT_LEAST_1,
     "max_grammar_seconds": POSITIVE,
     "max_grammar_cache_bytes": NON_NEGATIVE,
+    "trace_file_seconds": POSITIVE,
+    "trace_max_files": AT_LEAST_1,
+    "trace_buffer_events": Range(1024),
     # the engine (serve, generate, worker)
     "block_size": AT_LEAST_1,
     "num_kv_blocks": Range(2),

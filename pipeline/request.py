@@ -9,13 +9,12 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from collections.abc import Callable
 
     from pipeline.grammar.spec import GrammarSpec
-    from pipeline.output_channel import OutputChannel
 
 
 class FinishReason(str, enum.Enum):
@@ -210,6 +209,16 @@ class OutputDelta:
         self.output_token_count = later.output_token_count
 
 
+class OutputSink(Protocol):
+    """Where the stream stage delivers a request's output: its ``OutputChannel`` (pipeline/output_channel.py). That
+    module carries this one's deltas, so a request names what the stream stage uses of it instead of importing it."""
+
+    cap_bytes: int
+
+    def push(self, delta: OutputDelta) -> bool:
+        """Queue a delta without waiting; False when the unread output passed ``cap_bytes``."""
+
+
 _request_counter = itertools.count()
 
 
@@ -230,13 +239,21 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     arrival_seq: int = 0  # FCFS order, assigned by intake
     prompt_text: str | None = None
-    channel: OutputChannel | None = None  # where the stream stage delivers this request's output
+    channel: OutputSink | None = None  # where the stream stage delivers this request's output
     grammar: Any = None  # the compiled grammar of params.grammar (intake compiles it)
     thinking: Any = None  # ThinkingTags when a thinking budget applies
     prompt_opens_thinking: bool = False  # the prompt ends inside an open <think> block
     extra: dict[str, Any] = field(default_factory=dict)
     cached_prompt_tokens: int = 0  # prompt tokens the prefix cache held when it started (prefill sets it)
+    scheduled_time: float | None = None  # time.monotonic() when its first prompt chunk went into a step
+    drafted_tokens: int = 0  # drafter tokens its verify rows scored (speculation), over all its samples
+    accepted_tokens: int = 0  # of those, accepted
 
     @property
     def max_output_tokens(self) -> int:
         return self.max_total_tokens - len(self.prompt_token_ids)
+
+    def count_drafts(self, drafted: int, accepted: int) -> None:
+        """A verify row of one of its samples scored ``drafted`` drafter tokens and accepted ``accepted``."""
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
+from pipeline.tracing import TRACE_OFF, TraceRecorder
+
 M = TypeVar("M")
 
 # Seconds; shared by queue-wait and service-time histograms.
@@ -57,6 +59,7 @@ class Stage(Generic[M]):
     """Base actor. Subclasses implement `run()`; the engine runs it as one task."""
 
     name: str = "stage"
+    trace: TraceRecorder = TRACE_OFF  # the engine's recorder (pipeline/tracing.py): its waits and service spans
 
     def __init__(self, inbox_size: int) -> None:
         self._inbox: asyncio.Queue[tuple[float, M]] = asyncio.Queue(maxsize=inbox_size)
@@ -74,7 +77,10 @@ class Stage(Generic[M]):
 
     async def receive(self) -> M:
         entered, message = await self._inbox.get()
-        self.metrics.queue_wait.observe(time.monotonic() - entered)
+        received = time.monotonic()
+        self.metrics.queue_wait.observe(received - entered)
+        if self.trace.recording:
+            self.trace.waited(self.name, message, entered, received)
         return message
 
     def receive_ready(self) -> list[M]:
@@ -84,6 +90,8 @@ class Stage(Generic[M]):
         while not self._inbox.empty():
             entered, message = self._inbox.get_nowait()
             self.metrics.queue_wait.observe(now - entered)
+            if self.trace.recording:
+                self.trace.waited(self.name, message, entered, now)
             messages.append(message)
         return messages
 
@@ -93,7 +101,10 @@ class Stage(Generic[M]):
 
     # --- bookkeeping ---------------------------------------------------------------------------
     def record(self, started: float, batch: int, produced: int) -> None:
-        self.metrics.service_time.observe(time.monotonic() - started)
+        ended = time.monotonic()
+        self.metrics.service_time.observe(ended - started)
+        if self.trace.recording:
+            self.trace.served(self.name, started, ended, batch, produced)
         self.metrics.batch_size.observe(batch)
         self.metrics.items_out += produced
 

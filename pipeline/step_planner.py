@@ -16,10 +16,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+from pipeline.live_stats import LiveStats
 from pipeline.memory.cache_manager import CacheManager
 from pipeline.runner.executor import DeviceExecutor, LaunchedStep
 from pipeline.runner.step_plan import ScheduledChunk, build_step_plan
 from pipeline.scheduler import PromptChunk, RunningRow, SeatPool, StepDecision, StepLimits, WaitingPrompt, plan_step
+from pipeline.tracing import TRACE_OFF, TraceRecorder
 
 if TYPE_CHECKING:
     from pipeline.sequence import Sequence
@@ -59,8 +61,12 @@ WAIT_FOR_STEP = object()  # compose()'s answer when decode must read its step in
 
 
 class StepPlanner:
-    def __init__(self, *, cache: CacheManager, seats: SeatPool, executor: DeviceExecutor, token_budget: int) -> None:
+    trace: TraceRecorder = TRACE_OFF  # the engine's recorder (pipeline/tracing.py): each step's makeup
+
+    def __init__(self, *, cache: CacheManager, seats: SeatPool, executor: DeviceExecutor, token_budget: int,
+                 live: LiveStats | None = None) -> None:
         self.cache = cache
+        self.live = live  # the dashboard's step ring: told of every launch
         self.seats = seats
         self.executor = executor
         self.token_budget = token_budget
@@ -120,6 +126,10 @@ class StepPlanner:
                                self.cache.take_transfers(), self.cache.take_slot_changes())
         # Decode's lane: the next step's fed tokens are this step's rows, decode's first.
         step = self.executor.launch(plan, lane="decode" if chunks else "prefill")
+        if self.trace.recording:
+            self.trace.step_planned(step.number, step.lane, chunks, prompt_chunks, plan.num_tokens)
+        if self.live is not None:
+            self.live.step_launched(step, chunks, prompt_chunks, first_prompt_row)
         if prompt_chunks:
             self.prefill.granted(step, first_prompt_row)
         return ComposedStep(step, batch)

@@ -10,7 +10,7 @@ import fnmatch
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
@@ -21,10 +21,13 @@ from web.messages_errors import anthropic_error_body, anthropic_status, is_messa
 from web.metrics import ServerMetrics, admission_reason
 from web.protocol import APIError, api_error_from_exception, bad_request, models_list
 
+if TYPE_CHECKING:
+    from web.otel_spans import RequestSpans
+
 log = logging.getLogger("conveyor.web")
 
-# the API routes behind --api-key: everything under /v1, and the agent APIs' aliases without it
-AUTHENTICATED_PATHS = ("/v1", "/responses", "/messages")
+# the routes behind --api-key: everything under /v1, the agent APIs' aliases without it, and request traces
+AUTHENTICATED_PATHS = ("/v1", "/responses", "/messages", "/debug/trace")
 NO_REASONING_PARSER = "none"  # --reasoning-parser none: keep <think> blocks in the content
 SHUTTING_DOWN = "server_shutting_down"  # the error code of a request the drain cut (web/generation.py)
 
@@ -50,11 +53,12 @@ class ServerSettings:
     write_timeout_s: float = 30.0
     send_buffer_bytes: int = 64 << 10
     max_header_bytes: int = 8192
+    otlp_traces_endpoint: str | None = None  # an OTLP collector: one OpenTelemetry span per request (web/otel_spans.py)
 
     def with_model_defaults(self, defaults: FamilyDefaults) -> ServerSettings:
         """The parsers to serve with: an explicit choice wins, an unset one takes the model family's default, and
         reasoning_parser "none" (the explicit "off", so a family default cannot turn it back on) becomes None.
-        Applied once, where the server starts (pipeline/cli.py `server_settings`): after it, None means off."""
+        Applied once, where the server starts (cli/main.py `server_settings`): after it, None means off."""
         reasoning = self.reasoning_parser or defaults.reasoning_parser
         return replace(self, tool_call_parser=self.tool_call_parser or defaults.tool_call_parser,
                        reasoning_parser=None if reasoning == NO_REASONING_PARSER else reasoning)
@@ -66,6 +70,7 @@ class ServerState:
     metrics: ServerMetrics
     engine: Engine | None = None
     started: int = field(default_factory=lambda: int(time.time()))
+    request_spans: RequestSpans | None = None  # --otlp-traces-endpoint (None: OpenTelemetry is not loaded)
 
     def ready_engine(self) -> Engine:
         if self.engine is None:
@@ -215,9 +220,11 @@ async def detokenize(request: web.Request) -> web.Response:
 
 
 def build_app(state: ServerState) -> web.Application:
+    from web.dashboard import add_dashboard_routes
     from web.generation import chat_completions, completions
     from web.messages_api import add_messages_routes
     from web.responses_api import add_responses_routes
+    from web.trace_endpoint import add_trace_routes
 
     app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=state.settings.max_body_bytes)
     app[STATE] = state
@@ -231,4 +238,6 @@ def build_app(state: ServerState) -> web.Application:
     app.router.add_get("/debug/stages", debug_stages)
     add_responses_routes(app, state.settings.responses_store_size)
     add_messages_routes(app)
+    add_trace_routes(app)
+    add_dashboard_routes(app)
     return app

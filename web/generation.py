@@ -18,7 +18,7 @@ from typing import Any
 
 from aiohttp import web
 
-from pipeline.request import CancelReason, FinishReason, OutputDelta, TokenLogprob
+from pipeline.request import CancelReason, FinishReason, OutputDelta, Request, TokenLogprob
 from web.app import SHUTTING_DOWN, STATE, ServerState, json_response, read_json
 from web.chat_output import ChatPiece, wire_tool_call, wire_tool_call_delta
 from web.chat_tools import chat_output_parsers
@@ -52,6 +52,7 @@ class Tracker:
     first_token: float | None = None
     last_delta: float | None = None
     choices: dict[int, Choice] = field(default_factory=dict)
+    admitted: Request | None = None  # the engine's Request, kept for the request's span (--otlp-traces-endpoint)
 
     def observe(self, state: ServerState, delta: OutputDelta) -> Choice:
         """Runs for every streamed delta (256 per step at batch 256): kept to plain attribute work."""
@@ -299,6 +300,8 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
     try:
         async with asyncio.timeout(timeout_s):
             first = await anext(stream)  # admission and validation errors surface here, before any byte
+            if state.request_spans is not None:
+                tracker.admitted = state.ready_engine().admitted(endpoint.id)
             if streaming:
                 body = await SSEBody.open(request)
                 await _stream(body, first, stream, endpoint, tracker, n)
@@ -323,6 +326,8 @@ async def serve(request: web.Request, stream: AsyncIterator[OutputDelta], endpoi
             body.abandon()  # first: it cannot fail, and nothing after it may skip it
         await stream.aclose()
         tracker.finish(state, cancelled=not completed, api=endpoint.api)
+        if state.request_spans is not None:
+            state.request_spans.request_ended(endpoint.id, endpoint.model, endpoint.api, tracker, request.headers)
     if body is not None:
         if connected:
             await body.finish()

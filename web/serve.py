@@ -21,6 +21,7 @@ from pipeline.engine import Engine
 from web.app import ServerSettings, ServerState, build_app
 from web.connections import make_runner
 from web.metrics import ServerMetrics
+from web.otel_spans import TelemetryUnavailable, request_spans_for
 
 log = logging.getLogger("conveyor.serve")
 
@@ -45,6 +46,12 @@ def banner(engine: Engine, url: str, settings: ServerSettings | None = None) -> 
     if settings is not None:
         lines.insert(-1, f"parsers      tool calls {settings.tool_call_parser or 'as the chat template writes'}, "
                          f"reasoning {settings.reasoning_parser or 'off'}")
+    if config.trace_dir is not None:
+        lines.insert(-1, f"traces       into {config.trace_dir}: a file every {config.trace_file_seconds:g}s "
+                         f"(sooner when {config.trace_buffer_events // 2} events wait), "
+                         f"the newest {config.trace_max_files} kept")
+    if settings is not None and settings.otlp_traces_endpoint:
+        lines.insert(-1, f"telemetry    an OpenTelemetry span per request to {settings.otlp_traces_endpoint}")
     return "\n".join("[conveyor] " + line for line in lines)
 
 
@@ -55,8 +62,12 @@ async def run_server(config: EngineConfig, settings: ServerSettings, host: str, 
                      say: Callable[[str], None] = lambda m: print(f"[conveyor] {m}", file=sys.stderr, flush=True),
                      stop: asyncio.Event | None = None) -> int:
     """Serve until SIGTERM / SIGINT (or until `stop` is set, where a caller gives one); the exit code."""
+    try:
+        request_spans = request_spans_for(settings.otlp_traces_endpoint)  # the SDK loads only for the flag
+    except TelemetryUnavailable as exc:
+        return startup_error(str(exc))
     state = ServerState(settings, ServerMetrics(lambda: state.engine.stats() if state.engine else {},
-                                                settings.served_model_names[0]))
+                                                settings.served_model_names[0]), request_spans=request_spans)
     runner = make_runner(build_app(state), settings)
     await runner.setup()
     site = web.TCPSite(runner, host, port)
@@ -94,6 +105,8 @@ async def run_server(config: EngineConfig, settings: ServerSettings, host: str, 
     await drain(engine, drain_timeout_s, say)
     await engine.shutdown()
     await runner.cleanup()  # a handler still running gets SHUTDOWN_TIMEOUT_S (web/connections.py), then is cancelled
+    if request_spans is not None:
+        await asyncio.to_thread(request_spans.shutdown)  # the spans still queued go out
     say("stopped")
     return 0
 

@@ -26,6 +26,7 @@ from torch import Tensor
 
 from pipeline.runner.sampler import SamplerOutput
 from pipeline.runner.step_plan import StepPlan
+from pipeline.tracing import TRACE_OFF, TraceRecorder
 
 T = TypeVar("T")
 log = logging.getLogger("conveyor.executor")
@@ -54,6 +55,7 @@ class LaunchedStep:
     lane: str  # the launching stage: `previous_row` refers to that stage's previous step
     launched: asyncio.Future[LaunchedSample]
     loop: asyncio.AbstractEventLoop
+    number: int = 0  # launches numbered from 1 (what a trace joins a step's makeup and its timing by)
 
 
 @dataclass(slots=True)
@@ -81,6 +83,8 @@ class DeviceExecutor:
         # each lane's last launch; its tokens feed the lane's next step
         self._lane_samples: dict[str, LaunchedSample] = {}
         self.steps = 0
+        self.launches = 0  # steps queued
+        self.trace: TraceRecorder = TRACE_OFF  # the engine's recorder (pipeline/tracing.py): each job's span
         self._launching_since: float | None = None
         self._copy_waiting_since: float | None = None
         self._thread.start()
@@ -111,7 +115,8 @@ class DeviceExecutor:
     def launch(self, plan: StepPlan, lane: str) -> LaunchedStep:
         """Queue a step; returns at once."""
         loop = asyncio.get_running_loop()
-        step = LaunchedStep(plan, lane, loop.create_future(), loop)
+        self.launches += 1
+        step = LaunchedStep(plan, lane, loop.create_future(), loop, self.launches)
         self._jobs.put(step)
         return step
 
@@ -143,7 +148,9 @@ class DeviceExecutor:
             job = self._jobs.get()
             if job is _STOP:
                 return
-            self._launching_since = time.monotonic()
+            started = self._launching_since = time.monotonic()
+            trace = self.trace
+            device_started = trace.device_mark() if trace.recording else None
             if isinstance(job, _Call):
                 _settle(job.loop, job.future, job.function)
             elif isinstance(job, _Post):
@@ -153,6 +160,8 @@ class DeviceExecutor:
                     log.exception("a job posted to the device thread failed")
             else:
                 self._launch_step(job)  # type: ignore[arg-type]
+            if trace.recording:
+                trace.device_work(job, started, device_started)
             self._launching_since = None
 
     def _launch_step(self, step: LaunchedStep) -> None:

@@ -263,6 +263,8 @@ class DecodeStage(DeviceStage):
         seq.num_samples = 1
         seq.preemptions += 1
         self.preemptions += 1
+        if self.trace.recording:
+            self.trace.preempted(seq)
         return seq
 
     def build_rows(self, seq_ids: tuple[int, ...]) -> tuple[list[Sequence], list[ScheduledChunk]]:
@@ -374,6 +376,7 @@ class DecodeStage(DeviceStage):
             accepted = accepted_drafts(drafts, tokens, first, accepts_all)
             proposed = len(drafts) - fillers  # the drafter's; the fillers follow them
             spec.count_row(proposed, fillers, accepted)
+            seq.request.count_drafts(proposed, min(accepted, proposed))
             if proposed:
                 self.draft_budget.after_row(seq, proposed, min(accepted, proposed),
                                             self.draft_budget.priced(len(in_flight.batch)))

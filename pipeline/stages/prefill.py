@@ -111,6 +111,7 @@ class PrefillStage(DeviceStage):
                 self.waiting_gauge.remove(seq.num_prompt_tokens)
                 self.cache.count_prefix_query(seq)
                 seq.request.cached_prompt_tokens = seq.num_computed  # usage: prompt_tokens_details
+                seq.request.scheduled_time = grant.launched_at  # its queue time ends (request spans, web/otel_spans.py)
             if not self.cache.allocate_slots(seq, choice.num_tokens):
                 raise RuntimeError(f"the planner counted {choice.new_blocks} blocks the cache does not have")
             end = seq.num_computed + choice.num_tokens
