@@ -18,7 +18,8 @@ def tvm_ffi_paths() -> tuple[str, str] | None:
         return None
     root = spec.submodule_search_locations[0]
     include, lib = os.path.join(root, "include"), os.path.join(root, "lib")
-    if not os.path.exists(os.path.join(include, "tvm", "ffi", "c_api.h")) or not glob(os.path.join(lib, "libtvm_ffi.*")):
+    if (not os.path.exists(os.path.join(include, "tvm", "ffi", "c_api.h"))
+            or not glob(os.path.join(lib, "libtvm_ffi.*"))):
         return None
     return include, lib
 

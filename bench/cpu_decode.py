@@ -122,7 +122,8 @@ def main() -> None:
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
         "new_tokens": args.new_tokens,
-        "conveyor": asyncio.run(engine_bench(args.new_tokens, args.concurrency, args.dtype, not args.disable_run_ahead)),
+        "conveyor": asyncio.run(engine_bench(args.new_tokens, args.concurrency, args.dtype,
+                                             not args.disable_run_ahead)),
         "notes": "decode tok/s = (tokens - 1) / (time from first to last token); transformers: generate() "
                  "greedy, prefill time (a 1-token generate) subtracted; concurrent = 16 requests at once "
                  "(transformers: one left-padded batch)",

@@ -35,8 +35,8 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 
-from report import emit_json
-from serve import level, wait_ready
+from report import emit_json  # noqa: E402  (bench/ is on sys.path once the lines above ran)
+from serve import level, wait_ready  # noqa: E402
 
 POLL_S = 1.0  # dashboard.js: POLL_MS, the wait after an answer before the next poll
 PAGE_WINDOW_S = 60  # dashboard.html: the latency window selected by default

@@ -33,7 +33,7 @@ def main() -> None:
     print(f"tokenizer -> {tokenizer_dir}")
     if os.path.isfile(args.peer):
         shutil.copy(args.peer, os.path.join(ROOT, ".peer", "hf_peer.py"))
-        print(f"peer baseline -> .peer/hf_peer.py")
+        print("peer baseline -> .peer/hf_peer.py")
     wheels = os.path.join(ROOT, ".whl")
     os.makedirs(wheels, exist_ok=True)
     for wheel in sorted(os.listdir(args.wheels)) if os.path.isdir(args.wheels) else []:

@@ -95,10 +95,10 @@ def bench_gemv(name: str, n: int, k: int, m: int) -> dict:
     act = (m * k + m * n) * 2
     bf16_bytes, fp8_bytes = n * k * 2 + act, n * k + scale.numel() * 4 + act
     dense_w = [dense] + [dense.clone() for _ in range(copies_for(n * k * 2) - 1)]
-    bf16_ms = graph_ms(lambda i: gemv_triton(x, dense_w[i]), len(dense_w))
+    bf16_ms = graph_ms(lambda i, w=dense_w: gemv_triton(x, w[i]), len(dense_w))
     del dense_w
     fp8_w = [q] + [q.clone() for _ in range(copies_for(n * k) - 1)]
-    fp8_ms = graph_ms(lambda i: fp8_gemv_triton(x, fp8_w[i], scale, (128, 128)), len(fp8_w))
+    fp8_ms = graph_ms(lambda i, w=fp8_w: fp8_gemv_triton(x, w[i], scale, (128, 128)), len(fp8_w))
     del fp8_w
     error = (fp8_gemv_triton(x, q, scale, (128, 128)).float() - fp8_gemv_ref(x, q, scale, (128, 128)).float())
     return {"shape": name, "n": n, "k": k, "m": m, "bf16": figure(bf16_ms, bf16_bytes),
@@ -121,7 +121,8 @@ def bench_gemv_variants() -> list[dict]:
             x = torch.randn(m, k, device="cuda", generator=gen).bfloat16()
             nbytes = n * k + scale.numel() * 4 + (m * k + m * n) * 2
             for overrides in [{}] + variants:
-                ms = graph_ms(lambda i: fp8_gemv_triton(x, weights[i], scale, (128, 128), **overrides), len(weights))
+                ms = graph_ms(lambda i, w=weights: fp8_gemv_triton(x, w[i], scale, (128, 128), **overrides),
+                              len(weights))
                 config = {**fp8_gemv_config(m, n, k, (128, 128), torch.bfloat16, sms), **overrides}
                 rows.append({"shape": name, "m": m, "config": config, "default": not overrides,
                              **figure(ms, nbytes)})

@@ -81,7 +81,7 @@ def bench() -> dict:
         plan = TritonAttentionPlan(num_splits=decode_num_splits(1, KV_HEADS, context, sms))
         outputs = {}
         for name, cache, scales in (("bf16", bf16, (1.0, 1.0)), ("fp8", fp8, (K_SCALE, V_SCALE))):
-            def call(cache=cache, scales=scales, name=name):
+            def call(cache=cache, scales=scales, name=name, query=query, meta=meta):
                 outputs[name] = paged_decode_attention_triton(query, cache, meta, HEAD_DIM**-0.5, plan, None,
                                                               *scales)
 

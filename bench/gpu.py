@@ -42,7 +42,7 @@ def ceilings(a: argparse.Namespace) -> dict:
     """Device copy bandwidth (bytes read + written) and bf16 matmul rate."""
     x = torch.empty((1 << 24) if a.quick else (1 << 30), dtype=torch.bfloat16, device=a.device).normal_()
     y, nbytes = torch.empty_like(x), 2 * x.numel() * x.element_size()
-    copy = nbytes / time_ms(lambda: y.copy_(x), 10, a.device) / 1e6
+    copy = nbytes / time_ms(lambda x=x, y=y: y.copy_(x), 10, a.device) / 1e6
     del x, y
     n = 1024 if a.quick else 8192
     m1, m2 = (torch.randn(n, n, dtype=torch.bfloat16, device=a.device) for _ in range(2))

@@ -153,7 +153,8 @@ def component_shares(runner, batches: list[int], context: int, iters: int = 20) 
             "attention_mixers": [lambda m=l.self_attn: m(x, ctx) for l in layers
                                  if getattr(l, "self_attn", None) is not None],
             "mlp_or_moe": [lambda m=l.mlp: m(x) for l in layers],
-            "norms": [lambda m=n: m(x, residual) for l in layers for n in (l.input_layernorm, l.post_attention_layernorm)]
+            "norms": [lambda m=n: m(x, residual) for l in layers
+                      for n in (l.input_layernorm, l.post_attention_layernorm)]
             + [lambda: model.model.norm(x)],
             "lm_head": [lambda: model.compute_logits(x)],
         }

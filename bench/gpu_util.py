@@ -26,7 +26,8 @@ def pct(values: list[float], q: float) -> float | None:
 
 
 def layer_kinds(s: dict) -> list[str]:
-    """Each layer's mixer: a hybrid shape's layer_types (every full_attention_interval-th attends), else all attention."""
+    """Each layer's mixer: a hybrid shape's layer_types (every full_attention_interval-th attends), else all
+    attention."""
     if s.get("layer_types"):
         return list(s["layer_types"])
     if s.get("linear_num_value_heads"):

@@ -156,7 +156,8 @@ async def run_workload(url: str, model: str, workload: Workload, texts: list[str
     return {"workload": workload.name, "c": workload.concurrency, "requests": len(results),
             "errors": [r["error"] for r in results if "error" in r][:3], "tok_s": round(tokens / wall, 1),
             "wall_s": round(wall, 2), "completion_tokens_mean": round(tokens / max(1, len(ok)), 1),
-            "finish_reasons": finishes, "prompt_tokens": [prompt_tokens[0], prompt_tokens[-1]] if prompt_tokens else None,
+            "finish_reasons": finishes,
+            "prompt_tokens": [prompt_tokens[0], prompt_tokens[-1]] if prompt_tokens else None,
             "ttft_ms_p50": ms(percentile(ttft, 50)), "itl_ms_p50": ms(percentile(gaps, 50)),
             "itl_ms_p99": ms(percentile(gaps, 99))}
 
@@ -224,7 +225,8 @@ async def run_matrix(url: str, model: str, levels: list[int], tool_concurrency: 
     by_name = {r["workload"]: r for r in detail}
     return {"levels": [{"c": c, "plain_tok_s": by_name[f"plain_c{c}"]["tok_s"],
                         "json_schema_tok_s": by_name[f"json_schema_c{c}"]["tok_s"]} for c in levels],
-            "tools": {"no_tools_tok_s": by_name["no_tools"]["tok_s"], "tools_auto_tok_s": by_name["tools_auto"]["tok_s"],
+            "tools": {"no_tools_tok_s": by_name["no_tools"]["tok_s"],
+                      "tools_auto_tok_s": by_name["tools_auto"]["tok_s"],
                       "tools_required_tok_s": by_name["tools_required"]["tok_s"],
                       "unconstrained_tok_s": by_name["unconstrained"]["tok_s"], "prompt_tokens": tools_length},
             "detail": detail, "prompt_tokens": {"plain": plain_length, "tools": tools_length, "padded": padded}}

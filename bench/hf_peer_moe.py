@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
 import time
 import traceback
 from collections.abc import Callable, Iterator
@@ -80,7 +79,7 @@ def ceilings() -> dict:
 
     x = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda").normal_()
     y = torch.empty_like(x)
-    copy_GBps = 2 * x.numel() * x.element_size() / ms(lambda: y.copy_(x)) / 1e6
+    copy_GBps = 2 * x.numel() * x.element_size() / ms(lambda x=x, y=y: y.copy_(x)) / 1e6
     del x, y
     n = 8192
     a, b = (torch.randn(n, n, dtype=torch.bfloat16, device="cuda") for _ in range(2))
@@ -299,7 +298,8 @@ def main() -> None:
         return {"hf_b1_dynamic_tok_s": tok_s}
 
     step("b1_dynamic", b1_default)
-    if not (a.skip_static or tiny or hybrid):  # the warm-up compiles the decode step; a shorter one would size another cache
+    # the warm-up compiles the decode step; a shorter one would size another cache
+    if not (a.skip_static or tiny or hybrid):
         step("b1_static", lambda: {"hf_b1_static_tok_s": b1_tok_s(model, prompt, new_tokens, new_tokens,
                                                                    cache_implementation="static")})
     decode_default = (res["experts"].get("b1_default_ran", {}).get("tokens=1") or [default_impl])[-1]

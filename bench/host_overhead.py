@@ -112,7 +112,8 @@ async def via_engine(engine: Engine, batch: int, tokens: int, grammar: bool) -> 
 
     async def one(i: int) -> None:
         first = True
-        async for _ in engine.generate(prompt_token_ids=[300 + i, 400 + i, 500], params=request_params(tokens, grammar)):
+        async for _ in engine.generate(prompt_token_ids=[300 + i, 400 + i, 500],
+                                       params=request_params(tokens, grammar)):
             if first:
                 firsts.append(time.perf_counter())
                 first = False
@@ -245,8 +246,9 @@ async def measure(a: argparse.Namespace) -> dict:
             cpu = {name: (cpu1[name] - cpu0[name]) / steps * 1e3 for name in cpu0}
             pauses = collector.between(t0, t1)
             results.append({"batch": batch, "tokens": a.tokens, "steady_steps": steps, "ms_per_step": ms,
-                            "cpu_ms_per_step": cpu, "gc": {"collections": len(pauses), "ms_per_step": sum(pauses) / steps * 1e3,
-                                                           "max_pause_ms": max(pauses, default=0.0) * 1e3},
+                            "cpu_ms_per_step": cpu,
+                            "gc": {"collections": len(pauses), "ms_per_step": sum(pauses) / steps * 1e3,
+                                   "max_pause_ms": max(pauses, default=0.0) * 1e3},
                             "page_faults_per_step": (faults1 - faults0) / steps,
                             "client_view_ms_per_step": (end - max(firsts)) / (a.tokens - 1) * 1e3,
                             "target_ms": TARGET_MS.get(batch)})
@@ -260,7 +262,8 @@ async def measure(a: argparse.Namespace) -> dict:
         if runner is not None:
             await runner.cleanup()
         await engine.shutdown()
-    return {"http": a.http, "transport": ("unix" if a.unix else "tcp") if a.http else None, "grammar": a.grammar, "cython": ext.is_compiled("step_inputs"),
+    return {"http": a.http, "transport": ("unix" if a.unix else "tcp") if a.http else None, "grammar": a.grammar,
+            "cython": ext.is_compiled("step_inputs"),
             "run_ahead": not a.disable_run_ahead, "client_nice": a.client_nice,
             "speed_reference_ms": {"before": reference_before, "after": speed_reference_ms()}, "results": results}
 
@@ -315,7 +318,8 @@ def main() -> None:
                         help="with --http: clients connect over a Unix socket instead of TCP loopback, whose send "
                              "calls also run the receiving client's TCP stack on the server's thread")
     parser.add_argument("--client-poll-ms", type=float, default=0.0,
-                        help="with --http: clients read every this many ms instead of blocking (see bench/sse_clients.py)")
+                        help="with --http: clients read every this many ms instead of blocking "
+                             "(see bench/sse_clients.py)")
     parser.add_argument("--client-nice", type=int, default=0,
                         help="with --http: the client process runs at this nice value (see bench/sse_clients.py)")
     parser.add_argument("--grammar", action="store_true", help="every request json_schema-constrained")

@@ -64,8 +64,8 @@ def main() -> None:
     w13 = torch.randn(e, 2 * i, h, device="cuda", dtype=torch.bfloat16, generator=gen) * h ** -0.5
     w2 = torch.randn(e, h, i, device="cuda", dtype=torch.bfloat16, generator=gen) * i ** -0.5
     expert_bytes = 3 * h * i * 2
-    report: dict = {"shape": {"hidden": h, "inter": i, "experts": e, "top_k": k}, "device": torch.cuda.get_device_name(),
-                    "decode": {}, "grouped": {}}
+    report: dict = {"shape": {"hidden": h, "inter": i, "experts": e, "top_k": k},
+                    "device": torch.cuda.get_device_name(), "decode": {}, "grouped": {}}
     started = time.perf_counter()
 
     def inputs(t: int) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]], float]:

@@ -35,16 +35,9 @@ ROOT = os.path.dirname(BENCH)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, BENCH)
 
-from overload_outcomes import (
-    Outcome,
-    Phase,
-    cuts_seen,
-    parse_metrics,
-    per_second,
-    summarize,
-)
-from report import emit_json
-from serve import wait_ready
+from overload_outcomes import Outcome, Phase, cuts_seen, parse_metrics, per_second, summarize  # noqa: E402
+from report import emit_json  # noqa: E402  (bench/ is on sys.path once the lines above ran)
+from serve import wait_ready  # noqa: E402
 
 LIMITED_FLAGS = ["--max-num-seqs", "8", "--max-waiting-requests", "8", "--max-waiting-tokens", "4096",
                  "--write-timeout", "5", "--drain-timeout", "3", "--request-timeout", "120"]

@@ -71,7 +71,8 @@ def main() -> None:
         rate = lambda r: (len(r["ids"]) - 1) / r["decode_s"]  # noqa: E731
         rows.append({"request": text[:40], "tokens": len(p["ids"]), "equal": p["ids"] == s["ids"],
                      "plain_tok_s": rate(p), "spec_tok_s": rate(s), "speedup": rate(s) / rate(p)})
-    emit_json({"k": a.k, "new_tokens": a.new_tokens, "dtype": a.dtype, "rows": rows, "speculation": spec[-1]["speculation"]}, a.out)
+    emit_json({"k": a.k, "new_tokens": a.new_tokens, "dtype": a.dtype, "rows": rows,
+               "speculation": spec[-1]["speculation"]}, a.out)
 
 
 if __name__ == "__main__":

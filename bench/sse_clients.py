@@ -77,5 +77,6 @@ def http_clients(url: str, batch: int, tokens: int, grammar: bool, poll_ms: floa
 
 
 if __name__ == "__main__":
-    url, batch, tokens, poll_ms, nice = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+    url, batch, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    poll_ms, nice = float(sys.argv[4]), int(sys.argv[5])
     print(json.dumps(http_clients(url, batch, tokens, "--grammar" in sys.argv[6:], poll_ms, nice)))

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     defaults = EngineConfig()
     parser.add_argument("--model", default=None, help="HF model directory or .gguf file (default: embedded SmolLM2)")
-    parser.add_argument("--device", default=defaults.device, help="auto (CUDA when visible, else CPU), cuda, cuda:N or cpu")
+    parser.add_argument("--device", default=defaults.device,
+                        help="auto (CUDA when visible, else CPU), cuda, cuda:N or cpu")
     parser.add_argument("--dtype", default=defaults.dtype)
     parser.add_argument("--block-size", type=int, default=defaults.block_size)
     parser.add_argument("--num-kv-blocks", type=int, default=None)
@@ -35,7 +36,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
                              f"{CPU_DEFAULTS.max_num_seqs} on CPU)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=None,
                         help=f"tokens per device step, decode rows and prefill chunks together (default: "
-                             f"{CUDA_DEFAULTS.max_num_batched_tokens} on CUDA, {CPU_DEFAULTS.max_num_batched_tokens} on CPU)")
+                             f"{CUDA_DEFAULTS.max_num_batched_tokens} on CUDA, "
+                             f"{CPU_DEFAULTS.max_num_batched_tokens} on CPU)")
     parser.add_argument("--cuda-graph-max-batch", type=int, default=None,
                         help=f"largest decode batch replayed from a CUDA graph; larger ones run eager (default: "
                              f"max-num-seqs, at most {CUDA_GRAPH_MAX_BATCH})")
@@ -57,7 +59,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-offload-host-gib", type=float, default=0.0,
                         help="host memory (GiB) keeping cached prefix blocks the device evicts")
     parser.add_argument("--kv-offload-dir", default=None,
-                        help="a directory keeping cached prefix blocks the host tier evicts (with --kv-offload-disk-gib)")
+                        help="a directory keeping cached prefix blocks the host tier evicts "
+                             "(with --kv-offload-disk-gib)")
     parser.add_argument("--kv-offload-disk-gib", type=float, default=0.0, help="disk space (GiB) for that tier")
     parser.add_argument("--state-snapshot-gib", type=float, default=defaults.state_snapshot_gib,
                         help="hybrid models: device memory for recurrent-state snapshots (where prefixes resume)")
@@ -82,9 +85,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
                         help="n-gram drafter: the longest suffix it looks up")
     parser.add_argument("--ep-size", type=int, default=defaults.ep_size, metavar="N",
-                        help="expert parallelism: split a mixture-of-experts model's experts over N ranks, one GPU each "
-                             "(the N-1 local workers start with the server; across machines use torchrun's environment "
-                             "and `conveyor worker` on the other ranks)")
+                        help="expert parallelism: split a mixture-of-experts model's experts over N ranks, one GPU "
+                             "each (the N-1 local workers start with the server; across machines use torchrun's "
+                             "environment and `conveyor worker` on the other ranks)")
     parser.add_argument("--ep-timeout", type=float, default=defaults.ep_timeout_s, metavar="SECONDS",
                         help="a collective waiting this long for another rank fails the engine")
     parser.add_argument("--ep-split-linear-attention", action=argparse.BooleanOptionalAction, default=None,

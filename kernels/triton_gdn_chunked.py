@@ -13,8 +13,8 @@ launches depend only on (T, B) and no host-built index is copied in.
    ``[[P, 0], [R, Q]]^-1 = [[P^-1, 0], [-Q^-1 R P^-1, Q^-1]]`` with tl.dot. A is staged in the same rows, which
    only this program touches; each stage reads what the previous one wrote from other threads, so a CTA barrier
    (``tl.debug_barrier``) separates them and the re-reads bypass L1 (``.cg``).
-2. ``_chunk_scan_kernel``, grid (B, HV, Dv / BV), BV = 64: one program walks its sequence's chunks carrying the fp32 state
-   slice ``S [Dk, BV]`` in registers, six tl.dots a chunk (three on the S-to-S path)::
+2. ``_chunk_scan_kernel``, grid (B, HV, Dv / BV), BV = 64: one program walks its sequence's chunks carrying the fp32
+   state slice ``S [Dk, BV]`` in registers, six tl.dots a chunk (three on the S-to-S path)::
 
        U = (I + A)^-1 (beta * (V - e^G * K S))      O = e^G * Q S + (Q K^T . decay) U
        S = e^G_end S + (e^(G_end - G) * K)^T U

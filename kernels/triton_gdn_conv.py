@@ -13,8 +13,8 @@ Two kernels, picked by the host from the step's longest row (``max_query_len``):
   alone reads the slot's old window (for its outputs and for the new window, whose older entries survive when the
   chunk is shorter than K-1), passes a CTA barrier, then writes the new window. No other program touches the slot.
 
-Prompt tiles are 8 tokens by 256 channels (512 B of each token row, so a program's loads coalesce). The window is stored ``[slot, C, K-1]``; the state is rounded to x's
-dtype where it is read, as the reference does.
+Prompt tiles are 8 tokens by 256 channels (512 B of each token row, so a program's loads coalesce). The window is
+stored ``[slot, C, K-1]``; the state is rounded to x's dtype where it is read, as the reference does.
 
 Keep slots (``keep_slots [T]``, speculative verify rows; kernels/gdn.py): the window after token t is the conv's
 own inputs for token t, less the oldest. Both kernels hold those already (the varlen kernel loads input j of every
@@ -119,7 +119,8 @@ def _conv_update_kernel(
     # The window (written by an earlier step), the slot and bounds (host copies) and the weights may be read
     # before the wait; only the token's input comes from the kernel this one waits on.
     init = (tl.load(init_ptr + b) != 0) | (token > 0)  # after the row's first token its slot holds its window
-    st = state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols[:, None] * stride_sc + jj[None, :] * stride_sk
+    st = (state_ptr + tl.load(slots_ptr + b).to(tl.int64) * stride_ss + cols[:, None] * stride_sc
+          + jj[None, :] * stride_sk)
     m = c_ok[:, None] & j_ok[None, :]
     window = tl.load(st, mask=m & init, other=0.0).to(x_ptr.dtype.element_ty).to(tl.float32)  # [BLOCK_C, KM1_PAD]
     # the new window: entries 1..K-2 of the old one, then x. Entry j + 1 is re-read from memory (no register shuffle

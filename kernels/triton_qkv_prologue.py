@@ -116,7 +116,8 @@ def qkv_prologue_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_nor
     if (q_norm is None) != (k_norm is None):
         raise ValueError("q and k are normed together or not at all")
     if k.shape != (t, n_k, d) or v.shape != k.shape or slot_mapping.shape != (t,):
-        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, slots {tuple(slot_mapping.shape)}")
+        raise ValueError(f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"slots {tuple(slot_mapping.shape)}")
     if rows is not None and rows.shape != (t,):
         raise ValueError(f"rows {tuple(rows.shape)} for {t} tokens")
     if cos.stride() != sin.stride():

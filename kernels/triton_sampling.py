@@ -24,7 +24,8 @@ most CAP needs only the copying pass. The result ``lo`` is a value present in th
 kernel's kept set is the reference's. The one exception is top-p within float32 rounding of the
 boundary: the kernel sums exp in float32 in its own order (and on a GPU with the fast exp), the reference in
 float64, so when the mass of some top set is within float32 summation error of p (~1e-6 relative at V~152k) the
-two may keep sets that differ by that boundary group (a flat row of 152k tokens has such groups ~3e-6 apart). min-p is exact: both add the same float32 ``log(min_p)`` (taken by torch) to the same max.
+two may keep sets that differ by that boundary group (a flat row of 152k tokens has such groups ~3e-6 apart).
+min-p is exact: both add the same float32 ``log(min_p)`` (taken by torch) to the same max.
 """
 
 from __future__ import annotations

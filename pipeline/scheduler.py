@@ -114,7 +114,8 @@ class StepDecision:
     rows: tuple[int, ...]  # running rows in the step, in arrival order
     chunks: tuple[PromptChunk, ...]  # prompt chunks in the step, in arrival order
     preempt: tuple[int, ...]  # sequences that give their blocks back first (recomputed later)
-    wait_for_step: bool = False  # the running rows fit only if some of them are preempted, and a step in flight still writes them
+    # the running rows fit only if some of them are preempted, and a step in flight still writes them
+    wait_for_step: bool = False
 
 
 def plan_step(running: list[RunningRow], waiting: list[WaitingPrompt], limits: StepLimits) -> StepDecision:

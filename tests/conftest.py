@@ -24,7 +24,6 @@ if _WORKERS > 1:
 
     torch.set_num_threads(max(1, usable_cores() // _WORKERS))
 
-import asyncio  # noqa: E402
 import json  # noqa: E402
 from collections.abc import Callable, Coroutine  # noqa: E402
 from pathlib import Path  # noqa: E402

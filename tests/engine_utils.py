@@ -25,8 +25,8 @@ def config_for(model_dir: Path | str, **overrides: Any) -> EngineConfig:
     # float32 everywhere: results must not depend on whether the CPU has native bf16 ("auto"); the CPU
     # unless a test asks for CUDA.
     # The test's own torch thread count (a module may pin one thread), not the engine's default of every usable core.
-    settings: dict[str, Any] = dict(model=str(model_dir), device="cpu", dtype="float32", block_size=4, num_kv_blocks=512,
-                                    max_num_seqs=16, max_num_batched_tokens=256, seed=1234,
+    settings: dict[str, Any] = dict(model=str(model_dir), device="cpu", dtype="float32", block_size=4,
+                                    num_kv_blocks=512, max_num_seqs=16, max_num_batched_tokens=256, seed=1234,
                                     cpu_threads=torch.get_num_threads())
     settings.update(overrides)
     return EngineConfig(**settings)

@@ -301,7 +301,8 @@ def add_mtp_weights(directory, model_type: str, seed: int = 0, **overrides) -> d
 
 
 def write_dflash_drafter(directory, target_config: dict, target_layer_ids: Sequence[int], seed: int = 0,
-                         num_layers: int = 2, block_size: int = 6, mask_token_id: int = 49000) -> dict[str, torch.Tensor]:
+                         num_layers: int = 2, block_size: int = 6,
+                         mask_token_id: int = 49000) -> dict[str, torch.Tensor]:
     """A tiny random DFlash drafter for a target, as the reference checkpoints hold it: a Qwen3 config with
     ``block_size`` and ``dflash_config``, weights named ``layers.N.*``, ``fc``, ``hidden_norm``, ``norm`` (no
     embedding or lm_head: the target's are used). Returns the tensors."""

@@ -226,7 +226,8 @@ def build_app(state: ServerState) -> web.Application:
     from web.responses_api import add_responses_routes
     from web.trace_endpoint import add_trace_routes
 
-    app = web.Application(middlewares=[error_middleware, auth_middleware], client_max_size=state.settings.max_body_bytes)
+    app = web.Application(middlewares=[error_middleware, auth_middleware],
+                          client_max_size=state.settings.max_body_bytes)
     app[STATE] = state
     app.router.add_post("/v1/chat/completions", chat_completions)
     app.router.add_post("/v1/completions", completions)

@@ -140,7 +140,8 @@ class EngineStatsCollector(Collector):
         yield self._gauge("seats_capacity", "Sequence seats in all (max_num_seqs).", stats["seats"]["capacity"])
         yield self._counter("preemptions", "Sequences preempted back to prefill.", stats["preemptions"])
         yield self._counter("device_steps", "Device executor steps.", stats["device_steps"])
-        yield self._counter("mixed_steps", "Device steps that held both decode rows and prompt chunks.", stats["mixed_steps"])
+        yield self._counter("mixed_steps", "Device steps that held both decode rows and prompt chunks.",
+                            stats["mixed_steps"])
         yield from self._stage_families(stats["stages"])
 
     def _speculation_families(self, spec: Mapping[str, Any]) -> Iterable[Metric]:

@@ -12,9 +12,9 @@ from web.protocol_responses import (LOGPROB_FLOOR, SSE_DONE, WIRE_FINISH_REASONS
 
 __all__ = [
     "APIError", "COMPLETION_DEFAULT_MAX_TOKENS", "ChatRequest", "CompletionRequest", "GENERIC_SERVER_ERROR",
-    "LOGPROB_FLOOR", "MAX_LOGPROBS", "SSE_DONE", "TextEvent", "WIRE_FINISH_REASONS", "api_error_from_exception", "bad_request",
-    "chat_chunk", "chat_choice", "chat_completion", "chat_delta_choice", "chat_logprobs", "chat_usage_chunk",
-    "completion_choice", "completion_chunk", "completion_logprobs", "completion_response", "completion_usage_chunk",
-    "models_list", "new_chat_id", "new_completion_id", "parse_chat_request", "parse_completion_request",
-    "sse_event", "usage", "wire_finish_reason",
+    "LOGPROB_FLOOR", "MAX_LOGPROBS", "SSE_DONE", "TextEvent", "WIRE_FINISH_REASONS", "api_error_from_exception",
+    "bad_request", "chat_chunk", "chat_choice", "chat_completion", "chat_delta_choice", "chat_logprobs",
+    "chat_usage_chunk", "completion_choice", "completion_chunk", "completion_logprobs", "completion_response",
+    "completion_usage_chunk", "models_list", "new_chat_id", "new_completion_id", "parse_chat_request",
+    "parse_completion_request", "sse_event", "usage", "wire_finish_reason",
 ]

@@ -16,7 +16,6 @@ copy handed to the runner and not yet landed touches it.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 

@@ -78,8 +78,8 @@ class StateSlotPool:
     def check(self, slot: StateSlot) -> int:
         """The slot's index if it is live under this epoch; raises StaleStateSlot otherwise."""
         if not (0 < slot.index <= self.capacity and self._live[slot.index] and self._epoch[slot.index] == slot.epoch):
-            raise StaleStateSlot(f"state slot {slot.index} epoch {slot.epoch} is not live "
-                                 f"(current epoch {self._epoch[slot.index] if 0 < slot.index <= self.capacity else '-'})")
+            current = self._epoch[slot.index] if 0 < slot.index <= self.capacity else "-"
+            raise StaleStateSlot(f"state slot {slot.index} epoch {slot.epoch} is not live (current epoch {current})")
         return slot.index
 
     def free(self, slot: StateSlot) -> None:

@@ -4,8 +4,9 @@ One fused input projection gives ``[qkv | z | b | a]`` (qkv: the conv channels, 
 of the value heads; z: the output gate; b, a: the per-value-head beta and decay inputs). The qkv channels run
 through a causal depthwise conv (its last K-1 inputs kept per sequence), q and k are l2-normalised in the kernel,
 and the delta rule advances an fp32 state [HV, Dk, Dv] per sequence; the output is normed per value head,
-gated by silu(z), and projected back. On a decode step the norm runs inside the delta-rule kernel. The conv window and the state live in two per-layer tensors indexed by
-each row's state slot (``ctx.state_slots``); the model's ``cache_specs`` declares them.
+gated by silu(z), and projected back. On a decode step the norm runs inside the delta-rule kernel. The conv window
+and the state live in two per-layer tensors indexed by each row's state slot (``ctx.state_slots``); the model's
+``cache_specs`` declares them.
 
 Under expert parallelism a layer may keep only its rank's share of the heads (``keep_heads``: a contiguous run of
 key heads and the value heads that read them): its projection rows, conv channels, gates and states, and the

@@ -6,8 +6,8 @@ captured per (padded batch size, q), batch sizes 1, 2, 4, 8, then multiples of 8
 q from 1 to max_query_len, over static device buffers. A step copies its inputs from pinned host
 buffers into them (one non-blocking copy each; tokens still on the device from the previous step
 are copied in on the device), pads the unused rows (slot -1: the KV write skips it; a context of q
-keys over the null block; the null state slot 0), replays the graph of the smallest size that fits, and reads the logits of
-its real rows. Attention launch choices are fixed per graph (a TritonAttentionPlan with a set number
+keys over the null block; the null state slot 0), replays the graph of the smallest size that fits, and reads the
+logits of its real rows. Attention launch choices are fixed per graph (a TritonAttentionPlan with a set number
 of splits, sized for the longest context), so the captured grid is valid for every step.
 """
 from __future__ import annotations

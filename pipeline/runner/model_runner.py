@@ -70,7 +70,8 @@ class ModelRunner:
         self.caches: list[torch.Tensor] = []
         self.snapshots: list[torch.Tensor] = []  # per recurrent cache: [snapshots, ...] (allocate_snapshots)
         self.graphs: DecodeGraphs | None = None
-        self.decode_partition: tuple[int, int, int] | None = None  # (max_batch, max_model_len, SMs): fix_decode_partition
+        # (max_batch, max_model_len, SMs): fix_decode_partition
+        self.decode_partition: tuple[int, int, int] | None = None
         self.sampler = Sampler()
         self.staging = HostStaging()  # this runner's reused host buffers (only its launches touch them)
         # KV tier copies' host side runs here, beside the forward (pipeline/memory/block_transfers.py)

@@ -239,7 +239,8 @@ class _Upload:
                 continue
             buffer = torch.from_numpy(np.concatenate(list(arrays.values())))
             if self.device.type != "cpu":
-                buffer = (buffer.pin_memory() if self.device.type == "cuda" else buffer).to(self.device, non_blocking=True)
+                staged = buffer.pin_memory() if self.device.type == "cuda" else buffer
+                buffer = staged.to(self.device, non_blocking=True)
             # one call for every view (a Python slice per array cost ~1 us each, 21 arrays a step)
             views.update(zip(arrays, torch.split_with_sizes(buffer, [len(values) for values in arrays.values()])))
         return views

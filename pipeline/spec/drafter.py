@@ -2,8 +2,9 @@
 rows check them (pipeline/stages/decode.py), so a drafter may be wrong but never changes the output.
 
 Two kinds: a host drafter guesses from the tokens alone, one sequence at a time (n-gram lookup); a model drafter
-runs a model on the device for every drafting sequence at once (a draft model, MTP, DFlash), after the cache has given the
-drafts' positions their KV slots, so the drafter can write its own KV beside the target's in the same blocks.
+runs a model on the device for every drafting sequence at once (a draft model, MTP, DFlash), after the cache has
+given the drafts' positions their KV slots, so the drafter can write its own KV beside the target's in the same
+blocks.
 """
 from __future__ import annotations
 

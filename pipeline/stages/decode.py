@@ -302,8 +302,8 @@ class DecodeStage(DeviceStage):
                                        seq.state_slot, keeps, fed)
             elif row >= 0:  # its token is still on the device: feed it from there
                 # positional arguments: this runs per sequence per step, and keywords cost more
-                chunk = ScheduledChunk([0], num_tokens, seq.block_ids, [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row,
-                                       None, seq.state_slot)
+                chunk = ScheduledChunk([0], num_tokens, seq.block_ids,
+                                       [self.sampling_row(seq, None, 1, OWN_GRAMMAR, row)], row, None, seq.state_slot)
             else:
                 chunk = ScheduledChunk(seq.token_ids[seq.num_computed:], seq.num_computed, seq.block_ids,
                                        [self.sampling_row(seq)], -1, None, seq.state_slot)

@@ -41,8 +41,8 @@ class DeviceStage(Stage):
         request = seq.request
         num_output = len(seq.token_ids) - len(request.prompt_token_ids) + ahead
         # positional (the fields' order): keyword arguments cost this per-row constructor about twice as much
-        return SamplingRow(request.params, (), (), request.eos_token_ids, seq.seed if seed is None else seed, num_output,
-                           seq.grammar if grammar is OWN_GRAMMAR else grammar, grammar_previous_row,
+        return SamplingRow(request.params, (), (), request.eos_token_ids, seq.seed if seed is None else seed,
+                           num_output, seq.grammar if grammar is OWN_GRAMMAR else grammar, grammar_previous_row,
                            seq.thinking.forced_token if seq.thinking is not None else None, seq.token_counts,
                            num_output)  # prompt/output ids stay empty: penalties read seq.token_counts
 

@@ -56,7 +56,8 @@ def test_compiled_equals_twin(seed):
     rng = random.Random(seed)
     block_size = rng.choice([1, 4, 16])
     args = random_step(rng, block_size)
-    for ours, twin in zip(compiled.build_step_inputs(*args, block_size), step_inputs_py.build_step_inputs(*args, block_size)):
+    for ours, twin in zip(compiled.build_step_inputs(*args, block_size),
+                          step_inputs_py.build_step_inputs(*args, block_size)):
         assert ours.dtype == twin.dtype
         np.testing.assert_array_equal(ours, twin)
 

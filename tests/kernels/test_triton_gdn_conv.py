@@ -102,7 +102,7 @@ def test_verify_rows_as_decode_rows_take_one_token_steps_bits(dtype):
 
     gen = torch.Generator().manual_seed(21)
     C, K, lens = 72, 4, [3, 1, 4, 0, 2]
-    T, B = sum(lens), len(lens)
+    T = sum(lens)
     x = torch.randn(T, C, generator=gen).to(device=DEVICE, dtype=dtype)
     w = torch.randn(C, K, generator=gen).to(device=DEVICE, dtype=dtype)
     bias = torch.randn(C, generator=gen).to(device=DEVICE, dtype=dtype)

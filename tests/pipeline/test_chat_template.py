@@ -64,7 +64,9 @@ CUSTOM_TEMPLATE = """{{ bos_token }}
 {{- raise_exception('Unknown role: ' + message.role) }}
 {%- endif %}
 {%- set ns.count = ns.count + 1 %}
-<{{ message.role }}>{{ message.content }}{% if message.reasoning_content is defined %}[think:{{ message.reasoning_content }}]{% endif %}</{{ message.role }}>{{ eos_token }}
+<{{ message.role }}>{{ message.content }}{# one rendered line, split at this comment
+#}{% if message.reasoning_content is defined %}[think:{{ message.reasoning_content }}]{% endif %}{#
+#}</{{ message.role }}>{{ eos_token }}
 {% if message.tool_calls is defined %}{{ message.tool_calls | tojson }}{% endif %}
 {%- endfor %}
 count={{ ns.count }} flag={{ custom_flag | default('none') }}

@@ -91,7 +91,8 @@ def chunkings(ids: list[int], seed: int) -> list[list[list[int]]]:
     return result
 
 
-def check_stream(tokenizer: Any, ids: list[int], chunks: list[list[int]], skip: bool, detokenizer: Any = None) -> list[str]:
+def check_stream(tokenizer: Any, ids: list[int], chunks: list[list[int]], skip: bool,
+                 detokenizer: Any = None) -> list[str]:
     """The property. With P = decode(ids pushed so far) and D = decode(all ids), after every push
     the emitted text E satisfies  must_be_emitted(P) <= E <= D  (<= meaning "is a prefix of"):
     nothing is emitted that a later token could change (so a U+FFFD is emitted only where the final

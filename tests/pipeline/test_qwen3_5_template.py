@@ -54,7 +54,8 @@ def test_thinking_off_closes_an_empty_block() -> None:
 
 
 def test_no_generation_prompt() -> None:
-    assert render([{"role": "user", "content": "Hi"}], add_generation_prompt=False) == "<|im_start|>user\nHi<|im_end|>\n"
+    rendered = render([{"role": "user", "content": "Hi"}], add_generation_prompt=False)
+    assert rendered == "<|im_start|>user\nHi<|im_end|>\n"
 
 
 def test_tools_are_listed_as_json_in_the_system_turn() -> None:
@@ -87,8 +88,8 @@ def test_tool_calls_and_results_multi_turn() -> None:
 
 
 def test_a_call_without_content_starts_the_turn() -> None:
-    messages = [{"role": "user", "content": "Paris?"}, {"role": "assistant", "content": None, "tool_calls": [PARIS_CALL]},
-                {"role": "user", "content": "ok"}]
+    messages = [{"role": "user", "content": "Paris?"},
+                {"role": "assistant", "content": None, "tool_calls": [PARIS_CALL]}, {"role": "user", "content": "ok"}]
     assert "<|im_start|>assistant\n" + PARIS_XML + "<|im_end|>\n" in render(messages)
 
 
@@ -99,7 +100,8 @@ def test_argument_values_strings_raw_everything_else_json() -> None:
                        {"role": "user", "content": "y"}])
     assert ("<function=f>\n<parameter=s>\ntwo\nlines\n</parameter>\n<parameter=n>\n1.5\n</parameter>\n"
             "<parameter=b>\ntrue\n</parameter>\n<parameter=z>\nnull\n</parameter>\n"
-            '<parameter=o>\n{"k": ["ü", 1]}\n</parameter>\n<parameter=a>\n[1, 2]\n</parameter>\n</function>') in rendered
+            '<parameter=o>\n{"k": ["ü", 1]}\n</parameter>\n<parameter=a>\n[1, 2]\n</parameter>\n'
+            "</function>") in rendered
 
 
 def test_json_string_arguments_render_as_parameters_through_the_server_protocol() -> None:

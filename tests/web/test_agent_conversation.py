@@ -79,7 +79,8 @@ def test_ten_turn_agent_session_with_forced_tools(smollm_gguf_path):
             used.add(function["name"])
             messages.append({"role": "assistant", "content": None, "tool_calls": [
                 {"id": call_id, "type": "function", "function": function}]})
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": fake_tool(function["name"], arguments)})
+            messages.append({"role": "tool", "tool_call_id": call_id,
+                             "content": fake_tool(function["name"], arguments)})
         assert used  # the session ran; which tools the small model picks is its business
         final = client.chat.completions.create(model="smol", messages=messages, tools=TOOLS, tool_choice="none",
                                                max_tokens=16, temperature=0)

@@ -40,7 +40,8 @@ TEXTS = ["", "Hello", ' "quoted" \\ back', "tab\tnew\nline\r\x00\x1f", "é日本
 def test_text_event_templates_equal_encoding_the_chunk(include_usage: bool, index: int) -> None:
     """The template of a text-only chunk gives the very bytes of building and encoding the chunk."""
     makers = [
-        lambda text: chat_chunk("chatcmpl-x", 7, "m", [chat_delta_choice(index, content=text)], include_usage=include_usage),
+        lambda text: chat_chunk("chatcmpl-x", 7, "m", [chat_delta_choice(index, content=text)],
+                                include_usage=include_usage),
         lambda text: completion_chunk("cmpl-x", 7, "m", [completion_choice(index, text, None)],
                                       include_usage=include_usage),
     ]

@@ -73,7 +73,8 @@ def test_stream_events_in_order_with_the_final_ids(client):
 
 def test_forced_tool_call_then_its_result(client):
     first = client.responses.create(model="tiny", input="Weather in Paris?", tools=TOOLS, tool_choice=FORCED,
-                                    reasoning=NO_THINKING, max_output_tokens=120, temperature=1.0, extra_body={"seed": 0})
+                                    reasoning=NO_THINKING, max_output_tokens=120, temperature=1.0,
+                                    extra_body={"seed": 0})
     calls = [item for item in first.output if item.type == "function_call"]
     assert first.status == "completed" and len(calls) == 1
     call = calls[0]
@@ -87,7 +88,8 @@ def test_forced_tool_call_then_its_result(client):
 
 def test_streamed_tool_call_is_a_function_call_item(client):
     events = list(client.responses.create(model="tiny", input="Weather?", tools=TOOLS, tool_choice=FORCED,
-                                          reasoning=NO_THINKING, max_output_tokens=120, temperature=1.0, extra_body={"seed": 0}, stream=True))
+                                          reasoning=NO_THINKING, max_output_tokens=120, temperature=1.0,
+                                          extra_body={"seed": 0}, stream=True))
     assert events[-1].type == "response.completed"
     assert not [e for e in events if e.type == "response.output_text.delta"]
     added = next(e.item for e in events if e.type == "response.output_item.added")

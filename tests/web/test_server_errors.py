@@ -7,7 +7,7 @@ import time
 import aiohttp
 import pytest
 
-from tests.web.server_utils import LiveServer, metric_value, wait_for
+from tests.web.server_utils import LiveServer, metric_value
 from web.app import ServerSettings
 
 MESSAGES = [{"role": "user", "content": "hi"}]

@@ -32,7 +32,8 @@ def row_sets(mask, num_rows: int) -> list[set[int]]:
     return [{t for t in range(len(VOCAB)) if grid[r, t]} for r in range(num_rows)]
 
 
-def allowed(states: list[tuple[int, GrammarState]], num_rows: int, staging: HostStaging | None = None) -> list[set[int]]:
+def allowed(states: list[tuple[int, GrammarState]], num_rows: int,
+            staging: HostStaging | None = None) -> list[set[int]]:
     return row_sets(fill_grammar_mask(states, len(VOCAB), CPU, staging), num_rows)
 
 

@@ -8,12 +8,10 @@ from typing import Any
 
 import numpy as np
 import pytest
-import torch
 
 import pipeline.runner.sampling_batch as sampling_batch
 from pipeline.request import SamplingParams
-from pipeline.runner.host_staging import HostStaging
-from pipeline.runner.sampling_batch import SamplingBatch, SamplingRow
+from pipeline.runner.sampling_batch import SamplingRow
 from pipeline.runner import sampling_rows
 
 MODULES = [sampling_rows]

@@ -108,8 +108,9 @@ def test_grammar_rows_run_ahead_and_give_the_same_outputs(tiny_model_dir):
     from pipeline.grammar.spec import GrammarSpec
     from tests.pipeline.grammar.test_structured_output import SCHEMA
 
-    grammars = [GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", "[a-z]{3,20}"), GrammarSpec("regex", "[0-9]{5,30}"),
-                GrammarSpec.choice(["yes", "no", "maybe later"]), GrammarSpec("json_object")]
+    grammars = [GrammarSpec.json_schema(SCHEMA), GrammarSpec("regex", "[a-z]{3,20}"),
+                GrammarSpec("regex", "[0-9]{5,30}"), GrammarSpec.choice(["yes", "no", "maybe later"]),
+                GrammarSpec("json_object")]
     requests = [(p, SamplingParams(max_tokens=40, temperature=0.9, seed=i, grammar=g, n=2 if i == 0 else 1))
                 for i, (p, g) in enumerate(zip(prompts(5, seed=13), grammars))]
     ahead, stats = run_async(generate_all(tiny_model_dir, True, requests))
