@@ -63,25 +63,31 @@ def test_each_sequence_of_a_mixed_batch_gets_the_tokens_it_gets_alone(tiny_model
     assert stats["decode_steps_ahead"] > 0  # the constrained rows ran one step ahead with the others
 
 
-def test_a_grammar_that_does_not_compile_ends_only_its_request(tiny_model_dir):
+def alone_and_beside(model_dir, free: list, odd: tuple, patch=lambda: None):
+    """Each of the ``free`` (prompt, settings) requests alone; then, after ``patch()``, all of them at once beside the
+    ``odd`` one: (the alone results, the free results beside it, the odd one's result or exception), checked to leak
+    nothing."""
     async def main():
-        engine = await Engine.create(config_for(tiny_model_dir))
+        engine = await Engine.create(config_for(model_dir))
         try:
-            alone = [await run(engine, prompt, settings) for prompt, settings in REQUESTS[:4]]
-            bad = GrammarSpec("regex", "a(b")
-            results = await asyncio.gather(*[run(engine, prompt, settings) for prompt, settings in REQUESTS[:2]],
-                                           run(engine, [30, 31], dict(grammar=bad)),
-                                           *[run(engine, prompt, settings) for prompt, settings in REQUESTS[2:4]],
-                                           return_exceptions=True)
+            alone = [await run(engine, prompt, settings) for prompt, settings in free]
+            patch()
+            *beside, odd_result = await asyncio.gather(*[run(engine, prompt, settings) for prompt, settings in free],
+                                                       run(engine, *odd), return_exceptions=True)
             await settle(engine)
             assert_no_leaks(engine)
-            return alone, results
+            return alone, beside, odd_result
         finally:
             await engine.shutdown()
 
-    alone, results = run_async(main())
-    assert isinstance(results[2], InvalidRequest) and "regex" in str(results[2])
-    assert [r.token_ids for r in results[:2] + results[3:]] == [a.token_ids for a in alone]
+    return run_async(main())
+
+
+def test_a_grammar_that_does_not_compile_ends_only_its_request(tiny_model_dir):
+    bad_regex = GrammarSpec("regex", "a(b")
+    alone, beside, bad = alone_and_beside(tiny_model_dir, REQUESTS[:4], ([30, 31], dict(grammar=bad_regex)))
+    assert isinstance(bad, InvalidRequest) and "regex" in str(bad)
+    assert [r.token_ids for r in beside] == [a.token_ids for a in alone]
 
 
 def test_a_matcher_that_refuses_a_token_ends_only_its_request(tiny_model_dir, monkeypatch):
@@ -142,20 +148,8 @@ def test_a_compiler_that_breaks_ends_only_its_request(tiny_model_dir, monkeypatc
             raise RuntimeError("the compiler broke")
         return await real_compile(self, spec)
 
-    async def main():
-        engine = await Engine.create(config_for(tiny_model_dir))
-        try:
-            alone = [await run(engine, prompt, settings) for prompt, settings in REQUESTS[:3]]
-            monkeypatch.setattr(GrammarCompiler, "compile", compile_or_break)
-            results = await asyncio.gather(*[run(engine, prompt, settings) for prompt, settings in REQUESTS[:3]],
-                                           run(engine, [30, 31], dict(grammar=GrammarSpec("regex", "broken"))),
-                                           return_exceptions=True)
-            await settle(engine)
-            assert_no_leaks(engine)
-            return alone, results
-        finally:
-            await engine.shutdown()
-
-    alone, results = run_async(main())
-    assert isinstance(results[3], RequestFailed) and "RuntimeError" in str(results[3])
-    assert [r.token_ids for r in results[:3]] == [a.token_ids for a in alone]
+    alone, beside, broken = alone_and_beside(
+        tiny_model_dir, REQUESTS[:3], ([30, 31], dict(grammar=GrammarSpec("regex", "broken"))),
+        lambda: monkeypatch.setattr(GrammarCompiler, "compile", compile_or_break))
+    assert isinstance(broken, RequestFailed) and "RuntimeError" in str(broken)
+    assert [r.token_ids for r in beside] == [a.token_ids for a in alone]
